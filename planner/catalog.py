@@ -1,0 +1,58 @@
+"""The GPU catalog: peak dense throughput, memory and memory bandwidth per GPU type.
+
+The numbers live in data/gpus.yaml, one row per GPU with its source, so that they can be checked
+and extended without touching code.
+"""
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+import yaml
+
+from planner.errors import SpecError
+
+
+@dataclass(frozen=True)
+class GpuType:
+    name: str
+    tflops: float          # dense BF16/FP16 tensor TFLOPS, FP32 accumulate
+    memory_gb: float       # usable memory, 1e9 bytes
+    mem_bw_gbs: float      # memory bandwidth, GB/s
+    aliases: tuple
+    source: str
+
+    @property
+    def peak_flops(self):
+        return self.tflops * 1e12
+
+    @property
+    def memory_bytes(self):
+        return self.memory_gb * 1e9
+
+
+@lru_cache(maxsize=1)
+def gpu_catalog():
+    """{name: GpuType} read from the packaged data file."""
+    rows = yaml.safe_load(resources.files("planner").joinpath("data/gpus.yaml").read_text())
+    return {r["name"]: GpuType(r["name"], float(r["tflops"]), float(r["memory_gb"]),
+                               float(r["mem_bw_gbs"]), tuple(r.get("aliases", ())), r["source"])
+            for r in rows}
+
+
+def get_gpu(name, where="gpu"):
+    """Look a GPU up by catalog name (case-insensitive); a one-line error lists the choices."""
+    catalog = gpu_catalog()
+    if name in catalog:
+        return catalog[name]
+    for key, gpu in catalog.items():
+        if str(name).lower() == key.lower():
+            return gpu
+    raise SpecError(f"{where}: unknown GPU type {name!r}; known: {', '.join(catalog)}")
+
+
+def match_device_name(device_name):
+    """Catalog entry for a name that torch / nvidia-smi reports, or None."""
+    for gpu in gpu_catalog().values():
+        if device_name == gpu.name or device_name in gpu.aliases:
+            return gpu
+    return None

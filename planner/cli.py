@@ -1,0 +1,154 @@
+"""`hexi-plan`: validate, build by hand, show (and, with the search, plan and simulate) plans.
+
+Every user error is printed to stderr as one line per problem, with exit code 2 and no traceback.
+"""
+import argparse
+import json
+import sys
+
+from planner.cluster import load_cluster
+from planner.errors import SpecError
+from planner.models import load_model
+from planner.plan import build_plan, load_plan, save_plan
+
+
+def cmd_validate(args):
+    plan = load_plan(args.plan)
+    print(f"{args.plan}: valid plan, {plan.world_size} ranks, {len(plan.pipelines)} pipelines, "
+          f"global batch {plan.global_batch_size}")
+
+
+def cmd_manual(args):
+    cluster = load_cluster(args.cluster)
+    model = load_model(args.model)
+    if args.seq_length:
+        model = type(model)(**{**model.__dict__, "seq_length": args.seq_length})
+    try:
+        with open(args.pipelines) as f:
+            pipelines = json.load(f)
+    except OSError as e:
+        raise SpecError(f"{args.pipelines}: cannot read pipelines file: {e.strerror}")
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{args.pipelines}: not valid JSON: {e.msg} at line {e.lineno}")
+    if isinstance(pipelines, dict) and "pipelines" in pipelines:
+        pipelines = pipelines["pipelines"]
+    plan = build_plan(cluster, model, args.global_batch_size, pipelines, recompute=args.recompute)
+    save_plan(plan, args.output)
+    print(f"wrote {args.output}: {plan.world_size} ranks, {len(plan.pipelines)} pipelines")
+
+
+def _describe_gpus(plan, ranks):
+    """'2xA100-SXM-80GB@a100' style summary of the GPUs behind some ranks."""
+    counts = {}
+    for r in ranks:
+        key = (plan.ranks[r].gpu, plan.ranks[r].node)
+        counts[key] = counts.get(key, 0) + 1
+    return ",".join(f"{n}x{g}@{node}" for (g, node), n in counts.items())
+
+
+def _sizes(sizes):
+    """[4, 4, 4] -> '3x4'; uneven lists are printed whole."""
+    if not isinstance(sizes, list):
+        return str(sizes)
+    return f"{len(sizes)}x{sizes[0]}" if len(set(sizes)) == 1 and len(sizes) > 1 else str(sizes)
+
+
+def format_plan_table(plan):
+    """A text table: per pipeline, its stages with ranks, GPU types, layers, shards, batches."""
+    lines = [f"plan for cluster {plan.cluster.name!r}: {plan.world_size} ranks, model "
+             f"{plan.model.name or 'custom'} ({plan.model.num_layers} layers, hidden "
+             f"{plan.model.hidden_size}), global batch {plan.global_batch_size}"
+             f"{', recompute' if plan.training.recompute else ''}"]
+    header = f"  {'stage':<6}{'ranks':<16}{'gpus':<34}{'layers':<10}{'query_groups':<16}" \
+             f"{'ffn':<18}{'vocab':<16}"
+    for p, pipe in enumerate(plan.pipelines):
+        start, end = plan.sample_range(p)
+        lines.append(f"pipeline {p}: {len(pipe.stages)} stages, micro_batch_size "
+                     f"{pipe.micro_batch_size} x {pipe.num_microbatches} micro-batches = samples "
+                     f"[{start}, {end})")
+        lines.append(header)
+        for s, stage in enumerate(pipe.stages):
+            gpus = _describe_gpus(plan, stage.ranks)
+            holds_vocab = stage.layers[0] == 0 or stage.layers[1] == plan.model.num_layers
+            vocab = _sizes(plan.shard_sizes(stage, "vocab")) if holds_vocab else "-"
+            ranks = str(list(stage.ranks)) if len(stage.ranks) <= 3 else \
+                f"[{stage.ranks[0]}..{stage.ranks[-1]}]"
+            lines.append(f"  {s:<6}{ranks:<16}{gpus:<34}"
+                         f"{'[%d,%d)' % stage.layers:<10}"
+                         f"{_sizes(plan.shard_sizes(stage, 'query_groups')):<16}"
+                         f"{_sizes(plan.shard_sizes(stage, 'ffn')):<18}{vocab:<16}")
+    if plan.estimate:
+        e = plan.estimate
+        lines.append(f"estimate: iteration {e.get('iteration_time_s', 0):.4g} s, "
+                     f"{e.get('tokens_per_s', 0):.4g} tokens/s, MFU {e.get('mfu', 0):.3f}, "
+                     f"bottleneck: {e.get('bottleneck', '?')}")
+    return "\n".join(lines)
+
+
+def cmd_show(args):
+    plan = load_plan(args.plan)
+    print(format_plan_table(plan))
+    if getattr(args, "png", None):
+        from planner.picture import draw_plan
+        draw_plan(plan, args.png)
+        print(f"wrote {args.png}")
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="hexi-plan", description="Plan heterogeneous training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("validate", help="check a plan against every rule of the plan format")
+    p.add_argument("plan")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("manual", help="build a plan from hand-written pipelines")
+    p.add_argument("--cluster", required=True, help="cluster YAML")
+    p.add_argument("--model", required=True, help="catalog model name or model YAML")
+    p.add_argument("--global-batch-size", type=int, required=True)
+    p.add_argument("--seq-length", type=int, default=None, help="override the model's seq_length")
+    p.add_argument("--pipelines", required=True, help="JSON file with the plan's `pipelines` array")
+    p.add_argument("--recompute", action="store_true", help="full activation recompute")
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(func=cmd_manual)
+
+    p = sub.add_parser("show", help="print a plan as a table (and draw it with --png)")
+    p.add_argument("plan")
+    p.add_argument("--png", default=None, help="also draw the plan to this PNG file")
+    p.set_defaults(func=cmd_show)
+
+    for register in _extra_commands():
+        register(sub)
+    return parser
+
+
+def _extra_commands():
+    """Subcommands contributed by the search and the simulator, when present."""
+    out = []
+    try:
+        from planner.search_cli import register_commands
+        out.append(register_commands)
+    except ImportError:
+        pass
+    return out
+
+
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except SpecError as e:
+        for line in e.problems:
+            print(f"hexi-plan: error: {line}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hexi-plan: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

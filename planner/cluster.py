@@ -1,0 +1,264 @@
+"""Cluster spec: which machines exist, which GPUs they hold, and how fast they talk.
+
+Parsed from YAML (see README) into `ClusterSpec`. Node groups with `count` expand to nodes named
+`name-0`, `name-1`, ...; ranks are numbered in cluster order (node by node, local rank inside).
+Every problem is one line that names the node and the field.
+"""
+from dataclasses import dataclass, field
+from typing import Optional
+
+import yaml
+
+from planner.catalog import get_gpu
+from planner.errors import ClusterError, SpecError
+from planner.units import (format_bandwidth, format_latency, parse_bandwidth, parse_latency)
+
+# Stated assumptions, used when a cluster file gives no measured latency:
+# one small-message hop inside a machine (NVLink or PCIe, NCCL), and over TCP Ethernet between
+# machines (kernel TCP stack plus NCCL socket transport), both typical published figures.
+DEFAULT_INTRA_NODE_LATENCY_S = 5e-6
+DEFAULT_INTER_NODE_LATENCY_S = 30e-6
+
+_GROUP_KEYS = {"name", "gpu", "gpus_per_node", "count", "intra_node", "nic", "hostname",
+               "hostnames", "nic_latency", "profile", "partition"}
+_TOP_KEYS = {"name", "nodes", "links", "description"}
+_LINK_KEYS = {"between", "bandwidth", "latency"}
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """One line of the `nodes:` list: `count` identical machines."""
+    name: str
+    gpu: str
+    gpus_per_node: int
+    count: Optional[int]
+    intra_node_bw: float          # bytes/s between two GPUs of one machine
+    nic_bw: float                 # bytes/s out of one machine
+    nic_latency: float            # seconds
+    hostnames: tuple = ()
+    profile: Optional[str] = None
+    partition: Optional[str] = None
+    intra_node_text: str = ""
+    nic_text: str = ""
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    group: str
+    gpu: str
+    gpus_per_node: int
+    intra_node_bw: float
+    nic_bw: float
+    nic_latency: float
+    hostname: Optional[str]
+
+
+@dataclass(frozen=True)
+class LinkOverride:
+    between: tuple                # two node or group names
+    bandwidth: float              # bytes/s
+    latency: Optional[float]      # seconds
+
+
+@dataclass
+class ClusterSpec:
+    name: str
+    groups: list
+    links: list = field(default_factory=list)
+    description: str = ""
+
+    @property
+    def nodes(self):
+        """Nodes in cluster order, groups expanded."""
+        out = []
+        for g in self.groups:
+            names = [g.name] if g.count is None else [f"{g.name}-{i}" for i in range(g.count)]
+            for i, n in enumerate(names):
+                host = g.hostnames[i] if g.hostnames else None
+                out.append(Node(n, g.name, g.gpu, g.gpus_per_node, g.intra_node_bw, g.nic_bw,
+                                g.nic_latency, host))
+        return out
+
+    def node(self, name):
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise SpecError(f"cluster {self.name!r} has no node {name!r}")
+
+    @property
+    def num_gpus(self):
+        return sum(n.gpus_per_node for n in self.nodes)
+
+    def gpu_slots(self):
+        """(node name, local rank, gpu type) for every GPU, in cluster order."""
+        return [(n.name, lr, n.gpu) for n in self.nodes for lr in range(n.gpus_per_node)]
+
+    def link(self, node_a, node_b):
+        """(bandwidth bytes/s, latency s) between two GPUs on the named nodes."""
+        a, b = self.node(node_a), self.node(node_b)
+        if a.name == b.name:
+            return a.intra_node_bw, DEFAULT_INTRA_NODE_LATENCY_S
+        for lk in reversed(self.links):   # later overrides win
+            x, y = lk.between
+            if ({x, y} == {a.name, b.name} or {x, y} == {a.group, b.group}
+                    or {x, y} == {a.name, b.group} or {x, y} == {a.group, b.name}):
+                return lk.bandwidth, (lk.latency if lk.latency is not None
+                                      else max(a.nic_latency, b.nic_latency))
+        return min(a.nic_bw, b.nic_bw), max(a.nic_latency, b.nic_latency)
+
+    def to_dict(self):
+        """The canonical form embedded in plans; `load_cluster_dict` reads it back."""
+        nodes = []
+        for g in self.groups:
+            d = {"name": g.name, "gpu": g.gpu, "gpus_per_node": g.gpus_per_node}
+            if g.count is not None:
+                d["count"] = g.count
+            d["intra_node"] = format_bandwidth(g.intra_node_bw)
+            d["nic"] = format_bandwidth(g.nic_bw)
+            d["nic_latency"] = format_latency(g.nic_latency)
+            if g.hostnames:
+                d["hostnames"] = list(g.hostnames)
+            if g.profile:
+                d["profile"] = g.profile
+            if g.partition:
+                d["partition"] = g.partition
+            nodes.append(d)
+        out = {"name": self.name, "nodes": nodes}
+        if self.links:
+            out["links"] = [{"between": list(lk.between), "bandwidth": format_bandwidth(lk.bandwidth),
+                             **({"latency": format_latency(lk.latency)} if lk.latency is not None
+                                else {})} for lk in self.links]
+        return out
+
+
+def _positive_int(value, where):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"{where}: must be a positive integer, got {value!r}")
+    return value
+
+
+def _parse_group(raw, i, problems):
+    label = f"nodes[{i}]"
+    if not isinstance(raw, dict):
+        problems.append(f"{label}: must be a mapping with name, gpu, gpus_per_node, intra_node, nic")
+        return None
+    if "name" in raw:
+        label = f"nodes[{i}] ({raw['name']})"
+    for key in sorted(set(raw) - _GROUP_KEYS):
+        problems.append(f"{label}.{key}: unknown field (known: {', '.join(sorted(_GROUP_KEYS))})")
+    missing = [k for k in ("name", "gpu", "gpus_per_node", "intra_node", "nic") if k not in raw]
+    for k in missing:
+        problems.append(f"{label}.{k}: missing required field")
+    if missing:
+        return None
+    start = len(problems)
+
+    def take(key, fn):
+        try:
+            return fn(raw[key], f"{label}.{key}")
+        except SpecError as e:
+            problems.extend(e.problems)
+            return None
+
+    name = raw["name"]
+    if not isinstance(name, str) or not name or any(c.isspace() for c in name):
+        problems.append(f"{label}.name: must be a non-empty name without spaces, got {name!r}")
+    gpu = take("gpu", lambda v, w: get_gpu(v, w).name)
+    gpn = take("gpus_per_node", _positive_int)
+    count = take("count", _positive_int) if "count" in raw else None
+    intra = take("intra_node", parse_bandwidth)
+    nic = take("nic", parse_bandwidth)
+    lat = take("nic_latency", parse_latency) if "nic_latency" in raw else DEFAULT_INTER_NODE_LATENCY_S
+    hostnames = ()
+    if "hostname" in raw and "hostnames" in raw:
+        problems.append(f"{label}.hostname: give either hostname or hostnames, not both")
+    elif "hostname" in raw:
+        if (count or 1) != 1:
+            problems.append(f"{label}.hostname: a group of {count} nodes needs `hostnames`, a list "
+                            f"of {count}")
+        elif not isinstance(raw["hostname"], str):
+            problems.append(f"{label}.hostname: must be a string")
+        else:
+            hostnames = (raw["hostname"],)
+    elif "hostnames" in raw:
+        hs = raw["hostnames"]
+        if not isinstance(hs, list) or len(hs) != (count or 1) or not all(isinstance(h, str) for h in hs):
+            problems.append(f"{label}.hostnames: must be a list of {count or 1} host names")
+        else:
+            hostnames = tuple(hs)
+    if len(problems) > start:
+        return None
+    return NodeGroup(name, gpu, gpn, count, intra, nic, lat, hostnames, raw.get("profile"),
+                     raw.get("partition"), str(raw["intra_node"]), str(raw["nic"]))
+
+
+def load_cluster_dict(data, source="cluster"):
+    """Build a ClusterSpec from parsed YAML/JSON; raises ClusterError listing every problem."""
+    problems = []
+    if not isinstance(data, dict):
+        raise ClusterError(f"{source}: top level must be a mapping with `name` and `nodes`")
+    for key in sorted(set(data) - _TOP_KEYS):
+        problems.append(f"{key}: unknown top-level field (known: {', '.join(sorted(_TOP_KEYS))})")
+    if "nodes" not in data:
+        problems.append("nodes: missing required field")
+        raise ClusterError(problems)
+    raw_nodes = data["nodes"]
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise ClusterError(problems + ["nodes: must be a non-empty list"])
+    groups = [g for g in (_parse_group(r, i, problems) for i, r in enumerate(raw_nodes)) if g]
+    spec = ClusterSpec(str(data.get("name", "cluster")), groups, [], str(data.get("description", "")))
+    seen, hosts = {}, {}
+    for node in spec.nodes if not problems else []:
+        if node.name in seen:
+            problems.append(f"nodes ({node.group}).name: node name {node.name!r} appears twice")
+        seen[node.name] = node
+        if node.hostname:
+            if node.hostname in hosts:
+                problems.append(f"nodes ({node.group}).hostnames: host {node.hostname!r} given "
+                                f"to both {hosts[node.hostname]} and {node.name}")
+            hosts[node.hostname] = node.name
+    group_names = {g.name for g in groups}
+    for j, raw in enumerate(data.get("links") or []):
+        where = f"links[{j}]"
+        if not isinstance(raw, dict):
+            problems.append(f"{where}: must be a mapping with between and bandwidth")
+            continue
+        for key in sorted(set(raw) - _LINK_KEYS):
+            problems.append(f"{where}.{key}: unknown field (known: between, bandwidth, latency)")
+        between = raw.get("between")
+        if not isinstance(between, list) or len(between) != 2:
+            problems.append(f"{where}.between: must be a list of two node or group names")
+            continue
+        for name in between:
+            if name not in group_names and name not in seen:
+                problems.append(f"{where}.between: {name!r} is neither a node nor a node group")
+        if "bandwidth" not in raw:
+            problems.append(f"{where}.bandwidth: missing required field")
+            continue
+        try:
+            bw = parse_bandwidth(raw["bandwidth"], f"{where}.bandwidth")
+            lat = parse_latency(raw["latency"], f"{where}.latency") if "latency" in raw else None
+            spec.links.append(LinkOverride(tuple(between), bw, lat))
+        except SpecError as e:
+            problems.extend(e.problems)
+    if problems:
+        raise ClusterError(problems)
+    return spec
+
+
+def load_cluster(path):
+    """Read a cluster YAML file; errors name the file and the field."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ClusterError(f"{path}: cannot read cluster file: {e.strerror}")
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ClusterError(f"{path}:{where}: not valid YAML: {getattr(e, 'problem', e)}")
+    try:
+        return load_cluster_dict(data, str(path))
+    except ClusterError as e:
+        raise ClusterError([f"{path}: {p}" for p in e.problems])

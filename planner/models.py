@@ -1,0 +1,116 @@
+"""Model specs: a Llama-style decoder described with Megatron's field names.
+
+The defaults are Llama's (RMSNorm, rotary embeddings, SwiGLU, no linear biases, untied output
+layer), so a spec needs only the sizes.
+"""
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+import yaml
+
+from planner.errors import ModelSpecError, SpecError
+
+_INT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+               "num_query_groups", "vocab_size", "seq_length")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    seq_length: int
+    swiglu: bool = True
+    untie_embeddings_and_output_weights: bool = True
+    normalization: str = "RMSNorm"
+    norm_epsilon: float = 1e-5
+    position_embedding_type: str = "rope"
+    rotary_base: int = 10000
+    add_bias_linear: bool = False
+    kv_channels: int = 0          # 0: hidden_size // num_attention_heads
+    init_method_std: float = 0.02
+    name: str = ""
+
+    @property
+    def head_dim(self):
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def heads_per_group(self):
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def ffn_width(self):
+        """Rows of the first MLP weight: 2 x ffn for SwiGLU (gate and up), else ffn."""
+        return 2 * self.ffn_hidden_size if self.swiglu else self.ffn_hidden_size
+
+    def to_dict(self):
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name in _INT_FIELDS or getattr(self, f.name) != f.default}
+
+
+def model_from_dict(data, where="model"):
+    """Validate and build a ModelSpec; every problem is one line naming the field."""
+    if not isinstance(data, dict):
+        raise ModelSpecError(f"{where}: must be a mapping of Megatron model fields")
+    known = {f.name: f for f in dataclasses.fields(ModelSpec)}
+    problems = [f"{where}.{k}: unknown field" for k in sorted(set(data) - set(known))]
+    problems += [f"{where}.{k}: missing required field" for k in _INT_FIELDS if k not in data]
+    for k in _INT_FIELDS:
+        v = data.get(k)
+        if k in data and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            problems.append(f"{where}.{k}: must be a positive integer, got {v!r}")
+    for k in ("swiglu", "untie_embeddings_and_output_weights", "add_bias_linear"):
+        if k in data and not isinstance(data[k], bool):
+            problems.append(f"{where}.{k}: must be true or false, got {data[k]!r}")
+    if data.get("normalization", "RMSNorm") not in ("RMSNorm", "LayerNorm"):
+        problems.append(f"{where}.normalization: must be RMSNorm or LayerNorm")
+    if data.get("position_embedding_type", "rope") != "rope":
+        problems.append(f"{where}.position_embedding_type: only rope is supported")
+    if problems:
+        raise ModelSpecError(problems)
+    spec = ModelSpec(**{k: v for k, v in data.items()})
+    if spec.num_attention_heads % spec.num_query_groups:
+        problems.append(f"{where}.num_query_groups: {spec.num_query_groups} does not divide "
+                        f"num_attention_heads {spec.num_attention_heads}")
+    if not spec.kv_channels and spec.hidden_size % spec.num_attention_heads:
+        problems.append(f"{where}.hidden_size: {spec.hidden_size} is not a multiple of "
+                        f"num_attention_heads {spec.num_attention_heads} (or give kv_channels)")
+    if spec.head_dim % 2:
+        problems.append(f"{where}.kv_channels: rotary embeddings need an even head size, got "
+                        f"{spec.head_dim}")
+    if problems:
+        raise ModelSpecError(problems)
+    return spec
+
+
+@lru_cache(maxsize=1)
+def model_catalog():
+    raw = yaml.safe_load(resources.files("planner").joinpath("data/models.yaml").read_text())
+    return {name: model_from_dict({**fields, "name": name}, name) for name, fields in raw.items()}
+
+
+def load_model(name_or_path):
+    """A catalog name (llama2-7b, tiny, ...) or a YAML file with Megatron field names."""
+    catalog = model_catalog()
+    if name_or_path in catalog:
+        return catalog[name_or_path]
+    if not str(name_or_path).endswith((".yaml", ".yml", ".json")):
+        raise SpecError(f"--model: {name_or_path!r} is neither a catalog model "
+                        f"({', '.join(catalog)}) nor a .yaml file")
+    try:
+        with open(name_or_path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ModelSpecError(f"{name_or_path}: cannot read model file: {e.strerror}")
+    except yaml.YAMLError as e:
+        raise ModelSpecError(f"{name_or_path}: not valid YAML: {e}")
+    try:
+        return model_from_dict(data, "model")
+    except ModelSpecError as e:
+        raise ModelSpecError([f"{name_or_path}: {p}" for p in e.problems])

@@ -1,0 +1,475 @@
+"""Plan format v1: the one contract between the planner and the runtime.
+
+A plan is a self-contained JSON document: the model, the batch settings, the cluster it was made
+for, the pipelines (stages, tensor-parallel groups, shard sizes, micro-batches) and the table that
+maps plan ranks to (node, local rank, GPU). `validate_plan_dict` checks every rule and reports one
+line per problem naming the JSON path; `Plan.rank_view` gives one rank everything the runtime needs.
+Nothing else in the project derives these numbers another way.
+"""
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from planner.cluster import ClusterSpec, load_cluster_dict
+from planner.errors import PlanError, SpecError
+from planner.models import ModelSpec, model_from_dict
+
+FORMAT_VERSION = 1
+SHARD_KINDS = ("query_groups", "ffn", "vocab")
+_TOP_KEYS = {"format_version", "model", "training", "cluster", "pipelines", "ranks", "estimate",
+             "comment"}
+_TRAINING_KEYS = {"global_batch_size", "recompute", "use_distributed_optimizer",
+                  "optimizer_shard"}
+_PIPELINE_KEYS = {"micro_batch_size", "num_microbatches", "stages"}
+_STAGE_KEYS = {"ranks", "layers", "shards"}
+_RANK_KEYS = {"rank", "node", "local_rank", "gpu"}
+
+
+def even_split(total, parts):
+    """Split `total` into `parts` positive sizes differing by at most one, larger ones first."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class Stage:
+    ranks: tuple
+    layers: tuple                   # half-open [first, last)
+    shards: dict                    # kind -> tuple of per-rank sizes, as written (may be empty)
+
+    @property
+    def tp_size(self):
+        return len(self.ranks)
+
+    def to_dict(self):
+        d = {"ranks": list(self.ranks), "layers": list(self.layers)}
+        if self.shards:
+            d["shards"] = {k: list(v) for k, v in self.shards.items()}
+        return d
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    micro_batch_size: int
+    num_microbatches: int
+    stages: tuple
+
+    @property
+    def num_samples(self):
+        return self.micro_batch_size * self.num_microbatches
+
+    @property
+    def ranks(self):
+        return [r for s in self.stages for r in s.ranks]
+
+    def to_dict(self):
+        return {"micro_batch_size": self.micro_batch_size,
+                "num_microbatches": self.num_microbatches,
+                "stages": [s.to_dict() for s in self.stages]}
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    rank: int
+    node: str
+    local_rank: int
+    gpu: str
+
+
+@dataclass(frozen=True)
+class Training:
+    global_batch_size: int
+    recompute: bool = False
+    use_distributed_optimizer: bool = False
+    optimizer_shard: str = "even"
+
+    def to_dict(self):
+        d = {"global_batch_size": self.global_batch_size, "recompute": self.recompute}
+        if self.use_distributed_optimizer:
+            d["use_distributed_optimizer"] = True
+            d["optimizer_shard"] = self.optimizer_shard
+        return d
+
+
+@dataclass(frozen=True)
+class RankView:
+    """Everything one rank needs from the plan. Sizes are (count, offset) in the full model."""
+    rank: int
+    node: str
+    local_rank: int
+    gpu: str
+    pipeline: int
+    stage: int
+    num_stages: int
+    stage_ranks: tuple              # this stage's tensor-parallel group, in shard order
+    tp_rank: int
+    layers: tuple                   # [first, last)
+    holds_embedding: bool
+    holds_output: bool
+    query_groups: tuple             # (count, offset) in query groups
+    heads: tuple                    # (count, offset) in attention heads
+    ffn: tuple                      # (count, offset) in FFN columns
+    vocab: Optional[tuple]          # (count, offset) in vocabulary rows, if embedding/output held
+    prev_stage_ranks: tuple         # empty on the first stage
+    next_stage_ranks: tuple         # empty on the last stage
+    micro_batch_size: int
+    num_microbatches: int
+    samples: tuple                  # [start, end) of this pipeline's samples in the global batch
+
+    @property
+    def tp_size(self):
+        return len(self.stage_ranks)
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    training: Training
+    cluster: ClusterSpec
+    pipelines: list
+    ranks: list
+    estimate: Optional[dict] = None
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)   # unknown-but-allowed top-level keys (comment)
+
+    @property
+    def world_size(self):
+        return len(self.ranks)
+
+    @property
+    def global_batch_size(self):
+        return self.training.global_batch_size
+
+    def to_dict(self):
+        d = {"format_version": self.format_version, "model": self.model.to_dict(),
+             "training": self.training.to_dict(), "cluster": self.cluster.to_dict(),
+             "pipelines": [p.to_dict() for p in self.pipelines],
+             "ranks": [{"rank": r.rank, "node": r.node, "local_rank": r.local_rank, "gpu": r.gpu}
+                       for r in self.ranks]}
+        if self.estimate is not None:
+            d["estimate"] = self.estimate
+        d.update(self.extra)
+        return d
+
+    def validate(self):
+        """Raise PlanError listing every rule this plan breaks."""
+        problems = validate_plan_dict(self.to_dict())
+        if problems:
+            raise PlanError(problems)
+
+    def shard_sizes(self, stage, kind):
+        """Per-rank sizes of `kind` (query_groups, ffn, vocab) in `stage`: as written or even."""
+        if kind in stage.shards:
+            return list(stage.shards[kind])
+        total = {"query_groups": self.model.num_query_groups, "ffn": self.model.ffn_hidden_size,
+                 "vocab": self.model.vocab_size}[kind]
+        return even_split(total, stage.tp_size)
+
+    def locate(self, rank):
+        """(pipeline index, stage index) holding `rank`."""
+        for p, pipe in enumerate(self.pipelines):
+            for s, stage in enumerate(pipe.stages):
+                if rank in stage.ranks:
+                    return p, s
+        raise PlanError(f"ranks: rank {rank} is in no stage of the plan")
+
+    def sample_range(self, pipeline_index):
+        start = sum(p.num_samples for p in self.pipelines[:pipeline_index])
+        return start, start + self.pipelines[pipeline_index].num_samples
+
+    def rank_view(self, rank):
+        p, s = self.locate(rank)
+        pipe = self.pipelines[p]
+        stage = pipe.stages[s]
+        i = stage.ranks.index(rank)
+        holds_emb = stage.layers[0] == 0
+        holds_out = stage.layers[1] == self.model.num_layers
+
+        def count_offset(kind):
+            sizes = self.shard_sizes(stage, kind)
+            return sizes[i], sum(sizes[:i])
+
+        qg = count_offset("query_groups")
+        hpg = self.model.heads_per_group
+        entry = self.ranks[rank]
+        return RankView(
+            rank=rank, node=entry.node, local_rank=entry.local_rank, gpu=entry.gpu,
+            pipeline=p, stage=s, num_stages=len(pipe.stages), stage_ranks=tuple(stage.ranks),
+            tp_rank=i, layers=tuple(stage.layers), holds_embedding=holds_emb,
+            holds_output=holds_out, query_groups=qg, heads=(qg[0] * hpg, qg[1] * hpg),
+            ffn=count_offset("ffn"),
+            vocab=count_offset("vocab") if (holds_emb or holds_out) else None,
+            prev_stage_ranks=tuple(pipe.stages[s - 1].ranks) if s > 0 else (),
+            next_stage_ranks=tuple(pipe.stages[s + 1].ranks) if s + 1 < len(pipe.stages) else (),
+            micro_batch_size=pipe.micro_batch_size, num_microbatches=pipe.num_microbatches,
+            samples=self.sample_range(p))
+
+
+# ----------------------------------------------------------------------------------- validation
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_stage(stage, where, model, problems):
+    """Structural checks of one stage; returns (ranks, layers) or None if unusable."""
+    if not isinstance(stage, dict):
+        problems.append(f"{where}: must be an object with ranks and layers")
+        return None
+    for k in sorted(set(stage) - _STAGE_KEYS):
+        problems.append(f"{where}.{k}: unknown field (known: ranks, layers, shards)")
+    ranks, layers = stage.get("ranks"), stage.get("layers")
+    ok = True
+    if not isinstance(ranks, list) or not ranks or not all(_is_int(r) and r >= 0 for r in ranks):
+        problems.append(f"{where}.ranks: must be a non-empty list of rank numbers, got {ranks!r}")
+        ok = False
+    elif len(set(ranks)) != len(ranks):
+        problems.append(f"{where}.ranks: lists a rank twice: {ranks}")
+        ok = False
+    if (not isinstance(layers, list) or len(layers) != 2 or not all(_is_int(x) for x in layers)):
+        problems.append(f"{where}.layers: must be [first, last) as two integers, got {layers!r}")
+        ok = False
+    elif not 0 <= layers[0] < layers[1] <= model.num_layers:
+        problems.append(f"{where}.layers: {layers} is not a non-empty range within "
+                        f"[0, {model.num_layers}) (half-open [first, last))")
+        ok = False
+    if not ok:
+        return None
+    shards = stage.get("shards", {})
+    if not isinstance(shards, dict):
+        problems.append(f"{where}.shards: must be an object with query_groups, ffn, vocab lists")
+        return ranks, layers
+    holds_vocab = layers[0] == 0 or layers[1] == model.num_layers
+    totals = {"query_groups": ("num_query_groups", model.num_query_groups),
+              "ffn": ("ffn_hidden_size", model.ffn_hidden_size),
+              "vocab": ("vocab_size", model.vocab_size)}
+    for k in sorted(set(shards) - set(SHARD_KINDS)):
+        problems.append(f"{where}.shards.{k}: unknown shard kind (known: {', '.join(SHARD_KINDS)})")
+    for kind, (field_name, total) in totals.items():
+        sizes = shards.get(kind)
+        if kind == "vocab" and not holds_vocab:
+            if sizes is not None:
+                problems.append(f"{where}.shards.vocab: stage holds neither the embedding (layer 0)"
+                                f" nor the output layer (layer {model.num_layers - 1})")
+            continue
+        if sizes is None:
+            if total < len(ranks):
+                problems.append(f"{where}.shards.{kind}: an even split of {field_name} {total} "
+                                f"over {len(ranks)} ranks leaves a rank empty")
+            continue
+        if not isinstance(sizes, list) or not all(_is_int(x) for x in sizes):
+            problems.append(f"{where}.shards.{kind}: must be a list of integers, got {sizes!r}")
+        elif len(sizes) != len(ranks):
+            problems.append(f"{where}.shards.{kind}: has {len(sizes)} entries for {len(ranks)} "
+                            f"ranks")
+        elif any(x <= 0 for x in sizes):
+            problems.append(f"{where}.shards.{kind}: every shard must be > 0, got {sizes}")
+        elif sum(sizes) != total:
+            problems.append(f"{where}.shards.{kind}: sums to {sum(sizes)}, model {field_name} is "
+                            f"{total}")
+    return ranks, layers
+
+
+def validate_plan_dict(data):
+    """Every rule of plan format v1; returns a list of one-line problems (empty if valid)."""
+    problems = []
+    if not isinstance(data, dict):
+        return ["plan: must be a JSON object"]
+    for k in sorted(set(data) - _TOP_KEYS):
+        problems.append(f"{k}: unknown top-level field")
+    if data.get("format_version") != FORMAT_VERSION:
+        problems.append(f"format_version: must be {FORMAT_VERSION}, got "
+                        f"{data.get('format_version')!r}")
+    for k in ("model", "training", "cluster", "pipelines", "ranks"):
+        if k not in data:
+            problems.append(f"{k}: missing required field")
+    if any(p.endswith("missing required field") for p in problems):
+        return problems
+    try:
+        model = model_from_dict(data["model"], "model")
+    except SpecError as e:
+        return problems + e.problems
+    try:
+        cluster = load_cluster_dict(data["cluster"], "cluster")
+    except SpecError as e:
+        return problems + [p if p.startswith("cluster") else f"cluster.{p}" for p in e.problems]
+
+    training = data["training"]
+    gbs = None
+    if not isinstance(training, dict):
+        problems.append("training: must be an object with global_batch_size")
+    else:
+        for k in sorted(set(training) - _TRAINING_KEYS):
+            problems.append(f"training.{k}: unknown field")
+        gbs = training.get("global_batch_size")
+        if not _is_int(gbs) or gbs < 1:
+            problems.append(f"training.global_batch_size: must be a positive integer, got {gbs!r}")
+            gbs = None
+        for k in ("recompute", "use_distributed_optimizer"):
+            if k in training and not isinstance(training[k], bool):
+                problems.append(f"training.{k}: must be true or false, got {training[k]!r}")
+        if training.get("optimizer_shard", "even") not in ("even", "memory"):
+            problems.append("training.optimizer_shard: must be even or memory")
+
+    pipelines = data["pipelines"]
+    owner = {}
+    samples = 0
+    if not isinstance(pipelines, list) or not pipelines:
+        problems.append("pipelines: must be a non-empty list")
+        pipelines = []
+    for p, pipe in enumerate(pipelines):
+        where = f"pipelines[{p}]"
+        if not isinstance(pipe, dict):
+            problems.append(f"{where}: must be an object with micro_batch_size, num_microbatches, "
+                            f"stages")
+            continue
+        for k in sorted(set(pipe) - _PIPELINE_KEYS):
+            problems.append(f"{where}.{k}: unknown field")
+        mbs, nmb = pipe.get("micro_batch_size"), pipe.get("num_microbatches")
+        for name, v in (("micro_batch_size", mbs), ("num_microbatches", nmb)):
+            if not _is_int(v) or v < 1:
+                problems.append(f"{where}.{name}: must be a positive integer, got {v!r}")
+        if _is_int(mbs) and _is_int(nmb):
+            samples += mbs * nmb
+        stages = pipe.get("stages")
+        if not isinstance(stages, list) or not stages:
+            problems.append(f"{where}.stages: must be a non-empty list")
+            continue
+        expected_first = 0
+        for s, stage in enumerate(stages):
+            swhere = f"{where}.stages[{s}]"
+            got = _check_stage(stage, swhere, model, problems)
+            if got is None:
+                expected_first = None
+                continue
+            ranks, layers = got
+            if expected_first is not None and layers[0] != expected_first:
+                problems.append(f"{swhere}.layers: starts at {layers[0]}, but the previous stage "
+                                f"ends at {expected_first} (stages must cover all layers in order)")
+            expected_first = layers[1]
+            for r in ranks:
+                if r in owner:
+                    problems.append(f"{swhere}.ranks: rank {r} is also in {owner[r]}")
+                else:
+                    owner[r] = swhere
+        if expected_first is not None and expected_first != model.num_layers:
+            problems.append(f"{where}.stages[{len(stages) - 1}].layers: ends at {expected_first}, "
+                            f"model num_layers is {model.num_layers}")
+    if gbs is not None and pipelines and samples != gbs:
+        problems.append(f"pipelines: micro_batch_size x num_microbatches sums to {samples} "
+                        f"samples, training.global_batch_size is {gbs}")
+
+    ranks = data["ranks"]
+    if not isinstance(ranks, list) or not ranks:
+        problems.append("ranks: must be a non-empty list of {rank, node, local_rank, gpu}")
+        return problems
+    nodes = {n.name: n for n in cluster.nodes}
+    slots = {}
+    for i, entry in enumerate(ranks):
+        where = f"ranks[{i}]"
+        if not isinstance(entry, dict):
+            problems.append(f"{where}: must be an object {{rank, node, local_rank, gpu}}")
+            continue
+        for k in sorted(set(entry) - _RANK_KEYS):
+            problems.append(f"{where}.{k}: unknown field")
+        missing = [k for k in sorted(_RANK_KEYS) if k not in entry]
+        if missing:
+            problems.append(f"{where}: missing {', '.join(missing)}")
+            continue
+        if entry["rank"] != i:
+            problems.append(f"{where}.rank: is {entry['rank']!r}; ranks must be listed in order "
+                            f"0..{len(ranks) - 1}")
+        node = nodes.get(entry["node"])
+        if node is None:
+            problems.append(f"{where}.node: {entry['node']!r} is not a node of cluster "
+                            f"{cluster.name!r}")
+            continue
+        lr = entry["local_rank"]
+        if not _is_int(lr) or not 0 <= lr < node.gpus_per_node:
+            problems.append(f"{where}.local_rank: {lr!r} is outside node {node.name}'s "
+                            f"{node.gpus_per_node} GPUs")
+        elif (node.name, lr) in slots:
+            problems.append(f"{where}: GPU {node.name}:{lr} is also used by ranks[{slots[node.name, lr]}]")
+        else:
+            slots[node.name, lr] = i
+        if entry["gpu"] != node.gpu:
+            problems.append(f"{where}.gpu: {entry['gpu']!r}, but node {node.name} holds {node.gpu}")
+    world = len(ranks)
+    for r, where in sorted(owner.items()):
+        if r >= world:
+            problems.append(f"{where}.ranks: rank {r} is not in the ranks table (world size "
+                            f"{world})")
+    for r in range(world):
+        if r not in owner and pipelines:
+            problems.append(f"ranks[{r}]: rank {r} is in no stage of any pipeline")
+    if "estimate" in data and not isinstance(data["estimate"], dict):
+        problems.append("estimate: must be an object")
+    return problems
+
+
+def plan_from_dict(data, source="plan"):
+    """Validate, then build a Plan. Raises PlanError with one line per problem."""
+    problems = validate_plan_dict(data)
+    if problems:
+        raise PlanError([f"{source}: {p}" for p in problems])
+    model = model_from_dict(data["model"], "model")
+    cluster = load_cluster_dict(data["cluster"], "cluster")
+    t = data["training"]
+    training = Training(t["global_batch_size"], t.get("recompute", False),
+                        t.get("use_distributed_optimizer", False), t.get("optimizer_shard", "even"))
+    pipelines = [Pipeline(p["micro_batch_size"], p["num_microbatches"],
+                          tuple(Stage(tuple(s["ranks"]), tuple(s["layers"]),
+                                      {k: tuple(v) for k, v in s.get("shards", {}).items()})
+                                for s in p["stages"]))
+                 for p in data["pipelines"]]
+    ranks = [RankEntry(r["rank"], r["node"], r["local_rank"], r["gpu"]) for r in data["ranks"]]
+    extra = {k: data[k] for k in ("comment",) if k in data}
+    return Plan(model, training, cluster, pipelines, ranks, data.get("estimate"), extra=extra)
+
+
+def load_plan(path):
+    """Read and validate a plan file; errors name the file and the JSON path."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise PlanError(f"{path}: cannot read plan: {e.strerror}")
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")
+    return plan_from_dict(data, str(path))
+
+
+def save_plan(plan, path):
+    """Write atomically (temporary name, then rename) so a reader never sees half a plan."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(plan.to_dict(), f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def build_plan(cluster, model, global_batch_size, pipelines, recompute=False, estimate=None,
+               use_distributed_optimizer=False, optimizer_shard="even"):
+    """A complete plan from a `pipelines` array (the plan's own shape, as dicts).
+
+    Ranks are numbered in cluster order: rank i is the i-th GPU of the cluster (node by node).
+    The result is validated.
+    """
+    used = sorted({r for p in pipelines if isinstance(p, dict)
+                   for s in (p.get("stages") or []) if isinstance(s, dict)
+                   for r in (s.get("ranks") or []) if _is_int(r)})
+    slots = cluster.gpu_slots()
+    world = (used[-1] + 1) if used else 0
+    if world > len(slots):
+        raise PlanError(f"pipelines: use rank {world - 1}, but cluster {cluster.name!r} has only "
+                        f"{len(slots)} GPUs")
+    data = {"format_version": FORMAT_VERSION, "model": model.to_dict(),
+            "training": Training(global_batch_size, recompute, use_distributed_optimizer,
+                                 optimizer_shard).to_dict(),
+            "cluster": cluster.to_dict(), "pipelines": pipelines,
+            "ranks": [{"rank": i, "node": n, "local_rank": lr, "gpu": g}
+                      for i, (n, lr, g) in enumerate(slots[:world])]}
+    if estimate is not None:
+        data["estimate"] = estimate
+    return plan_from_dict(data, "plan")

@@ -1,0 +1,97 @@
+"""Parse bandwidths, latencies and sizes written with units ("25 Gbit/s", "16 GB/s", "50 us").
+
+Internally every bandwidth is bytes per second, every latency seconds, every size bytes.
+"""
+import re
+
+from planner.errors import SpecError
+
+# Named link presets: usable one-direction bandwidth per GPU in bytes/s, with sources.
+#   nvlink  : NVLink 3 (A100), 600 GB/s total per GPU, 300 GB/s per direction (NVIDIA A100 datasheet)
+#   nvlink4 : NVLink 4 (H100), 900 GB/s total per GPU, 450 GB/s per direction (NVIDIA H100 datasheet)
+#   pcie4   : PCIe 4.0 x16, ~25 GB/s per direction in practice (32 GB/s raw, 128b/130b, TLP overhead)
+#   pcie5   : PCIe 5.0 x16, ~50 GB/s per direction in practice (64 GB/s raw)
+#   host    : GPUs without peer-to-peer (GeForce) copy through host memory: device->host->device
+#             over PCIe 4.0, stated assumption ~12 GB/s effective (two PCIe hops, pinned buffers).
+LINK_PRESETS = {
+    "nvlink": 300e9,
+    "nvlink3": 300e9,
+    "nvlink4": 450e9,
+    "pcie3": 12e9,
+    "pcie4": 25e9,
+    "pcie5": 50e9,
+    "host": 12e9,
+}
+
+_BW_UNITS = {
+    "bit/s": 1 / 8, "kbit/s": 1e3 / 8, "mbit/s": 1e6 / 8, "gbit/s": 1e9 / 8, "tbit/s": 1e12 / 8,
+    "b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
+    "gbps": 1e9 / 8, "mbps": 1e6 / 8,
+}
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_SIZE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-zµ/]+)\s*$")
+
+
+def _split(text, where):
+    m = _NUMBER_UNIT.match(str(text))
+    if not m:
+        raise SpecError(f"{where}: cannot read {text!r}: expected a number with a unit")
+    return float(m.group(1)), m.group(2)
+
+
+def parse_bandwidth(value, where="bandwidth"):
+    """Bytes/s from "25 Gbit/s", "16 GB/s" or a preset name (nvlink, pcie4, host, ...).
+
+    Case matters for bit vs byte: "Gbit/s"/"Gbps" are bits, "GB/s" bytes ("Gb/s" is refused as
+    ambiguous).
+    """
+    if isinstance(value, str) and value.strip().lower() in LINK_PRESETS:
+        return LINK_PRESETS[value.strip().lower()]
+    if isinstance(value, bool) or not isinstance(value, str):
+        raise SpecError(f"{where}: {value!r} has no unit; write e.g. \"25 Gbit/s\" or \"16 GB/s\" "
+                        f"or a preset ({', '.join(sorted(LINK_PRESETS))})")
+    number, unit = _split(value, where)
+    if re.fullmatch(r"[kMGT]?b/s", unit):
+        raise SpecError(f"{where}: unit {unit!r} is ambiguous; write {unit[:-2]}bit/s or "
+                        f"{unit[:-2].upper()}B/s")
+    factor = _BW_UNITS.get(unit.lower())
+    if factor is None:
+        raise SpecError(f"{where}: unknown bandwidth unit {unit!r} in {value!r} "
+                        f"(use Gbit/s, GB/s, Mbit/s, MB/s or a preset)")
+    if number <= 0:
+        raise SpecError(f"{where}: bandwidth must be positive, got {value!r}")
+    return number * factor
+
+
+def parse_latency(value, where="latency"):
+    """Seconds from "50 us", "1.5 ms", "0 s"."""
+    if isinstance(value, bool) or not isinstance(value, str):
+        raise SpecError(f"{where}: {value!r} has no unit; write e.g. \"50 us\"")
+    number, unit = _split(value, where)
+    factor = _TIME_UNITS.get(unit.lower() if unit != "µs" else unit)
+    if factor is None:
+        raise SpecError(f"{where}: unknown time unit {unit!r} in {value!r} (use s, ms, us, ns)")
+    return number * factor
+
+
+def parse_size(value, where="size"):
+    """Bytes from "24 GB", "80 GiB" or a plain number of bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    number, unit = _split(value, where)
+    factor = _SIZE_UNITS.get(unit.lower())
+    if factor is None:
+        raise SpecError(f"{where}: unknown size unit {unit!r} in {value!r} (use GB, GiB, MB)")
+    return number * factor
+
+
+def format_bandwidth(bytes_per_s):
+    """The canonical text form written into plans: GB/s with enough digits to round-trip."""
+    return f"{bytes_per_s / 1e9:.6g} GB/s"
+
+
+def format_latency(seconds):
+    return f"{seconds * 1e6:.6g} us"
