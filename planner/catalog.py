@@ -42,7 +42,7 @@ def gpu_catalog():
 def get_gpu(name, where="gpu"):
     """Look a GPU up by catalog name (case-insensitive); a one-line error lists the choices."""
     catalog = gpu_catalog()
-    if name in catalog:
+    if isinstance(name, str) and name in catalog:
         return catalog[name]
     for key, gpu in catalog.items():
         if str(name).lower() == key.lower():

@@ -219,7 +219,12 @@ def load_cluster_dict(data, source="cluster"):
                                 f"to both {hosts[node.hostname]} and {node.name}")
             hosts[node.hostname] = node.name
     group_names = {g.name for g in groups}
-    for j, raw in enumerate(data.get("links") or []):
+    nodes_ok = not problems     # else unknown names in links may only echo a broken node
+    links = data.get("links") or []
+    if not isinstance(links, list):
+        problems.append("links: must be a list of {between, bandwidth, latency}")
+        links = []
+    for j, raw in enumerate(links):
         where = f"links[{j}]"
         if not isinstance(raw, dict):
             problems.append(f"{where}: must be a mapping with between and bandwidth")
@@ -231,7 +236,9 @@ def load_cluster_dict(data, source="cluster"):
             problems.append(f"{where}.between: must be a list of two node or group names")
             continue
         for name in between:
-            if name not in group_names and name not in seen:
+            if not isinstance(name, str):
+                problems.append(f"{where}.between: {name!r} is not a node or group name")
+            elif nodes_ok and name not in group_names and name not in seen:
                 problems.append(f"{where}.between: {name!r} is neither a node nor a node group")
         if "bandwidth" not in raw:
             problems.append(f"{where}.bandwidth: missing required field")
@@ -259,6 +266,6 @@ def load_cluster(path):
         where = f" line {mark.line + 1}" if mark else ""
         raise ClusterError(f"{path}:{where}: not valid YAML: {getattr(e, 'problem', e)}")
     try:
-        return load_cluster_dict(data, str(path))
+        return load_cluster_dict(data, "cluster")
     except ClusterError as e:
         raise ClusterError([f"{path}: {p}" for p in e.problems])

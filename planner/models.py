@@ -68,6 +68,16 @@ def model_from_dict(data, where="model"):
     for k in ("swiglu", "untie_embeddings_and_output_weights", "add_bias_linear"):
         if k in data and not isinstance(data[k], bool):
             problems.append(f"{where}.{k}: must be true or false, got {data[k]!r}")
+    for k, lo in (("kv_channels", 0), ("rotary_base", 1)):
+        v = data.get(k, lo)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            problems.append(f"{where}.{k}: must be an integer >= {lo}, got {v!r}")
+    for k in ("norm_epsilon", "init_method_std"):
+        v = data.get(k, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            problems.append(f"{where}.{k}: must be a positive number, got {v!r}")
+    if not isinstance(data.get("name", ""), str):
+        problems.append(f"{where}.name: must be a string, got {data['name']!r}")
     if data.get("normalization", "RMSNorm") not in ("RMSNorm", "LayerNorm"):
         problems.append(f"{where}.normalization: must be RMSNorm or LayerNorm")
     if data.get("position_embedding_type", "rope") != "rope":

@@ -315,6 +315,7 @@ def validate_plan_dict(data):
     pipelines = data["pipelines"]
     owner = {}
     samples = 0
+    batch_known = ranks_known = True    # else skip the sum / coverage checks (no cascades)
     if not isinstance(pipelines, list) or not pipelines:
         problems.append("pipelines: must be a non-empty list")
         pipelines = []
@@ -323,6 +324,7 @@ def validate_plan_dict(data):
         if not isinstance(pipe, dict):
             problems.append(f"{where}: must be an object with micro_batch_size, num_microbatches, "
                             f"stages")
+            batch_known = ranks_known = False
             continue
         for k in sorted(set(pipe) - _PIPELINE_KEYS):
             problems.append(f"{where}.{k}: unknown field")
@@ -330,11 +332,13 @@ def validate_plan_dict(data):
         for name, v in (("micro_batch_size", mbs), ("num_microbatches", nmb)):
             if not _is_int(v) or v < 1:
                 problems.append(f"{where}.{name}: must be a positive integer, got {v!r}")
+                batch_known = False
         if _is_int(mbs) and _is_int(nmb):
             samples += mbs * nmb
         stages = pipe.get("stages")
         if not isinstance(stages, list) or not stages:
             problems.append(f"{where}.stages: must be a non-empty list")
+            ranks_known = False
             continue
         expected_first = 0
         for s, stage in enumerate(stages):
@@ -342,6 +346,7 @@ def validate_plan_dict(data):
             got = _check_stage(stage, swhere, model, problems)
             if got is None:
                 expected_first = None
+                ranks_known = False
                 continue
             ranks, layers = got
             if expected_first is not None and layers[0] != expected_first:
@@ -356,7 +361,7 @@ def validate_plan_dict(data):
         if expected_first is not None and expected_first != model.num_layers:
             problems.append(f"{where}.stages[{len(stages) - 1}].layers: ends at {expected_first}, "
                             f"model num_layers is {model.num_layers}")
-    if gbs is not None and pipelines and samples != gbs:
+    if gbs is not None and pipelines and batch_known and samples != gbs:
         problems.append(f"pipelines: micro_batch_size x num_microbatches sums to {samples} "
                         f"samples, training.global_batch_size is {gbs}")
 
@@ -380,7 +385,7 @@ def validate_plan_dict(data):
         if entry["rank"] != i:
             problems.append(f"{where}.rank: is {entry['rank']!r}; ranks must be listed in order "
                             f"0..{len(ranks) - 1}")
-        node = nodes.get(entry["node"])
+        node = nodes.get(entry["node"]) if isinstance(entry["node"], str) else None
         if node is None:
             problems.append(f"{where}.node: {entry['node']!r} is not a node of cluster "
                             f"{cluster.name!r}")
@@ -401,7 +406,7 @@ def validate_plan_dict(data):
             problems.append(f"{where}.ranks: rank {r} is not in the ranks table (world size "
                             f"{world})")
     for r in range(world):
-        if r not in owner and pipelines:
+        if r not in owner and pipelines and ranks_known:
             problems.append(f"ranks[{r}]: rank {r} is in no stage of any pipeline")
     if "estimate" in data and not isinstance(data["estimate"], dict):
         problems.append("estimate: must be an object")

@@ -54,9 +54,9 @@ def parse_bandwidth(value, where="bandwidth"):
         raise SpecError(f"{where}: {value!r} has no unit; write e.g. \"25 Gbit/s\" or \"16 GB/s\" "
                         f"or a preset ({', '.join(sorted(LINK_PRESETS))})")
     number, unit = _split(value, where)
-    if re.fullmatch(r"[kMGT]?b/s", unit):
-        raise SpecError(f"{where}: unit {unit!r} is ambiguous; write {unit[:-2]}bit/s or "
-                        f"{unit[:-2].upper()}B/s")
+    if re.fullmatch(r"[kmgtKMGT]?b/s", unit):
+        raise SpecError(f"{where}: unit {unit!r} is ambiguous; write {unit[:-3]}bit/s or "
+                        f"{unit[:-3].upper()}B/s")
     factor = _BW_UNITS.get(unit.lower())
     if factor is None:
         raise SpecError(f"{where}: unknown bandwidth unit {unit!r} in {value!r} "

@@ -1,0 +1,140 @@
+"""Command-line flags: Megatron-LM's names for what is supported, plus the --hetero-* group.
+
+Model and batch flags may be omitted (the plan has them); one that contradicts the plan is an
+error, and so is any flag this runtime does not support (it is named, never silently ignored).
+"""
+import argparse
+
+from planner.errors import SpecError
+
+# Megatron flag -> plan model field, for the contradiction check.
+MODEL_FLAGS = {
+    "num_layers": "num_layers", "hidden_size": "hidden_size",
+    "ffn_hidden_size": "ffn_hidden_size", "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_query_groups", "seq_length": "seq_length",
+    "max_position_embeddings": "seq_length", "kv_channels": "head_dim",
+    "norm_epsilon": "norm_epsilon", "rotary_base": "rotary_base",
+}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False,
+                                description="Train a GPT under a heterogeneous plan.")
+    h = p.add_argument_group("hetero")
+    h.add_argument("--hetero-plan-path", required=True, help="plan JSON (hexi-plan)")
+    h.add_argument("--hetero-metrics-path", default=None, help="JSONL metrics per iteration")
+    h.add_argument("--hetero-device", choices=["cpu", "cuda"], default=None,
+                   help="default: cuda when available, else cpu (GPUs emulated by processes)")
+    m = p.add_argument_group("model (optional: taken from the plan)")
+    for flag in MODEL_FLAGS:
+        m.add_argument("--" + flag.replace("_", "-"), type=float if flag == "norm_epsilon" else int,
+                       default=None)
+    m.add_argument("--group-query-attention", action="store_true")
+    m.add_argument("--swiglu", action="store_true", default=None)
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    m.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default=None)
+    m.add_argument("--position-embedding-type", choices=["rope"], default=None)
+    m.add_argument("--disable-bias-linear", action="store_true", default=None)
+    m.add_argument("--attention-dropout", type=float, default=0.1)
+    m.add_argument("--hidden-dropout", type=float, default=0.1)
+    m.add_argument("--recompute-activations", action="store_true")
+    m.add_argument("--recompute-granularity", choices=["full"], default=None)
+    m.add_argument("--recompute-method", choices=["uniform"], default=None)
+    m.add_argument("--recompute-num-layers", type=int, default=None)
+    m.add_argument("--tensor-model-parallel-size", type=int, default=None)
+    m.add_argument("--pipeline-model-parallel-size", type=int, default=None)
+    b = p.add_argument_group("batch and optimizer")
+    b.add_argument("--micro-batch-size", type=int, default=None)
+    b.add_argument("--global-batch-size", type=int, default=None)
+    b.add_argument("--train-iters", type=int, required=True)
+    b.add_argument("--lr", type=float, required=True)
+    b.add_argument("--min-lr", type=float, default=0.0)
+    b.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine",
+                                                "inverse-square-root"], default="linear")
+    b.add_argument("--lr-decay-iters", type=int, default=None)
+    b.add_argument("--lr-warmup-iters", type=int, default=0)
+    b.add_argument("--lr-warmup-init", type=float, default=0.0)
+    b.add_argument("--weight-decay", type=float, default=0.01)
+    b.add_argument("--adam-beta1", type=float, default=0.9)
+    b.add_argument("--adam-beta2", type=float, default=0.999)
+    b.add_argument("--adam-eps", type=float, default=1e-8)
+    b.add_argument("--clip-grad", type=float, default=1.0)
+    b.add_argument("--optimizer", choices=["adam"], default="adam")
+    b.add_argument("--bf16", action="store_true")
+    b.add_argument("--seed", type=int, default=1234)
+    d = p.add_argument_group("data and logging")
+    d.add_argument("--mock-data", action="store_true")
+    d.add_argument("--data-path", nargs="+", default=None)
+    d.add_argument("--split", default="969,30,1")
+    d.add_argument("--data-cache-path", default=None)
+    d.add_argument("--tokenizer-type", default=None)
+    d.add_argument("--tokenizer-model", default=None)
+    d.add_argument("--log-interval", type=int, default=1)
+    d.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None)
+    d.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    return p
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    flags = [u for u in unknown if u.startswith("--")]
+    if flags:
+        raise SpecError(f"unsupported flag{'s' if len(flags) > 1 else ''}: {' '.join(flags)} "
+                        f"(this runtime does not implement {'them' if len(flags) > 1 else 'it'}; "
+                        f"see pretrain_gpt.py --help)")
+    if unknown:
+        raise SpecError(f"unexpected argument: {' '.join(unknown)}")
+    if args.recompute_activations:
+        raise SpecError("--recompute-activations (selective recompute) is not supported; use "
+                        "--recompute-granularity full, or plan with recompute")
+    if not args.mock_data and not args.data_path:
+        raise SpecError("give --mock-data or --data-path")
+    if args.data_path and (args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model):
+        raise SpecError("--data-path needs --tokenizer-type HuggingFaceTokenizer and "
+                        "--tokenizer-model PATH")
+    if args.train_iters < 1:
+        raise SpecError(f"--train-iters must be >= 1, got {args.train_iters}")
+    return args
+
+
+def check_against_plan(args, plan):
+    """Every given flag must agree with the plan; returns nothing, raises SpecError otherwise."""
+    m = plan.model
+    problems = []
+    for flag, field in MODEL_FLAGS.items():
+        given = getattr(args, flag)
+        if given is not None and given != getattr(m, field):
+            problems.append(f"--{flag.replace('_', '-')} {given} contradicts the plan's model "
+                            f"{field} {getattr(m, field)}")
+    if args.swiglu is not None and args.swiglu != m.swiglu:
+        problems.append(f"--swiglu contradicts the plan's model (swiglu: {m.swiglu})")
+    if (args.untie_embeddings_and_output_weights is not None
+            and not m.untie_embeddings_and_output_weights):
+        problems.append("--untie-embeddings-and-output-weights contradicts the plan's model "
+                        "(tied embeddings)")
+    if args.normalization is not None and args.normalization != m.normalization:
+        problems.append(f"--normalization {args.normalization} contradicts the plan's "
+                        f"{m.normalization}")
+    if args.disable_bias_linear is not None and m.add_bias_linear:
+        problems.append("--disable-bias-linear contradicts the plan's model (add_bias_linear)")
+    if args.global_batch_size is not None and args.global_batch_size != plan.global_batch_size:
+        problems.append(f"--global-batch-size {args.global_batch_size} contradicts the plan's "
+                        f"global_batch_size {plan.global_batch_size}")
+    sizes = sorted({p.micro_batch_size for p in plan.pipelines})
+    if args.micro_batch_size is not None and sizes != [args.micro_batch_size]:
+        problems.append(f"--micro-batch-size {args.micro_batch_size} contradicts the plan's "
+                        f"micro-batch sizes {sizes}")
+    tps = sorted({s.tp_size for p in plan.pipelines for s in p.stages})
+    if args.tensor_model_parallel_size is not None and tps != [args.tensor_model_parallel_size]:
+        problems.append(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
+                        f"contradicts the plan's TP degrees {tps}")
+    pps = sorted({len(p.stages) for p in plan.pipelines})
+    if args.pipeline_model_parallel_size is not None and pps != [args.pipeline_model_parallel_size]:
+        problems.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} "
+                        f"contradicts the plan's stage counts {pps}")
+    wants_recompute = args.recompute_granularity == "full"
+    if args.recompute_granularity is not None and wants_recompute != plan.training.recompute:
+        problems.append("--recompute-granularity full contradicts the plan (recompute: false)")
+    if problems:
+        raise SpecError(problems)

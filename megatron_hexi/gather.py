@@ -1,0 +1,30 @@
+"""Reassemble full canonical parameters from every rank's shards (tests, export, inspection).
+
+Uses the same layout map as the gradient sync: each local tensor is split back into its pieces
+and written at their global offsets. Small models only: everything goes through one process.
+"""
+import torch
+import torch.distributed as dist
+
+
+def assemble(shard_lists):
+    """{canonical name: full tensor} from [(ParamShard, local tensor)] lists of all ranks."""
+    full = {}
+    for shards in shard_lists:
+        for shard, local in shards:
+            out = full.setdefault(shard.name, torch.full(shard.shape, float("nan")))
+            for piece in shard.pieces:
+                src = local.narrow(shard.dim, piece.local_start, piece.length)
+                out.narrow(shard.dim, piece.global_start, piece.length).copy_(src)
+    missing = [n for n, t in full.items() if torch.isnan(t).any()]
+    if missing:
+        raise RuntimeError(f"no rank holds parts of {missing}")
+    return full
+
+
+def gather_full_parameters(plan, rank, params, groups, dst=0):
+    """On launch rank `dst`: {name: full fp32 tensor}; elsewhere None."""
+    mine = [(shard, p.detach().float().cpu().clone()) for shard, p in params]
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(mine, everyone, dst=dst)
+    return assemble(everyone) if everyone is not None else None

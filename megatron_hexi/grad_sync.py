@@ -1,0 +1,78 @@
+"""Weighted data-parallel gradient sync across pipelines of different shapes.
+
+Losses are per-token sums, so after the backward passes every rank holds the *sum* of its
+micro-batches' gradients. Each atomic segment (planner.layout.gradient_segments) is summed once
+over the ranks that hold it, one per pipeline (TP replicas of norms contribute once), and divided
+by the global token count: exactly the gradient of the mean loss over the global batch. Segments
+with the same rank set share one buffer and one all-reduce, and the all-reduces run in one global
+order on every rank, so overlapping groups cannot deadlock.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A segment as this rank holds it: a slice of one local parameter."""
+    param: torch.nn.Parameter
+    dim: int
+    start: int
+    length: int
+    contributes: bool
+
+    def grad_view(self):
+        return self.param.grad.narrow(self.dim, self.start, self.length)
+
+
+class GradientSync:
+    def __init__(self, plan_rank, params, segments, groups):
+        by_name = {shard.name: [] for shard, _ in params}
+        for shard, p in params:
+            by_name[shard.name].append(p)
+        self.buckets = []            # [(rank set, group or None, [Slot])], in global order
+        self.owned = []              # Slots this rank counts in the gradient norm
+        index = {}
+        for seg in segments:
+            mine = [ls for r, ls in seg.members if r == plan_rank]
+            if not mine:
+                continue
+            # A rank holds a canonical tensor at most once, except a tied embedding/output pair
+            # on one stage, which megatron-core keeps as a single parameter.
+            param = by_name[seg.name][0]
+            slot = Slot(param, seg.dim, mine[0], seg.end - seg.start,
+                        plan_rank in seg.contributors)
+            if seg.ranks not in index:
+                index[seg.ranks] = len(self.buckets)
+                self.buckets.append((seg.ranks, groups.segment_groups.get(seg.ranks), []))
+            self.buckets[index[seg.ranks]][2].append(slot)
+            if seg.owner == plan_rank:
+                self.owned.append(slot)
+        self.bytes_per_step = 0
+
+    @torch.no_grad()
+    def sync(self, num_tokens):
+        """Sum every segment over its holders and divide by the global token count."""
+        for p in {id(s.param): s.param for _, _, slots in self.buckets for s in slots}.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        total = 0
+        for ranks, group, slots in self.buckets:
+            flat = torch.cat([s.grad_view().reshape(-1).float() if s.contributes
+                              else torch.zeros(s.grad_view().numel(), device=s.param.device)
+                              for s in slots])
+            if group is not None:
+                dist.all_reduce(flat, group=group)
+                total += flat.numel() * flat.element_size()
+            flat.div_(num_tokens)
+            offset = 0
+            for s in slots:
+                view = s.grad_view()
+                view.copy_(flat[offset:offset + view.numel()].view_as(view))
+                offset += view.numel()
+        self.bytes_per_step = total
+
+    def owned_grads(self):
+        """Views of the gradient slices this rank counts in the global norm (each element once)."""
+        return [s.grad_view() for s in self.owned]

@@ -1,0 +1,149 @@
+"""Build this rank's pipeline stage as a megatron-core GPTModel with its own uneven shards.
+
+Each rank gets its own TransformerConfig whose "full" sizes are the rank's shard times the stage's
+TP degree: num_attention_heads = local heads x TP, num_query_groups = local groups x TP,
+ffn_hidden_size = local FFN x TP, and the vocabulary likewise. megatron-core divides them by TP
+again, so every layer allocates exactly this rank's shard, while the TP collectives (all-reduce of
+[s, b, h] activations) are unchanged because they do not depend on shard sizes. Heads stay whole
+query groups, and kv_channels is the model's real head size. The only fix-up after construction is
+the embedding's vocabulary range (megatron-core assumes rank x per-partition size).
+Weights are initialised from the full canonical tensor (seeded per parameter name) and sliced,
+so every plan starts from the same model.
+"""
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+
+from planner.layout import rank_param_shards
+from megatron_hexi.process_groups import SingleRank
+
+
+def stage_config(plan, view, *, params_dtype=torch.float32, hidden_dropout=0.0,
+                 attention_dropout=0.0, recompute=False):
+    """The TransformerConfig of one rank's stage (see the module docstring for the sizes)."""
+    m, tp = plan.model, view.tp_size
+    kwargs = {}
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=view.layers[1] - view.layers[0],
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=view.ffn[0] * tp,
+        num_attention_heads=view.heads[0] * tp,
+        num_query_groups=view.query_groups[0] * tp,
+        kv_channels=m.head_dim,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu,
+        add_bias_linear=m.add_bias_linear,
+        hidden_dropout=hidden_dropout,
+        attention_dropout=attention_dropout,
+        init_method_std=m.init_method_std,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        pipeline_dtype=params_dtype,
+        calculate_per_token_loss=True,
+        perform_initialization=False,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        sequence_parallel=False,
+        batch_p2p_comm=False,
+        deallocate_pipeline_outputs=False,
+        **kwargs,
+    )
+
+
+def build_stage_model(plan, view, tp_group, config, device):
+    """A GPTModel holding exactly `view`'s layers and shards, on `device`, not yet initialised."""
+    m, tp = plan.model, view.tp_size
+    pg = ProcessGroupCollection(tp=tp_group, cp=SingleRank(), pp=None, embd=None, pos_embd=None)
+    vocab = view.vocab[0] * tp if view.vocab else m.vocab_size
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:    # attention's scratch buffer
+        parallel_state._set_global_memory_buffer()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=m.normalization),
+        vocab_size=vocab,
+        max_sequence_length=m.seq_length,
+        pre_process=view.holds_embedding,
+        post_process=view.holds_output,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=m.rotary_base,
+        pg_collection=pg,
+    )
+    if view.holds_embedding:
+        emb = model.embedding.word_embeddings
+        emb.vocab_start_index = view.vocab[1]
+        emb.vocab_end_index = view.vocab[1] + view.vocab[0]
+    return model.to(device)
+
+
+def seed_rng(seed, tp_rank):
+    """Megatron's RNG tracker (dropout in TP regions), seeded the way Megatron-LM does."""
+    model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+
+
+def full_tensor(shard, seed, std, num_layers):
+    """The canonical full tensor of a parameter: the same on every rank under every plan."""
+    if shard.init == "ones":
+        return torch.ones(shard.shape)
+    if shard.init == "zeros":
+        return torch.zeros(shard.shape)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(shard.name.encode()))
+                                        % (2**63))
+    scale = std / (2.0 * num_layers) ** 0.5 if shard.init == "scaled_normal" else std
+    return torch.empty(shard.shape).normal_(0.0, scale, generator=gen)
+
+
+def take_pieces(full, shard):
+    """This rank's local tensor cut out of a canonical tensor, pieces concatenated."""
+    return torch.cat([full.narrow(shard.dim, p.global_start, p.length) for p in shard.pieces],
+                     dim=shard.dim)
+
+
+def local_parameters(plan, rank, model):
+    """[(ParamShard, parameter)] for every parameter of the stage model, checked against the plan.
+
+    A mismatch means the layout and megatron-core disagree: fail loudly rather than train wrong.
+    """
+    params = dict(model.named_parameters())
+    shards = rank_param_shards(plan, rank)
+    expected = {s.local_name for s in shards}
+    if set(params) != expected:
+        raise RuntimeError(f"stage model parameters {sorted(set(params) ^ expected)} do not match "
+                           f"the plan's layout (megatron-core version mismatch?)")
+    out = []
+    for s in shards:
+        p = params[s.local_name]
+        if tuple(p.shape) != s.local_shape:
+            raise RuntimeError(f"{s.local_name}: local shape {tuple(p.shape)}, layout says "
+                               f"{s.local_shape}")
+        out.append((s, p))
+    return out
+
+
+@torch.no_grad()
+def initialise_weights(plan, params, seed):
+    """Fill every local parameter from its seeded full tensor."""
+    for shard, p in params:
+        full = full_tensor(shard, seed, plan.model.init_method_std, plan.model.num_layers)
+        p.copy_(take_pieces(full, shard).to(p.dtype))

@@ -1,0 +1,66 @@
+"""megatron-core's optimizer (Adam with decoupled weight decay, clipping) with an exact grad norm.
+
+The upstream norm filters TP duplicates with the global parallel state and sums over one model-
+parallel group; under a heterogeneous plan that counts elements twice or misses them. Here every
+gradient element is counted once, by the owner of its segment, and summed over the world.
+"""
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+
+class _ExactNormMixin:
+    grad_sync = None
+
+    def get_main_grads_for_grad_norm(self):
+        return self.grad_sync.owned_grads()
+
+    def get_grad_stats_parallel_group(self):
+        return dist.group.WORLD
+
+
+class HeteroFP32Optimizer(_ExactNormMixin, FP32Optimizer):
+    """fp32 training (CPU, or GPU in fp32)."""
+
+
+class HeteroFloat16Optimizer(_ExactNormMixin, Float16OptimizerWithFloat16Params):
+    """bf16 parameters with fp32 master weights (GPU)."""
+
+
+def param_groups(named_params):
+    """Megatron's rule: no weight decay on biases and 1-D parameters (norm weights)."""
+    decay, no_decay = [], []
+    for name, p in named_params:
+        (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+    groups = [{"params": decay, "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False},
+              {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False}]
+    for g in groups:
+        g["default_config"] = True
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model, grad_sync, args):
+    """Adam(W) inside megatron-core's optimizer wrapper, plus its lr/wd scheduler."""
+    config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr,
+                             weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+                             adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                             clip_grad=args.clip_grad, bf16=args.bf16,
+                             params_dtype=torch.bfloat16 if args.bf16 else torch.float32)
+    inner = torch.optim.AdamW(param_groups(model.named_parameters()), lr=args.lr,
+                              weight_decay=args.weight_decay,
+                              betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    if args.bf16:
+        opt = HeteroFloat16Optimizer(inner, config, None, lambda o: None)
+    else:
+        opt = HeteroFP32Optimizer(inner, config, lambda o: None)
+    opt.grad_sync = grad_sync
+    decay_iters = args.lr_decay_iters or args.train_iters
+    scheduler = OptimizerParamScheduler(
+        opt, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=max(decay_iters, args.lr_warmup_iters + 1),
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=max(args.train_iters, 1), wd_incr_style="constant")
+    return opt, scheduler

@@ -1,0 +1,270 @@
+"""The training entry: start-up from a plan, the 1F1B loop per pipeline, logging and metrics.
+
+Order of start-up matters: flags and plan are checked before the process group exists, the world
+size before any collective, and the process mapping (one all-gather) before any group is built,
+so every mismatch is one clear error on every rank instead of a hang.
+"""
+import datetime
+import json
+import os
+import resource
+import sys
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from planner.catalog import get_gpu
+from planner.errors import SpecError
+from planner.flops import iteration_model_flops
+from planner.layout import gradient_segments
+from planner.plan import load_plan
+
+from megatron_hexi.arguments import check_against_plan, parse_args
+from megatron_hexi.communicator import Boundary, StageCommunicator
+from megatron_hexi.grad_sync import GradientSync
+from megatron_hexi.loss import sharded_cross_entropy
+from megatron_hexi.model import (build_stage_model, initialise_weights, local_parameters,
+                                 seed_rng, stage_config)
+from megatron_hexi.optimizer import build_optimizer
+from megatron_hexi.process_groups import SingleRank, StagePosition, build_groups
+from megatron_hexi.rank_mapping import check_world_size, map_processes
+
+
+class Trainer:
+    """Everything one rank builds from the plan, and one training step."""
+
+    def __init__(self, args, plan, device):
+        self.args, self.plan, self.device = args, plan, device
+        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+        mapping = map_processes(plan, _device_name(device), check_devices=device.type == "cuda")
+        segments = gradient_segments(plan)
+        rank_sets = list(dict.fromkeys(s.ranks for s in segments))
+        self.groups = build_groups(plan, mapping, rank_sets, timeout)
+        self.rank = self.groups.plan_rank
+        self.view = view = plan.rank_view(self.rank)
+        seed_rng(args.seed, view.tp_rank)
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        self.config = stage_config(plan, view, params_dtype=dtype,
+                                   hidden_dropout=args.hidden_dropout,
+                                   attention_dropout=args.attention_dropout,
+                                   recompute=plan.training.recompute)
+        self.model = build_stage_model(plan, view, self.groups.tp, self.config, device)
+        self.params = local_parameters(plan, self.rank, self.model)
+        initialise_weights(plan, self.params, args.seed)
+        self.grad_sync = GradientSync(self.rank, self.params, segments, self.groups)
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.grad_sync, args)
+        self.config.finalize_model_grads_func = self._finalize_grads
+        self.config.grad_scale_func = None
+        pipe = plan.pipelines[view.pipeline]
+        numel = plan.model.seq_length * view.micro_batch_size * plan.model.hidden_size
+        launch_of = self.groups.launch_of
+        prev_b = (Boundary(view.prev_stage_ranks, view.stage_ranks, numel, launch_of, self.rank)
+                  if view.prev_stage_ranks else None)
+        next_b = (Boundary(view.stage_ranks, view.next_stage_ranks, numel, launch_of, self.rank)
+                  if view.next_stage_ranks else None)
+        self.position = StagePosition(view.stage, len(pipe.stages))
+        self.communicator = StageCommunicator(self.config, self.position, self.groups.tp,
+                                              view.tp_size, prev_b, next_b, dtype, device)
+        self.dataset = None
+        if view.holds_embedding or view.holds_output:
+            from megatron_hexi.data import build_train_dataset
+            self.dataset = build_train_dataset(args, plan, _tokenizer(args))
+        self.global_tokens = None
+
+    # -- pieces handed to megatron-core's schedule ------------------------------------------
+    def _finalize_grads(self, model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):
+        """Global token count (one scalar all-reduce), then the weighted segment sync."""
+        mine = num_tokens if (self.view.holds_output and self.view.tp_rank == 0) else 0
+        tokens = torch.tensor([float(mine)], dtype=torch.float64)
+        dist.all_reduce(tokens)
+        self.global_tokens = tokens.item()
+        if self.global_tokens <= 0:
+            raise RuntimeError("the global batch has no tokens with a loss mask")
+        self.grad_sync.sync(self.global_tokens)
+
+    def _loss(self, labels, loss_mask, logits):
+        v = self.view
+        per_token = sharded_cross_entropy(logits.float(), labels, v.vocab[1], self.groups.tp,
+                                          v.tp_size)
+        mask = loss_mask.float()
+        loss_sum = (per_token * mask).sum()
+        num_tokens = mask.sum().to(torch.int)
+        return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach().double(),
+                                                              mask.sum().double()])}
+
+    def _forward_step(self, data_iterator, model):
+        v = self.view
+        batch = next(data_iterator) if (v.holds_embedding or v.holds_output) else None
+        tokens = batch["tokens"].to(self.device) if v.holds_embedding else None
+        positions = batch["position_ids"].to(self.device) if v.holds_embedding else None
+        output = model(tokens, positions, None)
+        if v.holds_output:
+            return output, partial(self._loss, batch["labels"].to(self.device),
+                                   batch["loss_mask"].to(self.device))
+        return output, None
+
+    # -- one iteration ----------------------------------------------------------------------
+    def train_step(self, iteration):
+        """Forward/backward of this pipeline's micro-batches, gradient sync, optimizer step."""
+        from megatron.core.pipeline_parallel.schedules import (
+            forward_backward_pipelining_without_interleaving)
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron_hexi.data import pipeline_microbatches
+        v = self.view
+        self.model.train()
+        self.optimizer.zero_grad()
+        data = (pipeline_microbatches(self.dataset, self.plan, v, iteration)
+                if self.dataset is not None else iter(()))
+        pg = ProcessGroupCollection(tp=self.groups.tp, cp=SingleRank(), pp=self.position,
+                                    embd=None, pos_embd=None, dp_cp=SingleRank())
+        start = time.perf_counter()
+        store = forward_backward_pipelining_without_interleaving(
+            forward_step_func=self._forward_step, data_iterator=data, model=[self.model],
+            num_microbatches=v.num_microbatches, seq_length=self.plan.model.seq_length,
+            micro_batch_size=v.micro_batch_size, p2p_communicator=self.communicator,
+            pg_collection=pg)
+        pipeline_time = time.perf_counter() - start
+        success, grad_norm, _ = self.optimizer.step()
+        if grad_norm is None:
+            grad_norm = self.exact_grad_norm()
+        self.scheduler.step(increment=1)
+        step_time = time.perf_counter() - start
+        # One small all-reduce: loss sum (last stages, TP rank 0) and each rank's times.
+        world = self.plan.world_size
+        stats = torch.zeros(1 + 2 * world, dtype=torch.float64)
+        if v.holds_output and v.tp_rank == 0:
+            stats[0] = float(sum(s["lm loss"][0] for s in store))
+        stats[1 + self.rank] = pipeline_time
+        stats[1 + world + self.rank] = step_time
+        dist.all_reduce(stats)
+        loss = stats[0].item() / self.global_tokens
+        per_rank_pipe = stats[1:1 + world].tolist()
+        pipelines = [max(per_rank_pipe[r] for r in p.ranks) for p in self.plan.pipelines]
+        return {"lm_loss": loss, "grad_norm": float(grad_norm), "success": bool(success),
+                "step_time_s": max(stats[1 + world:].tolist()), "pipelines": pipelines,
+                "tokens": self.global_tokens, "lr": self.optimizer.param_groups[0]["lr"]}
+
+    @torch.no_grad()
+    def exact_grad_norm(self):
+        total = torch.zeros(1, dtype=torch.float64)
+        for g in self.grad_sync.owned_grads():
+            total += g.double().pow(2).sum()
+        dist.all_reduce(total)
+        return total.sqrt().item()
+
+    def full_parameters(self):
+        """Gather every parameter to its full canonical tensor (for tests and export)."""
+        from megatron_hexi.gather import gather_full_parameters
+        return gather_full_parameters(self.plan, self.rank, self.params, self.groups)
+
+
+def _device_name(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _tokenizer(args):
+    if args.mock_data:
+        return None
+    from megatron_hexi.tokenizer import HuggingFaceTokenizer
+    return HuggingFaceTokenizer(args.tokenizer_model)
+
+
+def peak_memory_gb(device):
+    """CUDA allocator peak on GPU; on CPU the process's peak resident set (includes libraries)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def _log_line(it, args, plan, metrics, mfu):
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    return (f" [{stamp}] iteration {it:>8d}/{args.train_iters:>8d} | consumed samples: "
+            f"{it * plan.global_batch_size:>12d} | elapsed time per iteration (ms): "
+            f"{metrics['step_time_s'] * 1000:.1f} | learning rate: {metrics['lr']:.6E} | "
+            f"global batch size: {plan.global_batch_size:>5d} | lm loss: "
+            f"{metrics['lm_loss']:.6E} | loss scale: 1.0 | grad norm: {metrics['grad_norm']:.3f} | "
+            f"number of skipped iterations: {0 if metrics['success'] else 1:>3d} | number of nan "
+            f"iterations: {0:>3d} | tokens/s: {metrics['tokens_per_s']:.1f} | MFU: {mfu * 100:.2f}% |")
+
+
+def run(args, plan, device):
+    """Train for --train-iters iterations; returns the per-iteration metrics (every rank)."""
+    trainer = Trainer(args, plan, device)
+    peak = sum((get_gpu("CPU") if device.type == "cpu" else get_gpu(r.gpu)).peak_flops
+               for r in plan.ranks)
+    flops = iteration_model_flops(plan.model, plan.global_batch_size)
+    tokens_per_iter = plan.global_batch_size * plan.model.seq_length
+    history = []
+    metrics_file = None
+    if args.hetero_metrics_path and dist.get_rank() == 0:
+        metrics_file = open(args.hetero_metrics_path, "w")
+    for it in range(args.train_iters):
+        m = trainer.train_step(it)
+        m["iteration"] = it + 1
+        m["tokens_per_s"] = tokens_per_iter / m["step_time_s"]
+        m["mfu"] = flops / (m["step_time_s"] * peak)
+        mem = torch.tensor([0.0] * plan.world_size, dtype=torch.float64)
+        mem[trainer.rank] = peak_memory_gb(device)
+        dist.all_reduce(mem)
+        m["peak_memory_gb"] = mem.tolist()
+        history.append(m)
+        if dist.get_rank() == 0:
+            if (it + 1) % args.log_interval == 0:
+                print(_log_line(it + 1, args, plan, m, m["mfu"]), flush=True)
+            if metrics_file:
+                metrics_file.write(json.dumps(m) + "\n")
+                metrics_file.flush()
+    if metrics_file:
+        metrics_file.close()
+    if dist.get_rank() == 0:
+        mean_tps = sum(h["tokens_per_s"] for h in history) / len(history)
+        print(f"done: {len(history)} iterations, {len(history) * tokens_per_iter} tokens, mean "
+              f"{mean_tps:.1f} tokens/s, MFU {sum(h['mfu'] for h in history) / len(history):.2%}"
+              f" ({'CPU processes' if device.type == 'cpu' else 'plan GPUs'} peak), peak memory "
+              f"per rank (GB): {[round(x, 3) for x in history[-1]['peak_memory_gb']]}", flush=True)
+    return trainer, history
+
+
+def init_distributed(args, plan):
+    """Device choice, world-size check, then the process group (with the timeout)."""
+    want_cuda = args.hetero_device == "cuda" or (args.hetero_device is None
+                                                  and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise SpecError("--hetero-device cuda, but torch sees no CUDA device")
+    check_world_size(plan, int(os.environ.get("WORLD_SIZE", "1")))
+    if want_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        from megatron_hexi.patches import apply_cpu_patches
+        apply_cpu_patches()
+    backend = args.distributed_backend or ("nccl" if want_cuda else "gloo")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group(backend, timeout=datetime.timedelta(
+            minutes=args.distributed_timeout_minutes))
+    return device
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+        plan = load_plan(args.hetero_plan_path)
+        check_against_plan(args, plan)
+        device = init_distributed(args, plan)
+        run(args, plan, device)
+    except SpecError as e:
+        for line in e.problems:
+            print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 2
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
