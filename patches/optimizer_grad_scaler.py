@@ -1,0 +1,19 @@
+"""CPU patch for ``megatron/core/optimizer/grad_scaler.py``.
+
+What: the module's tensor factories map ``device="cuda"`` to the CPU.
+
+Why: the loss scalers keep their scale and factors on ``device='cuda'`` (grad_scaler.py:15,88,91,
+94); only used with fp16 / a loss scaler. Not patched: ``load_state_dict`` (:140) calls
+``Tensor.cuda()``.
+
+Checked against megatron-core 0.16.1.
+"""
+
+from . import _util
+
+UPSTREAM = "megatron.core.optimizer.grad_scaler"
+CHECKED_AGAINST = ("0.16.1",)
+
+
+def apply(log: _util.UndoLog, module) -> None:
+    _util.proxy_module_torch(log, module)
