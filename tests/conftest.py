@@ -1,0 +1,33 @@
+"""Fixtures shared by every test directory: repository paths and an in-process `hexi-plan`."""
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+if str(TESTS) not in sys.path:          # `from harness import run_distributed` from any directory
+    sys.path.insert(0, str(TESTS))
+
+
+@pytest.fixture(scope="session")
+def repo_root():
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def examples_dir():
+    return REPO / "examples"
+
+
+@pytest.fixture
+def hexi_plan(capsys):
+    """Run `hexi-plan ARGS...` in this process: returns (exit code, stdout, stderr)."""
+    from planner.cli import main
+
+    def run(*argv):
+        capsys.readouterr()
+        code = main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+    return run

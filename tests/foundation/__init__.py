@@ -1,0 +1,1 @@
+# A package, so that these test modules' names cannot collide with other test directories'.

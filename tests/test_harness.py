@@ -1,0 +1,133 @@
+"""The multi-process harness itself: results come back, a raising or hanging rank fails fast."""
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+from harness import DistributedTestError, DistributedTimeout, run_distributed, run_torchrun
+
+
+# Rank bodies: module level, so that the spawned ranks can import them by name.
+
+def _rank_info(scale, *, offset=0):
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([float(dist.get_rank() * scale + offset)])
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(),
+            "env": (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"],
+                    os.environ["MASTER_ADDR"]),
+            "flag": os.environ.get("HEXI_HARNESS_FLAG"), "backend": dist.get_backend(),
+            "sum": t.item(), "tensor": torch.arange(3) * dist.get_rank()}
+
+
+def _raise_on(bad_rank):
+    import torch.distributed as dist
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"rank {bad_rank} refuses")
+    dist.barrier()            # the others wait for the bad rank: they must not hang the test
+    return dist.get_rank()
+
+
+def _hang_on(bad_rank):
+    import torch.distributed as dist
+    if dist.get_rank() == bad_rank:
+        time.sleep(3600)
+    return dist.get_rank()
+
+
+def _exit_on(bad_rank):
+    import torch.distributed as dist
+    if dist.get_rank() == bad_rank:
+        os._exit(3)
+    return dist.get_rank()
+
+
+def test_results_come_back_in_rank_order():
+    out = run_distributed(_rank_info, 3, 10, offset=1, timeout=60, env={"HEXI_HARNESS_FLAG": "on"})
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    for r, o in enumerate(out):
+        assert o["world"] == 3 and o["backend"] == "gloo" and o["flag"] == "on"
+        assert o["env"] == (str(r), "3", str(r), "127.0.0.1")
+        assert o["sum"] == (0 + 10 + 20) + 3 * 1
+        assert o["tensor"].tolist() == [0, r, 2 * r]
+
+
+def test_raising_rank_fails_with_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_raise_on, 2, 1, timeout=60)
+    text = str(info.value)
+    assert text.startswith("rank 1 of 2 raised:")
+    assert "Traceback (most recent call last)" in text
+    assert "ValueError: rank 1 refuses" in text and "_raise_on" in text
+    assert time.monotonic() - t0 < 30
+
+
+def test_hanging_rank_fails_within_the_timeout():
+    t0 = time.monotonic()
+    # Rank 1 returns at once; on a loaded machine it may not have got that far either.
+    with pytest.raises(DistributedTimeout, match=r"timed out after 7 s: rank\(s\) \[0(, 1)?\] "
+                                                   r"had not finished"):
+        run_distributed(_hang_on, 2, 0, timeout=7)
+    assert time.monotonic() - t0 < 7 + 10     # the timeout, plus killing and joining
+
+
+def test_dead_rank_is_reported():
+    with pytest.raises(DistributedTestError, match="rank 1 of 2 exited with code 3"):
+        run_distributed(_exit_on, 2, 1, timeout=60)
+
+
+def test_function_must_be_importable():
+    with pytest.raises(ValueError, match="module-level function"):
+        run_distributed(lambda: 0, 2, timeout=5)
+
+
+_TORCHRUN_SCRIPT = """
+import os, sys, time
+if sys.argv[1] == "hang":
+    open(os.path.join(sys.argv[2], f"pid{os.environ['RANK']}"), "w").write(str(os.getpid()))
+    time.sleep(3600)
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()} sum {t.item():g} {os.environ['HEXI_HARNESS_FLAG']}")
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_runs_a_script(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(_TORCHRUN_SCRIPT))
+    code, out, err = run_torchrun([script, "ok", tmp_path], 2, timeout=90,
+                                  env={"HEXI_HARNESS_FLAG": "x", "OMP_NUM_THREADS": "1"})
+    assert code == 0, err
+    assert sorted(out.split("\n")[:-1]) == ["rank 0 of 2 sum 3 x", "rank 1 of 2 sum 3 x"]
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_torchrun_timeout_kills_the_whole_job(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(_TORCHRUN_SCRIPT))
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTimeout, match="timed out after 6 s"):
+        run_torchrun([script, "hang", tmp_path], 2, timeout=6)
+    assert time.monotonic() - t0 < 6 + 8
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)
+            if (tmp_path / f"pid{r}").exists()]
+    assert pids, "the workers never started: raise the timeout"
+    deadline = time.monotonic() + 5
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(p) for p in pids)
