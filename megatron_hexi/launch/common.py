@@ -1,0 +1,119 @@
+"""What both launchers need from a plan: the nodes it uses, in plan order, with their process counts.
+
+The runtime maps a process to its plan rank from (HEXI_PLAN_NODE, LOCAL_RANK), falling back to the
+host name and then to launch order. The launchers give every node torchrun node rank = its index
+in plan order and --nproc-per-node = the plan ranks it holds, so torch's global rank equals the plan
+rank as well (torchrun numbers ranks node rank by node rank).
+"""
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Optional
+
+from planner.errors import SpecError
+
+
+class LaunchError(SpecError):
+    """A plan or option the launchers cannot turn into a job (one line per problem, exit 2)."""
+
+
+@dataclass(frozen=True)
+class PlanNode:
+    name: str                 # plan node name (a100-0), exported as HEXI_PLAN_NODE
+    group: str                # cluster node group
+    gpu: str                  # catalog GPU type
+    nproc: int                # plan ranks on this node = torchrun --nproc-per-node
+    node_rank: int            # index in plan order = torchrun --node-rank
+    first_rank: int           # plan rank of local rank 0
+    gpus_per_node: int        # GPUs the machine has (cluster spec)
+    hostname: Optional[str]
+    partition: Optional[str]  # from the cluster spec, if given there
+
+
+def plan_nodes(plan):
+    """The plan's nodes in plan order (by first rank). Refuses layouts torchrun cannot start."""
+    cluster_nodes = {n.name: n for n in plan.cluster.nodes}
+    groups = {g.name: g for g in plan.cluster.groups}
+    order, ranks_of = [], {}
+    for r in plan.ranks:
+        if r.node not in ranks_of:
+            order.append(r.node)
+            ranks_of[r.node] = []
+        ranks_of[r.node].append(r)
+    problems, out = [], []
+    for i, name in enumerate(order):
+        rs = ranks_of[name]
+        node = cluster_nodes[name]
+        first = rs[0].rank
+        if [r.rank for r in rs] != list(range(first, first + len(rs))):
+            problems.append(f"ranks: the ranks on node {name} are not consecutive "
+                            f"({[r.rank for r in rs]}); torchrun starts a node's processes as one "
+                            f"block of ranks")
+        if sorted(r.local_rank for r in rs) != list(range(len(rs))):
+            problems.append(f"ranks: node {name} uses local ranks {[r.local_rank for r in rs]}; "
+                            f"torchrun gives local ranks 0..{len(rs) - 1}")
+        out.append(PlanNode(name, node.group, node.gpu, len(rs), i, first, node.gpus_per_node,
+                            node.hostname, groups[node.group].partition))
+    if out and out[0].first_rank != 0:
+        problems.append("ranks: rank 0 must be on the first node")
+    if problems:
+        raise LaunchError(problems)
+    return out
+
+
+_NOISE = re.compile(r"^(nvidia|geforce|tesla|sxm\d*|pcie|nvl|hbm\d*e?|\d+gb)$", re.IGNORECASE)
+
+
+def default_gres_type(gpu):
+    """Slurm gres type for a catalog GPU name: lowercase, vendor/form-factor/memory dropped.
+
+    A100-SXM-80GB -> a100, RTX-4090 -> rtx4090, H100-PCIE -> h100, RTX-3080-Ti -> rtx3080ti,
+    CPU -> None (no GPU to request). Sites name their types freely: override with --gres-type.
+    """
+    if gpu.upper() == "CPU":
+        return None
+    parts = [p for p in re.split(r"[-_ ]+", gpu) if p and not _NOISE.match(p)]
+    return "".join(parts).lower() or gpu.lower()
+
+
+def parse_mapping(items, flag, allow_bare=False):
+    """--flag KEY=VALUE (repeatable) -> {key.lower(): value}; a bare VALUE goes to key '*'."""
+    out = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        if not eq:
+            if allow_bare and item:
+                out["*"] = item
+                continue
+            raise LaunchError(f"{flag} {item!r}: expected GPU=VALUE (e.g. {flag} RTX-4090=...)")
+        if not key or not value:
+            raise LaunchError(f"{flag} {item!r}: expected GPU=VALUE with both sides non-empty")
+        out[key.strip().lower()] = value.strip()
+    return out
+
+
+def lookup(mapping, node):
+    """Value for a node from a mapping keyed by node group name, GPU type or '*'."""
+    for key in (node.group.lower(), node.gpu.lower(), "*"):
+        if key in mapping:
+            return mapping[key]
+    return None
+
+
+def quote_args(args):
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def bash_array(name, items, indent="    ", width=96):
+    """`name=(...)` with shell-quoted items, wrapped for reading."""
+    if not items:
+        return f"{name}=()"
+    lines, cur = [], f"{name}=("
+    for q in (shlex.quote(a) for a in items):
+        if len(cur) + len(q) + 1 > width and not cur.endswith("("):
+            lines.append(cur)
+            cur = indent + q
+        else:
+            cur = cur + ("" if cur.endswith("(") else " ") + q
+    lines.append(cur + ")")
+    return "\n".join(lines)

@@ -1,0 +1,228 @@
+"""`hexi-launch slurm`: an sbatch script that runs a plan on Slurm.
+
+One Slurm component per (node group, partition, gres type) of the plan: a heterogeneous job
+(`#SBATCH hetjob` between components) when there are several, a plain job otherwise. One srun step
+spans every component and starts, on each node, a small bash function that works out which plan
+node it is (component i's k-th Slurm node runs the plan's k-th node of component i), exports
+HEXI_PLAN_NODE and execs torchrun with that node's process count. The script is meant to be read
+and edited: settings are `: "${VAR:=default}"` lines the user can override from the environment.
+"""
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from megatron_hexi.launch.common import (LaunchError, bash_array, default_gres_type, lookup,
+                                         plan_nodes)
+
+
+@dataclass
+class Component:
+    partition: str            # None: the cluster's default partition
+    gres_type: str            # None: no GPUs requested (CPU plan)
+    gpus: int                 # GPUs requested per node (the most any of its plan nodes uses)
+    groups: list = field(default_factory=list)
+    nodes: list = field(default_factory=list)   # PlanNode, plan order
+
+
+def components(plan, partitions=None, gres_types=None):
+    """Group the plan's nodes into Slurm components; one-line errors for unmapped GPU types.
+
+    partitions / gres_types: {group name | GPU type (lowercase) | '*': value}. A partition given
+    in the cluster spec (`partition:` of a node group) is used when no option names one.
+    """
+    partitions, gres_types = partitions or {}, gres_types or {}
+    nodes = plan_nodes(plan)
+    comps = {}
+    part_of = {}
+    for n in nodes:
+        part_of[n.name] = lookup(partitions, n) or n.partition
+    any_partition = any(part_of.values())
+    several_types = len({n.gpu for n in nodes}) > 1
+    missing = []
+    for n in nodes:
+        part = part_of[n.name]
+        if part is None and (any_partition or several_types):
+            if n.gpu not in missing:
+                missing.append(n.gpu)
+            continue
+        gres = lookup(gres_types, n) or default_gres_type(n.gpu)
+        key = (part, gres)
+        c = comps.setdefault(key, Component(part, gres, 0))
+        if n.group not in c.groups:
+            c.groups.append(n.group)
+        c.gpus = max(c.gpus, n.nproc)
+        c.nodes.append(n)
+    if missing:
+        raise LaunchError(f"no Slurm partition for GPU type(s) {', '.join(missing)}: give "
+                          f"--partition GPU=PARTITION for each (e.g. --partition {missing[0]}=...) "
+                          f"or `partition:` in the cluster spec's node group")
+    return list(comps.values())
+
+
+def check_partitions(comps, run=subprocess.run):
+    """Ask sinfo whether each component fits its partition: enough nodes with enough GPUs of its
+    type. Raises LaunchError with one line per component that does not fit."""
+    problems = []
+    for i, c in enumerate(comps):
+        args = ["sinfo", "-h", "-N", "-o", "%N %G"] + (["-p", c.partition] if c.partition else [])
+        try:
+            r = run(args, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise LaunchError(f"--check-partitions: cannot run sinfo: {e}")
+        if r.returncode != 0:
+            raise LaunchError(f"--check-partitions: sinfo failed: {r.stderr.strip()}")
+        fits = set()
+        for line in r.stdout.splitlines():
+            host, _, gres = line.strip().partition(" ")
+            have = 0
+            for item in gres.split(","):
+                f = item.split("(")[0].split(":")
+                if c.gres_type is None:
+                    have = c.gpus
+                elif len(f) >= 3 and f[0] == "gpu" and f[1] == c.gres_type and f[2].isdigit():
+                    have = max(have, int(f[2]))
+            if have >= c.gpus:
+                fits.add(host)
+        where = f"partition {c.partition}" if c.partition else "the default partition"
+        if len(fits) < len(c.nodes):
+            what = f"gpu:{c.gres_type}:{c.gpus}" if c.gres_type else "nodes"
+            problems.append(f"node group {'+'.join(c.groups)} needs {len(c.nodes)} node(s) with "
+                            f"{what}; {where} has {len(fits)}"
+                            + (f" ({', '.join(sorted(fits))})" if fits else ""))
+    if problems:
+        raise LaunchError(problems)
+
+
+# The per-node part, run by srun on every node (passed as `bash -c "$(declare -f hexi_node) ..."`).
+NODE_FUNCTION = r'''hexi_node() {
+    # This node's line of HEXI_NODE_TABLE: "slurm-node-id host plan-node node-rank nproc".
+    local id=${SLURM_NODEID:?not inside a Slurm step} line host plan_node node_rank nproc entry
+    line=$(awk -v id="$id" '$1 == id' <<<"$HEXI_NODE_TABLE")
+    read -r _ host plan_node node_rank nproc <<<"$line"
+    if [[ -z "$line" || "$host" != "${SLURMD_NODENAME:-$host}" ]]; then
+        # Slurm numbered the step's nodes differently from the node lists: go by host name
+        line=$(awk -v h="${SLURMD_NODENAME:-}" '$2 == h' <<<"$HEXI_NODE_TABLE")
+        if [[ $(grep -c . <<<"$line") != 1 ]]; then
+            echo "hexi: cannot tell which plan node Slurm node ${SLURMD_NODENAME:-?} (node id $id) is" >&2
+            exit 1
+        fi
+        read -r _ host plan_node node_rank nproc <<<"$line"
+    fi
+    export HEXI_PLAN_NODE=$plan_node
+    read -r -a entry <<<"$HEXI_ENTRY"
+    echo "hexi: Slurm node $host (node id $id) -> plan node $plan_node, torchrun node rank $node_rank, $nproc process(es)"
+    exec timeout -k 10 "$HEXI_TIMEOUT_S" "$PYTHON" -m torch.distributed.run \
+        --nnodes "$HEXI_NNODES" --node-rank "$node_rank" --nproc-per-node "$nproc" \
+        --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+        "${entry[@]}" --hetero-plan-path "$HEXI_PLAN" "$@"
+}'''
+
+
+def generate_sbatch(plan, plan_path, training_args=(), partitions=None, gres_types=None,
+                    account=None, time=None, job_name=None, log="hexi-%j.out",
+                    container_image=None, python=None, timeout_s=0, master_port=29500,
+                    entry="pretrain_gpt.py", cpus_per_gpu=2, exclusive=False, comps=None):
+    """The sbatch script text. `entry`: a script path, or '-m module'."""
+    comps = comps if comps is not None else components(plan, partitions, gres_types)
+    nodes = [n for c in comps for n in c.nodes]
+    het = len(comps) > 1
+    plan_path = os.path.abspath(plan_path)
+    python = python or ("python" if container_image else sys.executable)
+    if not entry.startswith("-m ") and os.path.exists(entry):
+        entry = os.path.abspath(entry)
+    job_name = job_name or "hexi-" + os.path.splitext(os.path.basename(plan_path))[0]
+
+    L = ["#!/bin/bash",
+         "# Generated by `hexi-launch slurm` (megatron-hexi). Edit freely.",
+         f"# Plan: {plan_path}",
+         f"#   {plan.world_size} rank(s) on {len(nodes)} node(s); "
+         + (f"heterogeneous job, {len(comps)} components:" if het else "plain job:")]
+    for i, c in enumerate(comps):
+        gpu = "/".join(sorted({n.gpu for n in c.nodes}))
+        L.append(f"#   component {i}: node group {'+'.join(c.groups)} ({gpu}), partition "
+                 f"{c.partition or '(default)'}, plan nodes "
+                 + " ".join(f"{n.name}[{n.nproc}]" for n in c.nodes))
+    L += ["# Submit with `sbatch THIS_FILE`; override the settings below from the environment,",
+          "# e.g. `MASTER_PORT=29600 HEXI_TIMEOUT_S=3600 sbatch THIS_FILE`.",
+          f"#SBATCH --job-name={job_name}",
+          f"#SBATCH --output={log}"]
+    for i, c in enumerate(comps):
+        if i:
+            L.append("#SBATCH hetjob")
+        if c.partition:
+            L.append(f"#SBATCH --partition={c.partition}")
+        if account:
+            L.append(f"#SBATCH --account={account}")
+        if time:
+            L.append(f"#SBATCH --time={time}")
+        L += [f"#SBATCH --nodes={len(c.nodes)}", "#SBATCH --ntasks-per-node=1"]
+        if c.gres_type:
+            L.append(f"#SBATCH --gres=gpu:{c.gres_type}:{c.gpus}")
+        if cpus_per_gpu:
+            L.append(f"#SBATCH --cpus-per-task={cpus_per_gpu * max(c.gpus, 1)}")
+        if exclusive:
+            L.append("#SBATCH --exclusive")
+    L += ["set -euo pipefail", "",
+          "# ---- settings (each can be overridden from the environment) ----",
+          f': "${{PYTHON:={python}}}"              # python with megatron-hexi and torch',
+          f': "${{MASTER_PORT:={master_port}}}"',
+          f': "${{HEXI_TIMEOUT_S:={int(timeout_s)}}}"          # torchrun wall limit per node, s (0: none)',
+          f': "${{HEXI_PLAN:={plan_path}}}"',
+          f': "${{HEXI_ENTRY:={entry}}}"        # training script, or "-m module"',
+          ': "${HEXI_MASTER_ADDR:=}"              # empty: first node of component 0',
+          "export PYTHON MASTER_PORT HEXI_TIMEOUT_S HEXI_PLAN HEXI_ENTRY", "",
+          "# Training arguments (passed through after --hetero-plan-path):",
+          bash_array("TRAINING_ARGS", list(training_args)), "",
+          "# ---- the plan's nodes per Slurm component, in plan order ----",
+          "# component i's k-th Slurm node runs word k of HEXI_PLAN_NODES[i]; a node's",
+          "# torchrun node rank is its index in plan order, its process count the plan ranks on it.",
+          "HEXI_PLAN_NODES=("]
+    for i, c in enumerate(comps):
+        L.append(f"    {shlex.quote(' '.join(n.name for n in c.nodes))}   # component {i}")
+    L += [")",
+          "declare -A HEXI_NODE_RANK=(" + " ".join(f"[{n.name}]={n.node_rank}" for n in nodes) + ")",
+          "declare -A HEXI_NPROC=(" + " ".join(f"[{n.name}]={n.nproc}" for n in nodes) + ")",
+          f"export HEXI_NNODES={len(nodes)}", "",
+          "# ---- map Slurm's nodes to plan nodes: \"node-id host plan-node node-rank nproc\" ----",
+          "HEXI_NODE_TABLE=\"\"",
+          "node_id=0",
+          "for ((i = 0; i < ${#HEXI_PLAN_NODES[@]}; i++)); do",
+          "    if [[ -n \"${SLURM_HET_SIZE:-}\" ]]; then",
+          "        v=SLURM_JOB_NODELIST_HET_GROUP_$i; nodelist=${!v}",
+          "    else",
+          "        nodelist=$SLURM_JOB_NODELIST",
+          "    fi",
+          "    mapfile -t hosts < <(scontrol show hostnames \"$nodelist\")",
+          "    read -r -a want <<<\"${HEXI_PLAN_NODES[$i]}\"",
+          "    if [[ ${#hosts[@]} != \"${#want[@]}\" ]]; then",
+          "        echo \"hexi: component $i got ${#hosts[@]} node(s) ($nodelist), the plan needs ${#want[@]}\" >&2",
+          "        exit 1",
+          "    fi",
+          "    for ((k = 0; k < ${#want[@]}; k++)); do",
+          "        p=${want[$k]}",
+          "        HEXI_NODE_TABLE+=\"$node_id ${hosts[$k]} $p ${HEXI_NODE_RANK[$p]} ${HEXI_NPROC[$p]}\"$'\\n'",
+          "        if [[ $node_id == 0 ]]; then first_host=${hosts[$k]}; fi",
+          "        node_id=$((node_id + 1))",
+          "    done",
+          "done",
+          "export HEXI_NODE_TABLE",
+          "export MASTER_ADDR=${HEXI_MASTER_ADDR:-$first_host}",
+          "echo \"hexi: job $SLURM_JOB_ID, master $MASTER_ADDR:$MASTER_PORT, nodes:\"",
+          "printf '%s' \"$HEXI_NODE_TABLE\" | sed 's/^/hexi:   /'", "",
+          "# ---- per node: become the plan node, run torchrun ----",
+          NODE_FUNCTION, ""]
+    srun = ["srun"]
+    if het:
+        srun.append("--het-group=0-$((SLURM_HET_SIZE - 1))")
+    srun.append("--kill-on-bad-exit=1")
+    if container_image:
+        L += [f': "${{HEXI_CONTAINER_IMAGE:={container_image}}}"',
+              ': "${HEXI_CONTAINER_MOUNTS:=$PWD:$PWD}"', ""]
+        srun += ['--container-image="$HEXI_CONTAINER_IMAGE"',
+                 '--container-mounts="$HEXI_CONTAINER_MOUNTS"', '--container-workdir="$PWD"']
+    L += [" ".join(srun) + " \\",
+          '    bash -c "$(declare -f hexi_node); hexi_node \\"\\$@\\"" hexi_node "${TRAINING_ARGS[@]}"',
+          'echo "hexi: job $SLURM_JOB_ID finished"', ""]
+    return "\n".join(L)

@@ -1,0 +1,354 @@
+"""Unit tests of hexi-launch's generators (no Slurm, no torch in the generator)."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hexi_launch_helpers import FAKE_TRAIN, REPO, hexi_launch, make_plan  # noqa: E402
+
+from megatron_hexi.launch import slurm as slurm_gen  # noqa: E402
+from megatron_hexi.launch.common import default_gres_type, plan_nodes  # noqa: E402
+
+PARTS = ["--partition", "A100-SXM-80GB=a100", "--partition", "RTX-4090=rtx4090"]
+NASTY = ["--data-path", "my data/a b", "--name", "it's $HOME `x` \"q\"", "--empty", ""]
+
+
+@pytest.fixture
+def het_plan(tmp_path):
+    """rtx4090 group FIRST (1 node x 2), then a100 (2 nodes x 2); 5 ranks: a100-1 runs only 1."""
+    path = tmp_path / "het.json"
+    return path, make_plan(path, [("rtx4090", 2, 1), ("a100", 2, 2)], world=5)
+
+
+@pytest.fixture
+def plain_plan(tmp_path):
+    path = tmp_path / "plain.json"
+    return path, make_plan(path, [("a100", 2, 2)])
+
+
+def sbatch_lines(text):
+    return [ln for ln in text.splitlines() if ln.startswith("#SBATCH")]
+
+
+@pytest.mark.parametrize("gpu,gres", [("A100-SXM-80GB", "a100"), ("RTX-4090", "rtx4090"),
+                                      ("H100-SXM", "h100"), ("A100-PCIE-40GB", "a100"),
+                                      ("RTX-3080-Ti", "rtx3080ti"), ("V100-SXM2", "v100"),
+                                      ("L40S", "l40s"), ("T4", "t4"), ("CPU", None)])
+def test_default_gres_type(gpu, gres):
+    assert default_gres_type(gpu) == gres
+
+
+def test_plan_nodes_in_plan_order(het_plan):
+    _, plan = het_plan
+    nodes = plan_nodes(plan)
+    assert [(n.name, n.nproc, n.node_rank, n.first_rank) for n in nodes] == [
+        ("rtx4090-0", 2, 0, 0), ("a100-0", 2, 1, 2), ("a100-1", 1, 2, 4)]
+
+
+def test_plain_job(plain_plan, tmp_path):
+    path, _ = plain_plan
+    out = tmp_path / "job.sbatch"
+    r = hexi_launch("slurm", path, "--partition", "a100", "--time", "1:00:00", "--account", "proj",
+                    "-o", out)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert os.stat(out).st_mode & stat.S_IXUSR
+    assert "hetjob" not in text and "--het-group" not in text
+    assert sbatch_lines(text) == [
+        "#SBATCH --job-name=hexi-plain", "#SBATCH --output=hexi-%j.out",
+        "#SBATCH --partition=a100", "#SBATCH --account=proj", "#SBATCH --time=1:00:00",
+        "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gres=gpu:a100:2",
+        "#SBATCH --cpus-per-task=4"]
+    assert "\nsrun --kill-on-bad-exit=1 \\\n" in text
+    assert "declare -A HEXI_NPROC=([a100-0]=2 [a100-1]=2)" in text
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
+
+
+def test_homogeneous_plan_without_partition_uses_default_partition(plain_plan):
+    path, _ = plain_plan
+    r = hexi_launch("slurm", path)
+    assert r.returncode == 0, r.stderr
+    assert not any("--partition" in ln for ln in sbatch_lines(r.stdout))
+
+
+def test_het_job(het_plan):
+    path, _ = het_plan
+    r = hexi_launch("slurm", path, *PARTS, "--gres-type", "RTX-4090=geforce_rtx_4090",
+                    "--cpus-per-gpu", "3")
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    lines = sbatch_lines(text)
+    assert lines.count("#SBATCH hetjob") == 1
+    split = lines.index("#SBATCH hetjob")
+    comp0, comp1 = lines[:split], lines[split + 1:]
+    # component 0 is the group of rank 0 (rtx4090, listed first in the plan), not Slurm's order
+    assert "#SBATCH --partition=rtx4090" in comp0 and "#SBATCH --nodes=1" in comp0
+    assert "#SBATCH --gres=gpu:geforce_rtx_4090:2" in comp0
+    assert "#SBATCH --cpus-per-task=6" in comp0
+    assert "#SBATCH --partition=a100" in comp1 and "#SBATCH --nodes=2" in comp1
+    assert "#SBATCH --gres=gpu:a100:2" in comp1   # the most any a100 node uses
+    assert all("--ntasks-per-node=1" in "\n".join(c) for c in (comp0, comp1))
+    assert "srun --het-group=0-$((SLURM_HET_SIZE - 1)) --kill-on-bad-exit=1" in text
+    assert text.count("\nsrun ") == 1
+    assert "    rtx4090-0   # component 0" in text
+    assert "    'a100-0 a100-1'   # component 1" in text
+    assert "declare -A HEXI_NODE_RANK=([rtx4090-0]=0 [a100-0]=1 [a100-1]=2)" in text
+    assert "declare -A HEXI_NPROC=([rtx4090-0]=2 [a100-0]=2 [a100-1]=1)" in text
+    assert "export HEXI_NNODES=3" in text
+    for default in (': "${MASTER_PORT:=29500}"', ': "${HEXI_TIMEOUT_S:=0}"', ': "${PYTHON:='):
+        assert default in text
+    assert "timeout -k 10 \"$HEXI_TIMEOUT_S\" \"$PYTHON\" -m torch.distributed.run" in text
+    assert "--hetero-plan-path \"$HEXI_PLAN\"" in text
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+def test_partition_from_cluster_spec(tmp_path):
+    path = tmp_path / "p.json"
+    make_plan(path, [("a100", 2, 1, {"partition": "gpu-a100"}),
+                     ("rtx4090", 1, 1, {"partition": "gpu-4090"})])
+    r = hexi_launch("slurm", path)
+    assert r.returncode == 0, r.stderr
+    assert "#SBATCH --partition=gpu-a100" in r.stdout and "#SBATCH --partition=gpu-4090" in r.stdout
+    # an option wins over the spec
+    r = hexi_launch("slurm", path, "--partition", "rtx4090=other")
+    assert "#SBATCH --partition=other" in r.stdout and "gpu-4090" not in r.stdout
+
+
+def test_same_gpu_groups_share_a_component(tmp_path):
+    path = tmp_path / "p.json"
+    make_plan(path, [("a100", 2, 1), ("a100_b", 1, 2)])
+    r = hexi_launch("slurm", path, "--partition", "a100")
+    assert r.returncode == 0, r.stderr
+    assert "hetjob" not in r.stdout and "#SBATCH --nodes=3" in r.stdout
+    assert "declare -A HEXI_NPROC=([a100-0]=2 [a100_b-0]=1 [a100_b-1]=1)" in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    ([], "no Slurm partition for GPU type(s) RTX-4090, A100-SXM-80GB"),
+    (["--partition", "A100-SXM-80GB=a100"], "no Slurm partition for GPU type(s) RTX-4090:"),
+    (["--partition", "rtx4090"] + ["--gres-type", "oops"], "--gres-type 'oops': expected GPU=VALUE"),
+])
+def test_bad_input_exit_2_one_line(het_plan, args, needle):
+    path, _ = het_plan
+    r = hexi_launch("slurm", path, *args)
+    assert r.returncode == 2, r.stdout
+    assert r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert needle in r.stderr and r.stderr.startswith("hexi-launch: error: ")
+
+
+def test_bad_plan_exit_2(tmp_path):
+    r = hexi_launch("slurm", tmp_path / "missing.json")
+    assert r.returncode == 2 and "cannot read plan" in r.stderr and "Traceback" not in r.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    r = hexi_launch("torchrun", bad)
+    assert r.returncode == 2 and "not valid JSON" in r.stderr
+
+
+def test_check_partitions():
+    class Comp:
+        def __init__(self, part, gres, gpus, n):
+            self.partition, self.gres_type, self.gpus = part, gres, gpus
+            self.nodes, self.groups = [None] * n, [part]
+
+    def fake_sinfo(args, **kw):
+        part = args[args.index("-p") + 1]
+        out = {"a100": "a100-1 gpu:a100:2(S:0)\na100-2 gpu:a100:2\n",
+               "rtx4090": "rtx4090-1 gpu:rtx4090:2\n"}[part]
+        return subprocess.CompletedProcess(args, 0, out, "")
+
+    slurm_gen.check_partitions([Comp("a100", "a100", 2, 2), Comp("rtx4090", "rtx4090", 2, 1)],
+                               run=fake_sinfo)
+    with pytest.raises(slurm_gen.LaunchError) as e:
+        slurm_gen.check_partitions([Comp("a100", "a100", 2, 3), Comp("rtx4090", "rtx4090", 4, 1)],
+                                   run=fake_sinfo)
+    assert e.value.problems == [
+        "node group a100 needs 3 node(s) with gpu:a100:2; partition a100 has 2 (a100-1, a100-2)",
+        "node group rtx4090 needs 1 node(s) with gpu:rtx4090:4; partition rtx4090 has 0"]
+
+
+def test_generator_does_not_import_torch(het_plan, tmp_path):
+    path, _ = het_plan
+    code = textwrap.dedent(f"""
+        import sys, contextlib, io
+        from megatron_hexi.launch.cli import main
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["slurm", {str(path)!r}, "--partition", "a100", "--partition",
+                         "RTX-4090=rtx4090"]) == 0
+            assert main(["torchrun", {str(path)!r}]) == 0
+        assert "torch" not in sys.modules, "launch imported torch"
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+# ---- the sbatch script's node mapping, run with stand-ins for srun / scontrol / python ----
+
+STUB_SRUN = r"""#!/bin/bash
+# stand-in srun: run the command after the options once per "id:host" of $STUB_NODES
+while [[ "$1" == -* ]]; do shift; done
+for pair in $STUB_NODES; do
+    SLURM_NODEID=${pair%%:*} SLURMD_NODENAME=${pair#*:} "$@" || exit $?
+done
+"""
+STUB_SCONTROL = """#!/bin/bash
+# stand-in: `scontrol show hostnames a,b,c`
+tr ',' '\\n' <<<"$3"
+"""
+STUB_PYTHON = """#!/usr/bin/env python3
+import json, os, sys
+with open(os.environ["STUB_OUT"], "a") as f:
+    f.write(json.dumps({"node": os.environ.get("HEXI_PLAN_NODE"), "argv": sys.argv[1:],
+                        "master": os.environ.get("MASTER_ADDR")}) + "\\n")
+"""
+
+
+def _run_with_stubs(tmp_path, script, env_extra):
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    for name, body in [("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL), ("python", STUB_PYTHON)]:
+        (bindir / name).write_text(body)
+        (bindir / name).chmod(0o755)
+    out = tmp_path / "calls.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "MASTER_"))}
+    env.update(PATH=f"{bindir}:{env['PATH']}", STUB_OUT=str(out), PYTHON=str(bindir / "python"),
+               SLURM_JOB_ID="7", **env_extra)
+    r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = [json.loads(x) for x in out.read_text().splitlines()]
+    return {c["node"]: c for c in calls}, r.stdout
+
+
+def _flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("node_ids", ["in_order", "shuffled"])
+def test_sbatch_mapping_with_stub_slurm(het_plan, tmp_path, node_ids):
+    path, plan = het_plan
+    job = tmp_path / "job.sbatch"
+    r = hexi_launch("slurm", path, *PARTS, "--entry", "train.py", "-o", job, "--", *NASTY)
+    assert r.returncode == 0, r.stderr
+    # Slurm sorts nodes by name within a component; component 0 is rtx4090 here.
+    nodes = "0:rtx4090-1 1:a100-1 2:a100-2"
+    if node_ids == "shuffled":   # step numbering that disagrees with the node lists
+        nodes = "0:a100-2 1:rtx4090-1 2:a100-1"
+    calls, log = _run_with_stubs(tmp_path, job, {
+        "SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "rtx4090-1",
+        "SLURM_JOB_NODELIST_HET_GROUP_1": "a100-1,a100-2", "STUB_NODES": nodes})
+    assert set(calls) == {"rtx4090-0", "a100-0", "a100-1"}, log
+    want = {"rtx4090-0": ("0", "2"), "a100-0": ("1", "2"), "a100-1": ("2", "1")}
+    for node, (node_rank, nproc) in want.items():
+        argv = calls[node]["argv"]
+        assert argv[:2] == ["-m", "torch.distributed.run"]
+        assert _flag(argv, "--node-rank") == node_rank and _flag(argv, "--nproc-per-node") == nproc
+        assert _flag(argv, "--nnodes") == "3"
+        assert _flag(argv, "--master-addr") == "rtx4090-1" and _flag(argv, "--master-port") == "29500"
+        tail = argv[argv.index("train.py"):]
+        assert tail == ["train.py", "--hetero-plan-path", str(path.resolve()), *NASTY]
+
+
+def test_sbatch_plain_mapping_and_env_overrides(plain_plan, tmp_path):
+    path, _ = plain_plan
+    job = tmp_path / "job.sbatch"
+    assert hexi_launch("slurm", path, "-o", job, "--entry-module", "my.mod").returncode == 0
+    calls, _ = _run_with_stubs(tmp_path, job, {
+        "SLURM_JOB_NODELIST": "n7,n8", "STUB_NODES": "0:n7 1:n8", "MASTER_PORT": "31000",
+        "HEXI_TIMEOUT_S": "50"})
+    assert _flag(calls["a100-1"]["argv"], "--master-port") == "31000"
+    assert _flag(calls["a100-1"]["argv"], "--node-rank") == "1"
+    assert calls["a100-0"]["argv"][-4:-2] == ["-m", "my.mod"]
+
+
+def test_sbatch_wrong_node_count_fails(plain_plan, tmp_path):
+    path, _ = plain_plan
+    job = tmp_path / "job.sbatch"
+    assert hexi_launch("slurm", path, "-o", job).returncode == 0
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "scontrol").write_text(STUB_SCONTROL)
+    (bindir / "scontrol").chmod(0o755)
+    env = {**os.environ, "SLURM_JOB_NODELIST": "n7", "SLURM_JOB_ID": "1",
+           "PATH": f"{bindir}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", str(job)], capture_output=True, text=True, env=env, timeout=30)
+    assert r.returncode == 1
+    assert "component 0 got 1 node(s) (n7), the plan needs 2" in r.stderr
+
+
+# ---- hexi-launch torchrun ----
+
+def test_torchrun_commands(het_plan):
+    path, _ = het_plan
+    r = hexi_launch("torchrun", path, "--master-port", "29999", "--", "--lr", "1e-4", "a b")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    cmds = [ln for ln in lines if not ln.startswith("#")]
+    assert len(cmds) == 3
+    assert cmds[0].startswith("HEXI_PLAN_NODE=rtx4090-0 ")
+    assert "--nnodes 3 --node-rank 0 --nproc-per-node 2" in cmds[0]
+    assert cmds[2].startswith("HEXI_PLAN_NODE=a100-1 ")
+    assert "--node-rank 2 --nproc-per-node 1" in cmds[2]
+    assert all('--master-addr "$MASTER_ADDR" --master-port 29999' in c for c in cmds)
+    assert all(c.endswith(f"--hetero-plan-path {path.resolve()} --lr 1e-4 'a b'") for c in cmds)
+
+
+def test_torchrun_master_addr_from_hostnames(tmp_path):
+    path = tmp_path / "p.json"
+    make_plan(path, [("a100", 1, 2, {"hostnames": ["gpu-a", "gpu-b"]})])
+    r = hexi_launch("torchrun", path)
+    assert "--master-addr gpu-a " in r.stdout and "# on plan node a100-1 (host gpu-b)" in r.stdout
+
+
+def test_torchrun_scripts_run_locally(het_plan, tmp_path):
+    """The per-node scripts, all started on this machine: every plan rank once, on its node."""
+    path, plan = het_plan
+    d = tmp_path / "nodes"
+    r = hexi_launch("torchrun", path, "--master-addr", "127.0.0.1", "--master-port",
+                    str(_free_port()), "--timeout-s", "90", "--entry", FAKE_TRAIN, "-o", d,
+                    "--", "--out", tmp_path / "res.json", "--x", "a b")
+    assert r.returncode == 0, r.stderr
+    scripts = sorted(d.glob("*.sh"))
+    assert [s.name for s in scripts] == ["a100-0.sh", "a100-1.sh", "rtx4090-0.sh"]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    procs = [subprocess.Popen(["bash", str(s)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for s in scripts]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    from hexi_launch_helpers import check_fake_result
+    res = check_fake_result(tmp_path / "res.json", plan)
+    assert all(x["how"] == "HEXI_PLAN_NODE" and x["extra_args"] == ["--x", "a b"]
+               for x in res["ranks"])
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_example_template_runs_with_stub_slurm(tmp_path):
+    """examples/slurm/hetero-template.sbatch: valid bash, same node mapping as the generator."""
+    template = REPO / "examples" / "slurm" / "hetero-template.sbatch"
+    assert subprocess.run(["bash", "-n", str(template)]).returncode == 0
+    calls, _ = _run_with_stubs(tmp_path, template, {
+        "SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu-a1,gpu-a2",
+        "SLURM_JOB_NODELIST_HET_GROUP_1": "g4090", "STUB_NODES": "0:gpu-a1 1:gpu-a2 2:g4090",
+        "HEXI_PLAN": "/p/plan.json"})
+    assert {n: (_flag(c["argv"], "--node-rank"), _flag(c["argv"], "--nproc-per-node"))
+            for n, c in calls.items()} == {"a100-0": ("0", "2"), "a100-1": ("1", "2"),
+                                           "rtx4090-0": ("2", "2")}
+    assert all(_flag(c["argv"], "--master-addr") == "gpu-a1" for c in calls.values())
+    argv = calls["a100-0"]["argv"]
+    assert argv[argv.index("pretrain_gpt.py"):] == [
+        "pretrain_gpt.py", "--hetero-plan-path", "/p/plan.json", "--train-iters", "100", "--lr",
+        "1e-4", "--mock-data"]
