@@ -8,7 +8,8 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.12",
-    packages=["planner", "megatron_hexi", "megatron_hexi.patches"],
+    packages=["planner", "megatron_hexi", "megatron_hexi.patches", "megatron_hexi.launch",
+              "megatron_hexi.cluster_tools"],
     package_dir={"megatron_hexi.patches": "patches"},
     package_data={"planner": ["data/*.yaml", "data/*.json"]},
     py_modules=[],
@@ -31,5 +32,8 @@ setup(
     },
     entry_points={"console_scripts": [
         "hexi-plan=planner.cli:main",
+        "hexi-train=megatron_hexi.training:main",
+        "hexi-launch=megatron_hexi.launch.cli:main",
+        "hexi-cluster=megatron_hexi.cluster_tools.cli:main",
     ]},
 )

@@ -42,11 +42,12 @@ class GradientSync:
             # on one stage, which megatron-core keeps as a single parameter.
             param = by_name[seg.name][0]
             slot = Slot(param, seg.dim, mine[0], seg.end - seg.start,
-                        plan_rank in seg.contributors)
-            if seg.ranks not in index:
-                index[seg.ranks] = len(self.buckets)
-                self.buckets.append((seg.ranks, groups.segment_groups.get(seg.ranks), []))
-            self.buckets[index[seg.ranks]][2].append(slot)
+                        plan_rank in seg.contributors or not seg.needs_reduce)
+            key = seg.ranks if seg.needs_reduce else (plan_rank,)
+            if key not in index:
+                index[key] = len(self.buckets)
+                self.buckets.append((key, groups.segment_groups.get(key), []))
+            self.buckets[index[key]][2].append(slot)
             if seg.owner == plan_rank:
                 self.owned.append(slot)
         self.bytes_per_step = 0

@@ -40,7 +40,7 @@ class Trainer:
         timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
         mapping = map_processes(plan, _device_name(device), check_devices=device.type == "cuda")
         segments = gradient_segments(plan)
-        rank_sets = list(dict.fromkeys(s.ranks for s in segments))
+        rank_sets = list(dict.fromkeys(s.ranks for s in segments if s.needs_reduce))
         self.groups = build_groups(plan, mapping, rank_sets, timeout)
         self.rank = self.groups.plan_rank
         self.view = view = plan.rank_view(self.rank)
@@ -67,10 +67,10 @@ class Trainer:
         self.position = StagePosition(view.stage, len(pipe.stages))
         self.communicator = StageCommunicator(self.config, self.position, self.groups.tp,
                                               view.tp_size, prev_b, next_b, dtype, device)
-        self.dataset = None
-        if view.holds_embedding or view.holds_output:
-            from megatron_hexi.data import build_train_dataset
-            self.dataset = build_train_dataset(args, plan, _tokenizer(args))
+        # Every rank takes part: megatron-core's dataset builder synchronises the whole world
+        # (rank 0 builds first). Only first and last stages read from it.
+        from megatron_hexi.data import build_train_dataset
+        self.dataset = build_train_dataset(args, plan, _tokenizer(args))
         self.global_tokens = None
 
     # -- pieces handed to megatron-core's schedule ------------------------------------------
@@ -116,7 +116,7 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad()
         data = (pipeline_microbatches(self.dataset, self.plan, v, iteration)
-                if self.dataset is not None else iter(()))
+                if (v.holds_embedding or v.holds_output) else iter(()))
         pg = ProcessGroupCollection(tp=self.groups.tp, cp=SingleRank(), pp=self.position,
                                     embd=None, pos_embd=None, dp_cp=SingleRank())
         start = time.perf_counter()

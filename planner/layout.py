@@ -54,6 +54,12 @@ class Segment:
     def ranks(self):
         return tuple(r for r, _ in self.members)
 
+    @property
+    def needs_reduce(self):
+        """Only one contributor: every holder already has the full sum (TP replicas of one
+        stage hold identical gradients), so no collective is needed."""
+        return len(self.contributors) > 1
+
 
 def _full(local_name, name, shape, init, replicated=True):
     return ParamShard(local_name, name, tuple(shape), 0, (Piece(0, 0, shape[0]),), replicated, init)

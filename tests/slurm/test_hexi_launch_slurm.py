@@ -20,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 from hexi_launch_helpers import (FAKE_TRAIN, check_fake_result, cluster_dict,  # noqa: E402
                                  hexi_launch, make_plan)
 
+from harness import run_distributed  # noqa: E402
 from megatron_hexi.launch.common import default_gres_type  # noqa: E402
+from runtime.workers import BASE_FLAGS, train  # noqa: E402
 from planner.cluster import load_cluster_dict  # noqa: E402
 
 pytestmark = pytest.mark.slurm
@@ -154,10 +156,17 @@ def test_pretrain_gpt_het_job(slurm_cluster, tmp_path):
     save_plan(build_plan(cluster, model_from_dict(MODEL, "model"), 4, pipes), str(plan_path))
     metrics = tmp_path / "metrics.jsonl"
     job = generate(tmp_path, plan_path, "hexi-e2e", entry=("--entry", str(entry)),
-                   args=["--mock-data", "--train-iters", "2", "--lr", "1e-3",
-                         "--lr-decay-style", "constant", "--hetero-metrics-path", metrics])
+                   args=[*BASE_FLAGS, "--hetero-metrics-path", metrics])
     out = submit(slurm_cluster, tmp_path, job, "hexi-e2e")
     assert "-> plan node rtx4090-0, torchrun node rank 0, 2 process(es)" in out
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [1, 2], out
-    assert all(0 < r["lm_loss"] < 10 for r in rows), rows
+    assert [r["iteration"] for r in rows] == [1, 2, 3], out
+    # The same training on one CPU process: the job's losses must be the same numbers.
+    one = [{"micro_batch_size": 4, "num_microbatches": 1,
+            "stages": [{"ranks": [0], "layers": [0, 4]}]}]
+    ref_path = tmp_path / "one-rank.json"
+    save_plan(build_plan(load_cluster_dict(cluster_dict([("a100", 1, 1)])),
+                         model_from_dict(MODEL, "model"), 4, one), str(ref_path))
+    ref = run_distributed(train, 1, ref_path, timeout=240)[0]
+    for row, loss in zip(rows, ref["losses"]):
+        assert abs(row["lm_loss"] - loss) <= 1e-5 * abs(loss), (rows, ref["losses"])

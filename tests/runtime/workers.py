@@ -1,0 +1,101 @@
+"""Functions the runtime tests run on every rank (module level, so spawned processes find them).
+
+`train` trains a plan for a few steps exactly as pretrain_gpt.py does and returns, on launch
+rank 0, the per-iteration losses and grad norms and the final parameters gathered to full
+tensors. `defect` deliberately breaks the gradient sync the way the HexiScale code does, to prove
+the equivalence tests catch it.
+"""
+import torch
+
+# Adam's eps is 1e-4 here, not 1e-8: in the first steps Adam divides each gradient element by its
+# own magnitude, so with eps 1e-8 elements whose gradient is ~0 turn float rounding (sums taken in
+# another order across pipelines) into lr-sized updates. Measured on the two-pipeline plan: eps
+# 1e-8 gives losses and grad norms equal to 7e-8 but parameters only to 1.3e-4 relative (4e-6
+# absolute, at lr 1e-3); eps 1e-4 gives parameters to ~1e-6. The gradients are what the runtime
+# computes; this keeps the optimizer from amplifying rounding noise in the comparison.
+BASE_FLAGS = ["--adam-eps", "1e-4", "--mock-data", "--train-iters", "3", "--lr", "1e-3", "--lr-decay-style", "constant",
+              "--seed", "1234", "--attention-dropout", "0", "--hidden-dropout", "0",
+              "--log-interval", "1000", "--weight-decay", "0.01"]
+
+
+def _break_sync(defect):
+    """Monkeypatch one HexiScale defect into this process's runtime."""
+    import dataclasses
+
+    from planner import layout
+    from megatron_hexi.grad_sync import GradientSync
+
+    if defect == "misaligned_fused":
+        # Sync as if each rank's fused [q; k; v] and [gate; up] rows were one contiguous block
+        # at offset tp_rank x local rows (the weights themselves are still initialised right).
+        real = layout.rank_param_shards
+
+        def misaligned(plan, rank):
+            tp_rank = plan.rank_view(rank).tp_rank
+            shards = []
+            for s in real(plan, rank):
+                if "linear_qkv" in s.name or "linear_fc1" in s.name:
+                    n = sum(p.length for p in s.pieces)
+                    s = dataclasses.replace(s, pieces=(layout.Piece(0, tp_rank * n, n),))
+                shards.append(s)
+            return shards
+        layout.rank_param_shards = misaligned
+    elif defect == "equal_weighting":
+        # Each pipeline averages over its own tokens, then pipelines are averaged equally.
+        real_sync = GradientSync.sync
+
+        def equal(self, num_tokens):
+            trainer_tokens = self._own_pipeline_tokens
+            for p in {id(s.param): s.param for _, _, sl in self.buckets for s in sl}.values():
+                if p.grad is not None:
+                    p.grad.mul_(num_tokens / trainer_tokens / self._num_pipelines)
+            real_sync(self, num_tokens)
+        GradientSync.sync = equal
+    elif defect == "tp_weighted_replicated":
+        # Every TP replica of a norm contributes, so stages of TP t count it t times.
+        real_init = GradientSync.__init__
+
+        def init(self, plan_rank, params, segments, groups):
+            segments = [dataclasses.replace(s, contributors=frozenset(s.ranks)) for s in segments]
+            real_init(self, plan_rank, params, segments, groups)
+        GradientSync.__init__ = init
+    elif defect is not None:
+        raise ValueError(defect)
+
+
+def train(plan_path, defect=None, extra_flags=()):
+    import torch.distributed as dist
+
+    from megatron_hexi.arguments import parse_args
+    from megatron_hexi.training import init_distributed, run
+    from planner.plan import load_plan
+
+    args = parse_args(["--hetero-plan-path", str(plan_path), *BASE_FLAGS, *extra_flags])
+    plan = load_plan(args.hetero_plan_path)
+    device = init_distributed(args, plan)
+    _break_sync(defect)
+    if defect == "equal_weighting":
+        from megatron_hexi.grad_sync import GradientSync
+        pipe = plan.pipelines[plan.rank_view(dist.get_rank()).pipeline]   # launched in plan order
+        GradientSync._own_pipeline_tokens = pipe.num_samples * plan.model.seq_length
+        GradientSync._num_pipelines = len(plan.pipelines)
+    trainer, history = run(args, plan, device)
+    full = trainer.full_parameters()
+    out = {"losses": [h["lm_loss"] for h in history],
+           "grad_norms": [h["grad_norm"] for h in history],
+           "sync_bytes": trainer.grad_sync.bytes_per_step,
+           "plan_rank": trainer.rank}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"plan_rank": trainer.rank,
+                                      "sync_bytes": trainer.grad_sync.bytes_per_step})
+    if dist.get_rank() == 0:
+        out["params"] = {k: v.clone() for k, v in full.items()}
+        out["sync_bytes_per_rank"] = {e["plan_rank"]: e["sync_bytes"] for e in everyone}
+    return out
+
+
+def max_relative_difference(a, b):
+    """max |a - b| / max(|b|, 1e-6) over matching scalars or tensors."""
+    if isinstance(a, torch.Tensor):
+        return ((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
+    return abs(a - b) / max(abs(b), 1e-6)
