@@ -1,0 +1,94 @@
+"""Start-up from a plan: bad flags, bad plans, world-size and node mismatches are one clear error
+(exit code 2, no traceback, no hang), and processes map to plan ranks whatever their launch order.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness import run_torchrun
+from megatron_hexi.rank_mapping import Identity, LaunchError, resolve_ranks
+from planner.plan import load_plan
+
+REPO_FLAGS = ["--mock-data", "--train-iters", "1", "--lr", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def plan_path(repo_root):
+    return repo_root / "examples/plans/hetero-4rank.json"
+
+
+def run_entry(repo_root, *args):
+    """pretrain_gpt.py as one plain process (errors that come before any collective)."""
+    r = subprocess.run([sys.executable, str(repo_root / "pretrain_gpt.py"), *map(str, args)],
+                       capture_output=True, text=True, timeout=180, cwd=repo_root)
+    return r.returncode, r.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--use-distributed-optimizer"], "unsupported flag: --use-distributed-optimizer"),
+    (["--hidden-size", "128"], "--hidden-size 128 contradicts the plan's model hidden_size 64"),
+    (["--global-batch-size", "16"], "--global-batch-size 16 contradicts the plan's "
+                                    "global_batch_size 8"),
+    (["--micro-batch-size", "1"], "--micro-batch-size 1 contradicts the plan's micro-batch "
+                                  "sizes [1, 2]"),
+    (["--tensor-model-parallel-size", "2"], "contradicts the plan's TP degrees [1, 2]"),
+])
+def test_flag_errors(repo_root, plan_path, flags, message):
+    code, err = run_entry(repo_root, "--hetero-plan-path", plan_path, *REPO_FLAGS, *flags)
+    assert code == 2, err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_plan_errors(repo_root, tmp_path):
+    code, err = run_entry(repo_root, "--hetero-plan-path", tmp_path / "missing.json", *REPO_FLAGS)
+    assert code == 2 and "missing.json: cannot read plan" in err and "Traceback" not in err, err
+    bad = json.loads((repo_root / "examples/plans/hetero-4rank.json").read_text())
+    bad["pipelines"][0]["stages"][0]["shards"]["ffn"] = [200, 50]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    code, err = run_entry(repo_root, "--hetero-plan-path", tmp_path / "bad.json", *REPO_FLAGS)
+    assert code == 2, err
+    assert "pipelines[0].stages[0].shards.ffn: sums to 250, model ffn_hidden_size is 256" in err
+
+
+def test_world_size_mismatch_fails_on_every_rank(plan_path):
+    code, out, err = run_torchrun(["pretrain_gpt.py", "--hetero-plan-path", plan_path,
+                                   *REPO_FLAGS], nproc=2, timeout=180)
+    assert code != 0
+    assert err.count("world size 2 does not match the plan's 4 ranks") == 2, err
+
+
+def test_unknown_plan_node_fails_on_every_rank(plan_path):
+    code, out, err = run_torchrun(["pretrain_gpt.py", "--hetero-plan-path", plan_path,
+                                   *REPO_FLAGS], nproc=4, timeout=240,
+                                  env={"HEXI_PLAN_NODE": "h100-7"})
+    assert code != 0
+    assert err.count("says node 'h100-7', which is not a node of cluster 'mini-hetero'") == 4, err
+    # torchrun reports the failed workers with its own traceback; the workers print none.
+    assert "megatron_hexi/" not in err, err
+
+
+def _ids(*entries):
+    return [Identity(i, node, "host", lr, dev) for i, (node, lr, dev) in enumerate(entries)]
+
+
+def test_rank_mapping(plan_path):
+    plan = load_plan(plan_path)      # ranks: a100:0, a100:1, rtx4090:0, rtx3090:0
+    # Launch order differs from plan order: mapping follows (node, local rank).
+    ids = _ids(("rtx3090", 0, "cpu"), ("a100", 1, "cpu"), ("rtx4090", 0, "cpu"), ("a100", 0, "cpu"))
+    assert resolve_ranks(plan, ids, check_devices=False) == {0: 3, 1: 1, 2: 2, 3: 0}
+    # No node names at all: launch order.
+    assert resolve_ranks(plan, _ids(*[("", i, "cpu") for i in range(4)]), False) == \
+        {0: 0, 1: 1, 2: 2, 3: 3}
+    # Device types are checked when running on GPUs.
+    ids = _ids(("a100", 0, "NVIDIA A100-SXM4-80GB"), ("a100", 1, "NVIDIA A100-SXM4-80GB"),
+               ("rtx4090", 0, "NVIDIA GeForce RTX 3090"), ("rtx3090", 0, "NVIDIA GeForce RTX 3090"))
+    with pytest.raises(LaunchError, match="plan rank 2 .* expects RTX-4090, but the device is"):
+        resolve_ranks(plan, ids, check_devices=True)
+    with pytest.raises(LaunchError, match="has local rank 1, but the plan uses no such GPU"):
+        resolve_ranks(plan, _ids(("a100", 0, "cpu"), ("a100", 1, "cpu"), ("rtx4090", 1, "cpu"),
+                                 ("rtx3090", 0, "cpu")), False)
+    with pytest.raises(LaunchError, match="could not be placed"):
+        resolve_ranks(plan, _ids(("a100", 0, "cpu"), ("", 1, "cpu"), ("rtx4090", 0, "cpu"),
+                                 ("rtx3090", 0, "cpu")), False)
