@@ -1,0 +1,500 @@
+"""Cost model: FLOPs, collective times, stage times and memory of one GPU, from first principles.
+
+Every number the planner predicts is built from the formulas here and the named constants below.
+There are no fudge factors: each constant is a published figure, a measurement (a device profile),
+or a stated assumption that says so. Units: seconds, bytes, FLOPs, bytes/s.
+
+Notation (Megatron's): b micro-batch size, s sequence length, h hidden size, a attention heads,
+g query groups, d head size (kv_channels), f FFN hidden size, V vocabulary, L layers, t the TP degree.
+"""
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+from planner.catalog import get_gpu
+from planner.errors import SpecError
+
+# ------------------------------------------------------------------------------------- constants
+
+BF16_BYTES = 2
+FP32_BYTES = 4
+
+# Sustained fraction of catalog peak for the GEMM-dominated mix of a transformer layer (matmuls,
+# attention, memory-bound norms and activations). Stated assumption: Megatron-LM reports 52-56 %
+# model-FLOPs utilisation on A100 at scale with communication mostly hidden (Narayanan et al. 2021,
+# 163 of 312 TFLOP/s; Korthikanti et al. 2022, Table 5), i.e. about 0.55 of peak for the compute
+# itself. A measured device profile (`profile:` in the cluster file) replaces it.
+SUSTAINED_FRACTION_OF_PEAK = 0.55
+
+# Memory per parameter in megatron-core bf16 mixed precision with Adam (Megatron's DDP keeps fp32
+# main grads): bf16 weight 2 + fp32 grad 4 + fp32 master weight 4 + fp32 Adam m and v 8 = 18.
+WEIGHT_BYTES_PER_PARAM = BF16_BYTES
+GRAD_BYTES_PER_PARAM = FP32_BYTES          # gradient buffers are fp32 on GPU, also for the reduce
+OPTIMIZER_BYTES_PER_PARAM = 3 * FP32_BYTES  # fp32 master + Adam exp_avg + exp_avg_sq
+
+# Bytes of GPU memory traffic per parameter in one Adam step (memory-bound): read fp32 grad (4),
+# read+write master (8), m (8), v (8), write the bf16 weight copy (2). Counted from the update.
+ADAM_STEP_BYTES_PER_PARAM = 30
+
+# Memory the framework takes before any tensor: CUDA context with cuBLAS/NCCL workspaces (~0.5-1 GB
+# as reported by nvidia-smi for a PyTorch process) plus caching-allocator fragmentation. Stated
+# assumption, one value for every device.
+FRAMEWORK_RESERVE_BYTES = 1.5e9
+
+# The runtime builds megatron-core's local attention (DotProductAttention), which keeps the s x s
+# softmax, its dropout mask and output for backward: the 5as/h term of Korthikanti et al.'s
+# formula applies. A flash/fused attention (Transformer Engine) would drop it.
+FLASH_ATTENTION = False
+
+# Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models), Sec. 4.1,
+# activation bytes per layer without sequence parallelism: s*b*h*(34 + 5*a*s/h). Split into the
+# part every TP rank stores (10: norms' inputs, QKV and fc1 inputs, dropout masks), the part split
+# over TP by attention heads (8 + 5as/h: Q, K, V, softmax terms, projection input) and the part split
+# by FFN columns (16: fc1 output and activation output).
+ACT_REPLICATED = 10
+ACT_ATTENTION_SHARDED = 8
+ACT_MLP_SHARDED = 16
+ACT_SCORES_PER_AS_OVER_H = 5
+
+# Vocabulary-parallel cross entropy: three small all-reduces of [s, b] fp32 in forward (max,
+# sum of exp, target logit), megatron-core's tensor_parallel.cross_entropy.
+CROSS_ENTROPY_ALLREDUCES = 3
+
+
+# --------------------------------------------------------------------------------------- devices
+
+@dataclass(frozen=True)
+class Device:
+    """What the cost model needs of one GPU type: peak and sustained FLOP/s, memory, bandwidth."""
+    name: str
+    peak_flops: float
+    flops: float               # sustained FLOP/s used for compute times
+    memory_bytes: float
+    mem_bw: float              # bytes/s
+    source: str
+
+
+@lru_cache(maxsize=None)
+def _load_profile(path):
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise SpecError(f"profile {path}: cannot read: {e.strerror}")
+    except json.JSONDecodeError as e:
+        raise SpecError(f"profile {path}: not valid JSON: {e.msg} at line {e.lineno}")
+    if not isinstance(data, dict) or not isinstance(data.get("matmul_tflops"), (int, float)) \
+            or data["matmul_tflops"] <= 0:
+        raise SpecError(f"profile {path}: needs a positive number `matmul_tflops`")
+    return data
+
+
+def device_for(gpu_name, profile=None):
+    """The Device of a catalog GPU, with a measured profile applied when the node group has one.
+
+    Profile (JSON): {"device": "RTX-4090", "matmul_tflops": 96.0, "memory_gb": 23.6,
+    "memory_bandwidth_gbs": 900, "source": "..."}: `matmul_tflops` is the measured sustained
+    throughput of the layer's GEMM shapes and replaces peak x SUSTAINED_FRACTION_OF_PEAK; the other
+    fields are optional overrides.
+    """
+    gpu = get_gpu(gpu_name)
+    if not profile:
+        return Device(gpu.name, gpu.peak_flops, gpu.peak_flops * SUSTAINED_FRACTION_OF_PEAK,
+                      gpu.memory_bytes, gpu.mem_bw_gbs * 1e9,
+                      f"catalog peak x {SUSTAINED_FRACTION_OF_PEAK}")
+    data = _load_profile(os.path.abspath(profile))
+    if data.get("device", gpu.name) != gpu.name:
+        raise SpecError(f"profile {profile}: is for {data['device']!r}, node holds {gpu.name}")
+    return Device(gpu.name, gpu.peak_flops, float(data["matmul_tflops"]) * 1e12,
+                  float(data.get("memory_gb", gpu.memory_gb)) * 1e9,
+                  float(data.get("memory_bandwidth_gbs", gpu.mem_bw_gbs)) * 1e9,
+                  f"profile {profile}")
+
+
+# ----------------------------------------------------------------------------------------- FLOPs
+
+def attention_flops(m, b):
+    """Forward FLOPs of one layer's attention block, whole (unsharded), for a micro-batch of b.
+
+    QKV: 2*b*s*h*(a*d + 2*g*d) (q is h x a*d, k and v are h x g*d each); scores Q.K^T and context
+    P.V: 2*b*s^2*a*d each, causal mask NOT halved (Megatron's MFU convention); output projection
+    2*b*s*a*d*h. A multiply-add counts as 2 FLOPs.
+    """
+    s, h, a, g, d = m.seq_length, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
+    qkv = 2 * b * s * h * (a * d + 2 * g * d)
+    scores_and_context = 2 * (2 * b * s * s * a * d)
+    proj = 2 * b * s * a * d * h
+    return qkv + scores_and_context + proj
+
+
+def mlp_flops(m, b):
+    """Forward FLOPs of one layer's MLP: SwiGLU has 3 matmuls of h x f (2*b*s*h*f each), else 2."""
+    n_mat = 3 if m.swiglu else 2
+    return n_mat * 2 * b * m.seq_length * m.hidden_size * m.ffn_hidden_size
+
+
+def layer_flops(m, b):
+    """Forward FLOPs of one transformer layer (attention + MLP)."""
+    return attention_flops(m, b) + mlp_flops(m, b)
+
+
+def head_flops(m, b):
+    """Forward FLOPs of the output layer (LM head): 2*b*s*h*V, on the last stage only."""
+    return 2 * b * m.seq_length * m.hidden_size * m.vocab_size
+
+
+def model_flops_per_sample(m):
+    """Training FLOPs of one sample without recompute: 3 x forward (backward = 2 x forward)."""
+    return 3 * (m.num_layers * layer_flops(m, 1) + head_flops(m, 1))
+
+
+# ----------------------------------------------------------------------------------- collectives
+
+def ring_allreduce_time(nbytes, n, bw, lat):
+    """Ring all-reduce of `nbytes` over n ranks: 2(n-1)/n * bytes / bw + 2(n-1) latency hops."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+
+
+def ring_allgather_time(nbytes, n, bw, lat):
+    """Ring all-gather rebuilding a `nbytes` tensor from n equal parts: (n-1)/n bytes/bw + (n-1) lat."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / bw + (n - 1) * lat
+
+
+def ring_reduce_scatter_time(nbytes, n, bw, lat):
+    """Ring reduce-scatter of `nbytes` over n ranks: same volume as an all-gather."""
+    return ring_allgather_time(nbytes, n, bw, lat)
+
+
+class Topology:
+    """Fast link look-ups for the cost model: GPU -> node, slowest pair of a rank set.
+
+    Wraps ClusterSpec.link (bandwidth and latency between two GPUs on named nodes) with caches, so
+    that the search can ask for thousands of rank sets. Assumption: GPUs of one machine share its
+    NIC; concurrent collectives of different groups do not slow each other.
+    """
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.nodes = cluster.nodes
+        self.node_of = []                 # rank (cluster order) -> node index
+        self.local_of = []
+        for i, n in enumerate(self.nodes):
+            self.node_of.extend([i] * n.gpus_per_node)
+            self.local_of.extend(range(n.gpus_per_node))
+        self.group_of = [n.group for n in self.nodes]
+        self.node_names = {n.name for n in self.nodes}
+        self._by_name_override = any(x in self.node_names and x not in {g.name for g in cluster.groups}
+                                     for lk in cluster.links for x in lk.between)
+        groups = {g.name: g for g in cluster.groups}
+        self.devices = [device_for(n.gpu, groups[n.group].profile) for n in self.nodes]
+        self.nic = [n.nic_bw for n in self.nodes]
+        self._link = {}
+
+    def device_of(self, rank):
+        return self.devices[self.node_of[rank]]
+
+    def node_link(self, i, j):
+        """(bytes/s, s) between GPUs on node indices i and j (i == j: inside the machine)."""
+        key = (i, j) if i <= j else (j, i)
+        got = self._link.get(key)
+        if got is None:
+            a, b = self.nodes[key[0]], self.nodes[key[1]]
+            if not self._by_name_override and i != j:
+                gkey = ("g", a.group, b.group) if a.group <= b.group else ("g", b.group, a.group)
+                got = self._link.get(gkey)
+                if got is None:
+                    got = self.cluster.link(a.name, b.name)
+                    # same group pair but different nodes: depends only on the groups
+                    self._link[gkey] = got
+            else:
+                got = self.cluster.link(a.name, b.name)
+            self._link[key] = got
+        return got
+
+    def slowest(self, ranks):
+        """(bandwidth, latency) of the slowest pair in a set of ranks: a ring runs at its pace."""
+        nodes = {}
+        for r in ranks:
+            n = self.node_of[r]
+            nodes[n] = nodes.get(n, 0) + 1
+        bw, lat = float("inf"), 0.0
+        for n, c in nodes.items():
+            if c > 1:
+                b, l = self.node_link(n, n)
+                bw, lat = min(bw, b), max(lat, l)
+        if len(nodes) > 1:
+            if self._by_name_override:
+                items = list(nodes)
+                pairs = ((items[x], items[y]) for x in range(len(items))
+                         for y in range(x + 1, len(items)))
+            else:   # links depend on groups only: one representative node per group
+                rep = {}
+                for n in nodes:
+                    rep.setdefault(self.group_of[n], []).append(n)
+                reps = [(v[0], v[1] if len(v) > 1 else None) for v in rep.values()]
+                pairs = [(x[0], x[1]) for x in reps if x[1] is not None]
+                pairs += [(reps[x][0], reps[y][0]) for x in range(len(reps))
+                          for y in range(x + 1, len(reps))]
+            for x, y in pairs:
+                b, l = self.node_link(x, y)
+                bw, lat = min(bw, b), max(lat, l)
+        if bw == float("inf"):
+            return float("inf"), 0.0
+        return bw, lat
+
+
+def p2p_transfer_time(nbytes, senders, receivers, topo):
+    """Time to move a flat buffer from a TP=a stage to a TP=b stage, as the runtime does it.
+
+    The buffer is partitioned evenly over the a senders and evenly over the b receivers; every
+    (sender i, receiver j) pair whose parts overlap sends the intersection, all pairs in parallel.
+    Time = the slowest pair (bytes/bw + latency), or a machine's NIC carrying all its inter-node
+    bytes (out of the sending machine or into the receiving one), whichever is larger.
+    """
+    a, b = len(senders), len(receivers)
+    out_bytes, in_bytes, worst = {}, {}, 0.0
+    for i, s in enumerate(senders):
+        lo_i, hi_i = nbytes * i / a, nbytes * (i + 1) / a
+        j0 = int(lo_i * b // nbytes) if nbytes else 0
+        for j in range(j0, b):
+            lo_j, hi_j = nbytes * j / b, nbytes * (j + 1) / b
+            if lo_j >= hi_i:
+                break
+            part = min(hi_i, hi_j) - max(lo_i, lo_j)
+            if part <= 0:
+                continue
+            r = receivers[j]
+            ns, nr = topo.node_of[s], topo.node_of[r]
+            if s == r:
+                continue
+            bw, lat = topo.node_link(ns, nr)
+            worst = max(worst, part / bw + lat)
+            if ns != nr:
+                out_bytes[ns] = out_bytes.get(ns, 0.0) + part
+                in_bytes[nr] = in_bytes.get(nr, 0.0) + part
+    for n, v in list(out_bytes.items()) + list(in_bytes.items()):
+        worst = max(worst, v / topo.nic[n])
+    return worst
+
+
+def boundary_times(m, mbs, senders, receivers, topo):
+    """(forward, backward) seconds per micro-batch across one stage boundary.
+
+    Forward: activation [s, b, h] bf16 split-sent senders -> receivers, then an all-gather inside
+    the receiving TP group (if b > 1). Backward mirrors it: gradients go receivers -> senders, then
+    the senders all-gather. Returns ((transfer_f, gather_f), (transfer_b, gather_b)).
+    """
+    nbytes = m.seq_length * mbs * m.hidden_size * BF16_BYTES
+    tf = p2p_transfer_time(nbytes, senders, receivers, topo)
+    gf = ring_allgather_time(nbytes, len(receivers), *topo.slowest(receivers))
+    tb = p2p_transfer_time(nbytes, receivers, senders, topo)
+    gb = ring_allgather_time(nbytes, len(senders), *topo.slowest(senders))
+    return (tf, gf), (tb, gb)
+
+
+# ------------------------------------------------------------------------------- shards, stages
+
+def proportional_split(total, weights):
+    """Integers >= 1 summing to `total`, proportional to `weights` (largest remainder, stable).
+
+    Used for uneven TP shards: whole query groups, FFN columns and vocabulary rows per rank in
+    proportion to each rank's speed. Equal weights give `even_split`'s result.
+    """
+    n = len(weights)
+    if total < n:
+        raise SpecError(f"cannot split {total} into {n} non-empty shards")
+    wsum = float(sum(weights))
+    spare = total - n
+    exact = [spare * w / wsum for w in weights]
+    sizes = [1 + int(x) for x in exact]
+    rest = total - sum(sizes)
+    order = sorted(range(n), key=lambda i: (-(exact[i] - int(exact[i])), i))
+    for i in order[:rest]:
+        sizes[i] += 1
+    return sizes
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Per micro-batch seconds of one stage (TP group) and its parts, for the schedule and reports.
+
+    `layer_fwd`/`layer_bwd` are per transformer layer (compute + TP all-reduces); `fwd`/`bwd` are
+    for the whole stage incl. embedding / LM head / cross entropy.
+    """
+    layer_compute_fwd: float
+    layer_tp_fwd: float
+    fwd: float
+    bwd: float
+    compute: float             # fwd + bwd compute only (incl. recompute)
+    tp_comm: float             # fwd + bwd TP all-reduce time
+
+
+def layer_times(m, mbs, devices, qg, ffn, tp_link, recompute):
+    """(compute_fwd, tp_comm_fwd, compute_bwd, tp_comm_bwd) of one layer on a TP group.
+
+    Each TP rank computes its share: attention in proportion to its query groups, the MLP to its
+    FFN columns; the group waits for the slowest rank at each of the two all-reduces per pass
+    (after attention and after the MLP, [s, b, h] bf16 each). Backward = 2 x forward compute and 2
+    all-reduces; full recompute adds one forward (compute and its all-reduces) to backward.
+    """
+    g, f = m.num_query_groups, m.ffn_hidden_size
+    att, mlp = attention_flops(m, mbs), mlp_flops(m, mbs)
+    c_att = max(att * q / g / dev.flops for q, dev in zip(qg, devices))
+    c_mlp = max(mlp * x / f / dev.flops for x, dev in zip(ffn, devices))
+    cf = c_att + c_mlp
+    t = len(devices)
+    ar = ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t, *tp_link)
+    tf = 2 * ar
+    cb, tb = 2 * cf, 2 * ar
+    if recompute:
+        cb, tb = cb + cf, tb + tf
+    return cf, tf, cb, tb
+
+
+def embedding_times(m, mbs, t, tp_link):
+    """(fwd, bwd) of the vocab-parallel embedding: one all-reduce of [s, b, h] in forward."""
+    return ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t, *tp_link), 0.0
+
+
+def head_times(m, mbs, devices, vocab, tp_link):
+    """(fwd, bwd) of the LM head + vocab-parallel cross entropy on the last stage.
+
+    Compute per rank in proportion to its vocabulary rows (2*b*s*h*V forward, 2x backward);
+    forward adds CROSS_ENTROPY_ALLREDUCES all-reduces of [s, b] fp32, backward one all-reduce of
+    the input gradient [s, b, h] bf16 (the head is column-parallel).
+    """
+    hf = head_flops(m, mbs)
+    c = max(hf * v / m.vocab_size / dev.flops for v, dev in zip(vocab, devices))
+    t = len(devices)
+    small = ring_allreduce_time(m.seq_length * mbs * FP32_BYTES, t, *tp_link)
+    big = ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t, *tp_link)
+    return c + CROSS_ENTROPY_ALLREDUCES * small, 2 * c + big
+
+
+def stage_cost(m, mbs, devices, shards, n_layers, first, last, tp_link, recompute):
+    """StageCost of a stage holding `n_layers` layers (+ embedding if first, + head if last)."""
+    cf, tf, cb, tb = layer_times(m, mbs, devices, shards["query_groups"], shards["ffn"], tp_link,
+                                 recompute)
+    fwd, bwd = n_layers * (cf + tf), n_layers * (cb + tb)
+    compute, tp = n_layers * (cf + cb), n_layers * (tf + tb)
+    if first:
+        ef, eb = embedding_times(m, mbs, len(devices), tp_link)
+        fwd, bwd, tp = fwd + ef, bwd + eb, tp + ef + eb
+    if last:
+        hf, hb = head_times(m, mbs, devices, shards["vocab"], tp_link)
+        fwd, bwd = fwd + hf, bwd + hb
+        c = max(head_flops(m, mbs) * v / m.vocab_size / dev.flops
+                for v, dev in zip(shards["vocab"], devices))
+        compute, tp = compute + 3 * c, tp + (hf - c) + (hb - 2 * c)
+    return StageCost(cf, tf, fwd, bwd, compute, tp)
+
+
+# ---------------------------------------------------------------------------------------- memory
+
+def layer_params(m, qg, ffn):
+    """Parameters of one layer on a rank holding `qg` query groups and `ffn` FFN columns.
+
+    QKV rows per query group: (a/g)*d + 2*d, times h columns; output projection h x (a/g)*d per
+    group; fc1 2*ffn x h for SwiGLU (gate and up) else ffn x h; fc2 h x ffn; two RMSNorm/LayerNorm
+    weights of h (replicated on every TP rank). No biases (Llama).
+    """
+    h, d, hpg = m.hidden_size, m.head_dim, m.heads_per_group
+    attn = qg * (hpg * d + 2 * d) * h + qg * hpg * d * h
+    mlp = (2 if m.swiglu else 1) * ffn * h + ffn * h
+    return attn + mlp + 2 * h
+
+
+def stage_params(m, qg, ffn, vocab, n_layers, first, last):
+    """Parameters on one rank of a stage: its layers' shards + embedding/output rows + final norm.
+
+    With tied embeddings and more than one stage, the last stage holds its own copy of the word
+    embedding (Megatron) so the count is the same as untied.
+    """
+    p = n_layers * layer_params(m, qg, ffn)
+    h = m.hidden_size
+    if first:
+        p += vocab * h
+    if last:
+        p += h  # final norm
+        if not (first and not m.untie_embeddings_and_output_weights):
+            p += vocab * h   # output layer (tied on a single stage: shared with the embedding)
+    return p
+
+
+def total_params(m):
+    """Parameters of the whole model (untied: embedding and output layer counted separately)."""
+    return stage_params(m, m.num_query_groups, m.ffn_hidden_size, m.vocab_size, m.num_layers,
+                        True, True)
+
+
+def layer_activation_bytes(m, mbs, qg, ffn, recompute):
+    """Bytes one layer keeps for backward per in-flight micro-batch on a rank (Korthikanti 2022).
+
+    s*b*h*(10 + 8*qg/g + 16*ffn/f) [+ 5*a*s^2*b*qg/g without flash attention]: the published
+    s*b*h*(34 + 5as/h) with the TP-sharded terms scaled by this rank's share (= 24/t, 5as/(ht) for
+    even shards). With full recompute only the layer input [s, b, h] bf16 is kept.
+    """
+    s, h, a = m.seq_length, m.hidden_size, m.num_attention_heads
+    sbh = s * mbs * h
+    if recompute:
+        return sbh * BF16_BYTES
+    qf, ff = qg / m.num_query_groups, ffn / m.ffn_hidden_size
+    act = sbh * (ACT_REPLICATED + ACT_ATTENTION_SHARDED * qf + ACT_MLP_SHARDED * ff)
+    if not FLASH_ATTENTION:
+        act += ACT_SCORES_PER_AS_OVER_H * a * s * s * mbs * qf
+    return act
+
+
+def in_flight_microbatches(position, num_stages, num_microbatches):
+    """Micro-batches whose activations stage `position` (0-based) holds at once under 1F1B."""
+    return min(num_stages - position, num_microbatches)
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """Bytes on one GPU, by term; `total` is what must fit in the device's memory."""
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    reserve: float
+
+    @property
+    def total(self):
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits
+                + self.reserve)
+
+    def terms(self):
+        return {"weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "logits": self.logits, "reserve": self.reserve}
+
+
+def rank_memory(m, mbs, qg, ffn, vocab, n_layers, first, last, position, num_stages,
+                num_microbatches, recompute, optimizer_fraction=1.0):
+    """MemoryUse of one rank. `optimizer_fraction` is this rank's share of its fp32 master + Adam
+    state (1 without the distributed optimizer).
+
+    Activations: `in_flight_microbatches` x layers x `layer_activation_bytes`; with recompute, plus
+    one layer's full activations for the micro-batch being recomputed. Logits: the last stage keeps
+    [s, b, V_rank] fp32 for one micro-batch (its backward follows its forward at once).
+    """
+    params = stage_params(m, qg, ffn, vocab, n_layers, first, last)
+    inflight = in_flight_microbatches(position, num_stages, num_microbatches)
+    act = inflight * n_layers * layer_activation_bytes(m, mbs, qg, ffn, recompute)
+    if recompute:
+        act += layer_activation_bytes(m, mbs, qg, ffn, False)
+    logits = m.seq_length * mbs * vocab * FP32_BYTES if last else 0.0
+    return MemoryUse(params * WEIGHT_BYTES_PER_PARAM, params * GRAD_BYTES_PER_PARAM,
+                     params * OPTIMIZER_BYTES_PER_PARAM * optimizer_fraction, act, logits,
+                     FRAMEWORK_RESERVE_BYTES)
+
+
+def optimizer_step_time(params, mem_bw):
+    """Adam step of `params` parameters: memory-bound, ADAM_STEP_BYTES_PER_PARAM bytes each."""
+    return params * ADAM_STEP_BYTES_PER_PARAM / mem_bw

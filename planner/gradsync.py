@@ -1,0 +1,147 @@
+"""Weighted data-parallel gradient sync across pipelines whose layouts differ.
+
+The runtime cuts every parameter into the atomic segments of all pipelines' shard boundaries and
+all-reduces each segment over the ranks that hold it (one per pipeline); segments with the same
+rank set are coalesced into one all-reduce. This module derives those rank sets and their sizes
+from a layout, and times them:
+
+- attention weights (QKV and output projection) are cut by query groups, the MLP (fc1 gate/up and
+  fc2) by FFN columns, the embedding and output layer by vocabulary rows;
+- norms are replicated on every TP rank of a stage: all those ranks join (one contributes), so the
+  rank set is the union of the holding stages' TP groups; with one pipeline they need no sync;
+- a tied embedding is one parameter held by the first and the last stage of every pipeline.
+
+Gradient buffers are fp32 (GRAD_BYTES_PER_PARAM) and are reduced as fp32. The collectives run
+one after another, in one global order, after the last backward of the iteration (the runtime does
+not overlap them yet), each at the pace of the slowest link in its rank set.
+"""
+from bisect import bisect_right
+from dataclasses import dataclass
+
+from planner.costmodel import (BF16_BYTES, GRAD_BYTES_PER_PARAM, ring_allgather_time,
+                               ring_allreduce_time, ring_reduce_scatter_time)
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """One stage as the cost model sees it: TP ranks, [first, last) layers and per-rank shards."""
+    ranks: tuple
+    layers: tuple
+    query_groups: tuple
+    ffn: tuple
+    vocab: tuple          # per-rank vocabulary rows (even split if the stage holds no vocab)
+
+
+def _bounds(sizes):
+    out, acc = [0], 0
+    for x in sizes:
+        acc += x
+        out.append(acc)
+    return out
+
+
+def _add_axis(sets, holders, unit):
+    """Atomic segments of one parameter axis; holders = [(sizes, ranks)] one per holding stage.
+
+    Adds `unit` x segment length elements to sets[rank set]. Holders with identical boundaries
+    are grouped so that the work is segments x pipelines once per distinct layout.
+    """
+    by_bounds = {}
+    for sizes, ranks in holders:
+        by_bounds.setdefault(tuple(_bounds(sizes)), []).append(ranks)
+    cuts = sorted({c for b in by_bounds for c in b})
+    for x, y in zip(cuts, cuts[1:]):
+        members = []
+        for b, rank_lists in by_bounds.items():
+            i = bisect_right(b, x) - 1
+            members.extend(r[i] for r in rank_lists)
+        key = tuple(sorted(set(members)))
+        sets[key] = sets.get(key, 0) + (y - x) * unit
+
+
+def rank_sets(model, pipelines):
+    """{sorted rank tuple: elements} of every coalesced gradient all-reduce.
+
+    `pipelines` is a list of lists of StageLayout (stage order). Sets of one rank are included
+    (they cost nothing but the distributed optimizer shards over them too).
+    """
+    m = model
+    h, d, hpg = m.hidden_size, m.head_dim, m.heads_per_group
+    per_group = (hpg * d + 2 * d) * h + hpg * d * h
+    per_ffn = ((2 if m.swiglu else 1) + 1) * h
+    sets = {}
+    K = len(pipelines)
+    cuts = sorted({x for pipe in pipelines for st in pipe for x in st.layers})
+    for lo, hi in zip(cuts, cuts[1:]):
+        n = hi - lo
+        holding = []
+        for pipe in pipelines:
+            for st in pipe:
+                if st.layers[0] <= lo < st.layers[1]:
+                    holding.append(st)
+                    break
+        _add_axis(sets, [(st.query_groups, st.ranks) for st in holding], n * per_group)
+        _add_axis(sets, [(st.ffn, st.ranks) for st in holding], n * per_ffn)
+        if K > 1:
+            key = tuple(sorted({r for st in holding for r in st.ranks}))
+            sets[key] = sets.get(key, 0) + n * 2 * h
+    firsts = [pipe[0] for pipe in pipelines]
+    lasts = [pipe[-1] for pipe in pipelines]
+    if m.untie_embeddings_and_output_weights:
+        _add_axis(sets, [(st.vocab, st.ranks) for st in firsts], h)
+        _add_axis(sets, [(st.vocab, st.ranks) for st in lasts], h)
+    else:
+        holders = [(st.vocab, st.ranks) for st in firsts]
+        holders += [(st.vocab, st.ranks) for pipe, st in zip(pipelines, lasts) if len(pipe) > 1]
+        _add_axis(sets, holders, h)
+    if K > 1:
+        key = tuple(sorted({r for st in lasts for r in st.ranks}))
+        sets[key] = sets.get(key, 0) + h
+    return sets
+
+
+def allreduce_time(n_elems, ranks, topo, distributed_optimizer):
+    """One coalesced segment all-reduce of fp32 grads, on the slowest link of its rank set.
+
+    With the distributed optimizer it is a reduce-scatter of fp32 grads, then (after the step) an
+    all-gather of the updated bf16 weights.
+    """
+    n = len(ranks)
+    if n <= 1:
+        return 0.0
+    bw, lat = topo.slowest(ranks)
+    if distributed_optimizer:
+        return (ring_reduce_scatter_time(n_elems * GRAD_BYTES_PER_PARAM, n, bw, lat)
+                + ring_allgather_time(n_elems * BF16_BYTES, n, bw, lat))
+    return ring_allreduce_time(n_elems * GRAD_BYTES_PER_PARAM, n, bw, lat)
+
+
+def sync_time(sets, topo, distributed_optimizer=False):
+    """(total seconds, the costliest (seconds, rank set)) of the serial gradient collectives."""
+    total, worst = 0.0, (0.0, ())
+    for ranks, elems in sets.items():
+        t = allreduce_time(elems, ranks, topo, distributed_optimizer)
+        total += t
+        if t > worst[0]:
+            worst = (t, ranks)
+    return total, worst
+
+
+def optimizer_shares(sets, weights=None):
+    """{rank: elements of fp32 master + Adam state it owns} under the distributed optimizer.
+
+    Each segment's state is sharded over its rank set, evenly or (with `weights`, e.g. free
+    memory per rank) in proportion to the weights.
+    """
+    owned = {}
+    for ranks, elems in sets.items():
+        if weights is None:
+            share = elems / len(ranks)
+            for r in ranks:
+                owned[r] = owned.get(r, 0.0) + share
+        else:
+            tot = sum(max(weights[r], 0.0) for r in ranks)
+            for r in ranks:
+                w = max(weights[r], 0.0) / tot if tot > 0 else 1.0 / len(ranks)
+                owned[r] = owned.get(r, 0.0) + elems * w
+    return owned

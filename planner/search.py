@@ -1,0 +1,505 @@
+"""The search: from a cluster, a model and a global batch to the fastest plan that fits.
+
+Strategies (all scored by the same simulator):
+- `hexi`: two-phase hierarchical partitioning. The number of pipelines K and the coarsening level
+  (whole machines or machine chunks) are searched; phase 1 (search_partition) splits the units
+  into K pipelines and refines; phase 2 (search_pipeline) lays out each pipeline; micro-batches go
+  to pipelines in proportion to their speed so that they finish together.
+- `uniform`: the best Megatron-style TP x PP x DP over all GPUs (even layers, even batch, even
+  shards, Megatron's rank order): what a user gets without this project.
+- `exhaustive`: every partition of the units, every unit order and every per-unit stage count of
+  hexi's search space; refused above a size limit.
+The outer loop covers micro-batch size and recompute. Deterministic for a seed.
+"""
+import itertools
+import math
+import sys
+import time
+
+from planner import costmodel as cm
+from planner.errors import SpecError
+from planner.gradsync import StageLayout, rank_sets, sync_time
+from planner.plan import build_plan, even_split
+from planner.search_partition import (greedy_partition, make_units, metis_partition, refine,
+                                      striped_partition)
+from planner.search_pipeline import (Context, best_pipeline, build_pipeline, draft_to_stages,
+                                     unit_options)
+from planner.simulator import simulate, simulate_layout
+
+STRATEGIES = ("hexi", "uniform", "exhaustive")
+MICRO_BATCH_CANDIDATES = (1, 2, 4)          # searched when --micro-batch-size is not given
+EXHAUSTIVE_MAX_UNITS = 8
+EXHAUSTIVE_MAX_LAYOUTS = 50_000             # pipeline layouts exhaustive may evaluate
+FINALISTS = 6                               # candidates scored exactly by the simulator per knob
+SMALL_UNIT_GRAPH = 64                       # below this, every K and partition seed is tried
+
+
+class _Progress:
+    """Progress lines on stderr, only once a search has run for a while."""
+
+    def __init__(self, enabled):
+        self.enabled, self.start, self.last = enabled, time.time(), time.time()
+
+    def __call__(self, msg):
+        now = time.time()
+        if self.enabled and now - self.start > 2 and now - self.last > 1:
+            print(f"hexi-plan: {now - self.start:.0f} s: {msg}", file=sys.stderr, flush=True)
+            self.last = now
+
+
+def _k_grid(n, cap):
+    """Numbers of pipelines to try: all up to 16 (up to 4 on big graphs), then x1.5 steps."""
+    small = 16 if n <= SMALL_UNIT_GRAPH else 4
+    ks = set(range(1, min(n, cap, small) + 1))
+    x = small
+    while x < min(n, cap):
+        x = int(math.ceil(x * 1.5))
+        ks.add(min(x, n, cap))
+    ks.update(k for k in (n, cap) if k <= min(n, cap))
+    return sorted(ks)
+
+
+def allocate(drafts, total):
+    """Micro-batch counts (>= 1 each, summing to `total`) that equalise the pipelines' finish.
+
+    Water-filling on each pipeline's linear time fixed + m * rate (exact for the 1F1B periodic
+    regime); refined afterwards on exact schedule times by `rebalance`.
+    """
+    K = len(drafts)
+    if total < K:
+        return None
+    inv = sum(1 / d.rate for d in drafts)
+    T = (total + sum(d.fixed / d.rate for d in drafts)) / inv
+    ms = [max(1, int((T - d.fixed) / d.rate)) for d in drafts]
+    while sum(ms) > total:
+        i = max((i for i in range(K) if ms[i] > 1), key=lambda i: drafts[i].fixed
+                + drafts[i].rate * ms[i])
+        ms[i] -= 1
+    while sum(ms) < total:
+        i = min(range(K), key=lambda i: (drafts[i].fixed + drafts[i].rate * (ms[i] + 1), i))
+        ms[i] += 1
+    return ms
+
+
+def rebalance(drafts, ms, max_moves=None):
+    """Move single micro-batches from the slowest pipeline (exact 1F1B time) while it helps."""
+    cache = {}
+
+    def t(i, m):
+        key = (id(drafts[i]), m)
+        if key not in cache:
+            cache[key] = drafts[i].time(m)
+        return cache[key]
+
+    ms = list(ms)
+    for _ in range(max_moves or 2 * len(ms) + 4):
+        times = [t(i, m) for i, m in enumerate(ms)]
+        slow = max(range(len(ms)), key=lambda i: times[i])
+        if ms[slow] <= 1:
+            break
+        dst = min((i for i in range(len(ms)) if i != slow), key=lambda i: t(i, ms[i] + 1),
+                  default=None)
+        if dst is None:
+            break
+        new_max = max(max(times[i] for i in range(len(ms)) if i not in (slow, dst)) if len(ms) > 2
+                      else 0.0, t(slow, ms[slow] - 1), t(dst, ms[dst] + 1))
+        if new_max >= times[slow] - 1e-12:
+            break
+        ms[slow] -= 1
+        ms[dst] += 1
+    return ms, max(t(i, m) for i, m in enumerate(ms))
+
+
+class _Candidate:
+    def __init__(self, drafts, ms, mbs, recompute):
+        self.drafts, self.ms, self.mbs, self.recompute = drafts, ms, mbs, recompute
+        self.estimate = None
+
+    def layouts(self, model):
+        out = []
+        for d in self.drafts:
+            stages, first = [], 0
+            for s in d.stages:
+                stages.append(StageLayout(s.ranks, (first, first + s.layers),
+                                          tuple(s.shards["query_groups"]), tuple(s.shards["ffn"]),
+                                          tuple(s.shards["vocab"])))
+                first += s.layers
+            out.append(stages)
+        return out
+
+    def pipelines(self, model):
+        order = sorted(range(len(self.drafts)), key=lambda i: min(self.drafts[i].stages[0].ranks))
+        return [{"micro_batch_size": self.mbs, "num_microbatches": self.ms[i],
+                 "stages": draft_to_stages(self.drafts[i], model.num_layers)} for i in order]
+
+
+class Searcher:
+    """One search: inputs, caches, and the candidates it found."""
+
+    def __init__(self, cluster, model, global_batch_size, micro_batch_size=None,
+                 recompute="auto", seed=0, use_distributed_optimizer=False, progress=False):
+        if recompute not in ("auto", "on", "off"):
+            raise SpecError(f"--recompute: must be auto, on or off, got {recompute!r}")
+        if global_batch_size < 1:
+            raise SpecError("--global-batch-size: must be a positive integer")
+        self.cluster, self.model, self.gbs = cluster, model, global_batch_size
+        self.seed, self.dist_opt = seed, use_distributed_optimizer
+        self.topo = cm.Topology(cluster)
+        self.progress = _Progress(progress)
+        if micro_batch_size is not None:
+            if micro_batch_size < 1 or global_batch_size % micro_batch_size:
+                raise SpecError(f"--micro-batch-size: {micro_batch_size} must be positive and "
+                                f"divide --global-batch-size {global_batch_size}")
+            self.mbs_list = [micro_batch_size]
+        else:
+            self.mbs_list = [b for b in MICRO_BATCH_CANDIDATES if global_batch_size % b == 0]
+        self.rc_list = {"auto": [False, True], "on": [True], "off": [False]}[recompute]
+        self.by_name = self.topo._by_name_override
+        self.max_chunks = max(n.gpus_per_node for n in self.topo.nodes)
+        self._contexts = {}
+
+    # -------------------------------------------------------------------------------- helpers
+    def context(self, mbs, rc, K):
+        """Shared per (micro-batch, recompute, state bytes/param) so caches carry across K."""
+        state = (cm.WEIGHT_BYTES_PER_PARAM + cm.GRAD_BYTES_PER_PARAM
+                 + cm.OPTIMIZER_BYTES_PER_PARAM / (K if self.dist_opt else 1))
+        key = (mbs, rc, state)
+        if key not in self._contexts:
+            ctx = Context(self.model, self.topo, mbs, rc, state)
+            ctx.pipelines = {}
+            self._contexts[key] = ctx
+        return self._contexts[key]
+
+    def chunk_levels(self):
+        out, c = [], 1
+        while c <= self.max_chunks:
+            out.append(c)
+            c *= 2
+        return out
+
+    def _pipeline(self, ctx, part, m_est, exhaustive, cache):
+        """Best draft for a part; solved once per interchangeable signature, then re-mapped."""
+        key = (tuple(sorted(u.key for u in part)), m_est, exhaustive)
+        if key in cache:
+            sol = cache[key]
+            if sol is None:
+                return None
+            pool = {}
+            for u in sorted(part, key=lambda u: u.ranks):
+                pool.setdefault(u.key, []).append(u)
+            units = [pool[k].pop(0) for k in sol[0]]
+            return build_pipeline(ctx, units, sol[1], m_est).fit()
+        d = best_pipeline(ctx, part, m_est, exhaustive)
+        cache[key] = None if d is None else (tuple(u.key for u in d.units), d.ks)
+        return d
+
+    def evaluate(self, ctx, parts, mbs, exhaustive, cache):
+        """Candidate for a partition (pipelines laid out, micro-batches allocated) or None."""
+        U = self.gbs // mbs
+        K = len(parts)
+        if U < K:
+            return None
+        flops = [sum(self.topo.devices[u.node].flops * len(u.ranks) for u in p) for p in parts]
+        tot = sum(flops)
+        drafts = []
+        for p, f in zip(parts, flops):
+            m_est = 2 ** round(math.log2(max(1.0, U * f / tot)))
+            d = self._pipeline(ctx, p, m_est, exhaustive, cache)
+            if d is None:
+                return None
+            drafts.append(d)
+        ms = allocate(drafts, U)
+        if ms is None:
+            return None
+        cand = _Candidate(drafts, ms, mbs, ctx.recompute)
+        cand.pipe_time = max(d.fixed + d.rate * m for d, m in zip(drafts, ms))
+        return cand
+
+    def proxy(self, cand):
+        """Pipelines' time + serial gradient sync: ranks candidates before the exact score."""
+        if not hasattr(cand, "sync"):
+            cand.sync = sync_time(rank_sets(self.model, cand.layouts(self.model)), self.topo,
+                                  self.dist_opt)[0]
+        return cand.pipe_time + cand.sync
+
+    def score(self, cand):
+        """(does not fit, iteration seconds) from the simulator, after exact rebalancing."""
+        if cand.estimate is None:
+            cand.ms, _ = rebalance(cand.drafts, cand.ms)
+            cand.estimate = simulate_layout(self.model, self.cluster, cand.layouts(self.model),
+                                            [(cand.mbs, m) for m in cand.ms], cand.recompute,
+                                            self.dist_opt, "even", self.topo)
+        e = cand.estimate
+        return (not e.fits_memory, e.iteration_time_s)
+
+    # ----------------------------------------------------------------------------- strategies
+    def hexi(self):
+        best = None
+        for rc in self.rc_list:
+            for mbs in self.mbs_list:
+                cands = []
+                for c in self.chunk_levels():
+                    units = make_units(self.topo, c, self.by_name)
+                    n = len(units)
+                    U = self.gbs // mbs
+                    for K in _k_grid(n, U):
+                        if c > 1 and n > SMALL_UNIT_GRAPH and K != c:
+                            continue
+                        ctx = self.context(mbs, rc, K)
+                        cache = ctx.pipelines
+                        seeds = [striped_partition(units, K)] if K == c and c > 1 else []
+                        seeds.append(greedy_partition(self.topo, units, K))
+                        if 2 * K <= n:      # METIS needs room to balance; greedy covers the rest
+                            seeds.append(metis_partition(self.topo, units, K, self.seed))
+                        seen = set()
+                        for parts in seeds:
+                            if parts is None:
+                                continue
+                            sig = tuple(sorted(tuple(sorted(u.ranks for u in p)) for p in parts))
+                            if sig in seen:
+                                continue
+                            seen.add(sig)
+                            cand = self.evaluate(ctx, parts, mbs, False, cache)
+                            if cand is not None:
+                                cand.ctx, cand.parts, cand.cache = ctx, parts, cache
+                                cands.append(cand)
+                        self.progress(f"recompute={rc} micro-batch {mbs}: {n} units, K={K}, "
+                                      f"{len(cands)} candidates")
+                # cheap first cut per K (pipelines only), then rank with the gradient sync
+                per_k = {}
+                for cand in sorted(cands, key=lambda c: c.pipe_time):
+                    per_k.setdefault(len(cand.drafts), []).append(cand)
+                big = bool(cands) and sum(len(u) for u in cands[0].parts) > SMALL_UNIT_GRAPH
+                keep = 3 if big else None
+                cands = sorted((c for v in per_k.values() for c in v[:keep]), key=self.proxy)
+                finals = cands[:FINALISTS]
+                for cand in finals[:2]:         # refine the two best with the cost model
+                    refined = self._refine(cand)
+                    if refined is not None:
+                        finals.append(refined)
+                for cand in finals:
+                    if best is None or self.score(cand) < self.score(best):
+                        best = cand
+        return best
+
+    def _refine(self, cand):
+        ctx, mbs, cache = cand.ctx, cand.mbs, cand.cache
+
+        def evaluate(parts):
+            got = self.evaluate(ctx, parts, mbs, False, cache)
+            if got is None:
+                return None
+            times = [d.fixed + d.rate * m for d, m in zip(got.drafts, got.ms)]
+            flops = [sum(self.topo.devices[u.node].flops * len(u.ranks) for u in p) for p in parts]
+            order = sorted(range(len(parts)), key=lambda i: -times[i] * flops[i] / got.ms[i])
+            return self.proxy(got), order, got
+
+        big = sum(len(p) for p in cand.parts) > SMALL_UNIT_GRAPH
+        parts, res = refine(cand.parts, evaluate, max_rounds=2 if big else 4,
+                            max_trials=16 if big else 64)
+        if res is None or parts is cand.parts:
+            return None
+        return res[2]
+
+    def exhaustive(self):
+        levels = []
+        for c in self.chunk_levels():
+            units = make_units(self.topo, c, self.by_name)
+            if len(units) <= EXHAUSTIVE_MAX_UNITS:
+                levels.append(units)
+        levels = [u for u in levels if self._exhaustive_size(u) <= EXHAUSTIVE_MAX_LAYOUTS]
+        if not levels:
+            n = len(make_units(self.topo, 1, self.by_name))
+            raise SpecError(f"--strategy exhaustive: cluster {self.cluster.name!r} ({n} machines, "
+                            f"{self.topo.cluster.num_gpus} GPUs) is too large to enumerate "
+                            f"(limit {EXHAUSTIVE_MAX_UNITS} units / {EXHAUSTIVE_MAX_LAYOUTS} "
+                            f"pipeline layouts); use --strategy hexi")
+        best = None
+        for rc in self.rc_list:
+            for mbs in self.mbs_list:
+                cands = []
+                for units in levels:
+                    caches, seen = {}, set()
+                    for parts in _set_partitions(units):
+                        K = len(parts)
+                        sig = tuple(sorted(tuple(sorted(u.key for u in p)) for p in parts))
+                        if sig in seen and not self.by_name:
+                            continue        # same machines' kinds per pipeline: same plan cost
+                        seen.add(sig)
+                        if K > self.gbs // mbs:
+                            continue
+                        ctx = self.context(mbs, rc, K)
+                        cache = caches.setdefault(id(ctx), {})
+                        cand = self.evaluate(ctx, parts, mbs, True, cache)
+                        if cand is not None:
+                            cands.append(cand)
+                    self.progress(f"exhaustive: {len(cands)} candidates")
+                cands.sort(key=self.proxy)
+                for cand in cands[:FINALISTS]:
+                    if best is None or self.score(cand) < self.score(best):
+                        best = cand
+        return best
+
+    def _exhaustive_size(self, units):
+        """Distinct pipeline layouts exhaustive evaluates: every sub-multiset of units (by kind),
+        each distinct order and every per-unit stage count."""
+        kinds = {}
+        for u in units:
+            kinds.setdefault(u.key if not self.by_name else u.ranks, []).append(u)
+        groups = [(len(v), len(unit_options(len(v[0].ranks), self.model))) for v in kinds.values()]
+        total = 0
+        for counts in itertools.product(*[range(c + 1) for c, _ in groups]):
+            k = sum(counts)
+            if k == 0:
+                continue
+            perms = math.factorial(k)
+            for c in counts:
+                perms //= math.factorial(c)
+            opts = 1
+            for c, (_, o) in zip(counts, groups):
+                opts *= o ** c
+            total += perms * opts
+        return total
+
+    def uniform(self):
+        """Best fitting Megatron-style layout: TP t, PP p, DP d with t*p*d = all GPUs."""
+        N, L, m = self.topo.cluster.num_gpus, self.model.num_layers, self.model
+        best = None
+        for t in _divisors(N):
+            if t > m.num_query_groups:
+                continue
+            for p in _divisors(N // t):
+                d = N // (t * p)
+                if p > L or self.gbs % d:
+                    continue
+                per = self.gbs // d
+                for rc in self.rc_list:
+                    for mbs in self.mbs_list:
+                        if per % mbs:
+                            continue
+                        layers = even_split(L, p)
+                        pipes = []
+                        for dp in range(d):
+                            stages, first = [], 0
+                            for pp in range(p):
+                                base = t * (dp + d * pp)
+                                stages.append({"ranks": list(range(base, base + t)),
+                                               "layers": [first, first + layers[pp]]})
+                                first += layers[pp]
+                            pipes.append({"micro_batch_size": mbs,
+                                          "num_microbatches": per // mbs, "stages": stages})
+                        lay = [[StageLayout(tuple(s["ranks"]), tuple(s["layers"]),
+                                            tuple(even_split(m.num_query_groups, t)),
+                                            tuple(even_split(m.ffn_hidden_size, t)),
+                                            tuple(even_split(m.vocab_size, t)))
+                                for s in pp_["stages"]] for pp_ in pipes]
+                        e = simulate_layout(m, self.cluster, lay, [(mbs, per // mbs)] * d, rc,
+                                            self.dist_opt, "even", self.topo)
+                        key = (not e.fits_memory, e.iteration_time_s)
+                        if best is None or key < best[0]:
+                            best = (key, pipes, rc)
+                self.progress(f"uniform: TP {t} x PP {p} x DP {d}")
+        return best
+
+    # ---------------------------------------------------------------------------------- entry
+    def run(self, strategy):
+        if strategy not in STRATEGIES:
+            raise SpecError(f"--strategy: must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        uni = self.uniform() if strategy in ("uniform", "hexi") else None
+        cand = {"hexi": self.hexi, "exhaustive": self.exhaustive}.get(strategy, lambda: None)()
+        if cand is not None and not self.score(cand)[0] and (
+                uni is None or uni[0][0] or self.score(cand)[1] <= uni[0][1]):
+            plan = build_plan(self.cluster, self.model, self.gbs, cand.pipelines(self.model),
+                              recompute=cand.recompute, use_distributed_optimizer=self.dist_opt)
+        elif uni is not None and not uni[0][0]:
+            # hexi keeps the uniform layout as one of its seeds: it never does worse
+            _, pipes, rc = uni
+            plan = build_plan(self.cluster, self.model, self.gbs, pipes, recompute=rc,
+                              use_distributed_optimizer=self.dist_opt)
+        else:
+            raise SpecError(self.explain_infeasible(strategy))
+        est = simulate(plan, self.topo)
+        if not est.fits_memory:     # the search scores with the same model: a bug if reached
+            raise SpecError(f"internal: the {strategy} plan does not fit: {est.bottleneck}")
+        plan.estimate = est.to_dict()
+        plan.estimate["strategy"] = strategy
+        return plan
+
+    def explain_infeasible(self, strategy):
+        """One line: which memory term does not fit, by how much, and what would."""
+        m, topo = self.model, self.topo
+        P = cm.total_params(m)
+        N = topo.cluster.num_gpus
+        devs = [topo.device_of(r) for r in range(N)]
+        room = sum(d.memory_bytes - cm.FRAMEWORK_RESERVE_BYTES for d in devs)
+        K_max = N if self.dist_opt else 1
+        state = P * (cm.WEIGHT_BYTES_PER_PARAM + cm.GRAD_BYTES_PER_PARAM
+                     + cm.OPTIMIZER_BYTES_PER_PARAM / K_max)
+        name = m.name or "the model"
+        if state > room:
+            hints = []
+            if not self.dist_opt:
+                ds = P * (cm.WEIGHT_BYTES_PER_PARAM + cm.GRAD_BYTES_PER_PARAM)
+                if ds < room:
+                    hints.append("--use-distributed-optimizer (shards the 12 B/param fp32 master "
+                                 "and Adam state over pipelines)")
+            big = max(devs, key=lambda d: d.memory_bytes)
+            more = math.ceil((state - room) / (big.memory_bytes - cm.FRAMEWORK_RESERVE_BYTES))
+            hints.append(f"about {more} more {big.name} GPUs")
+            return (f"no plan fits: {name} ({P / 1e9:.2f} B parameters) needs {state / 1e9:.1f} GB "
+                    f"for weights, grads and optimizer state, but the {N} GPUs offer "
+                    f"{room / 1e9:.1f} GB after a {cm.FRAMEWORK_RESERVE_BYTES / 1e9:g} GB reserve "
+                    f"each ({(state - room) / 1e9:.1f} GB missing); would fit with: "
+                    + " or ".join(hints))
+        mbs = min(self.mbs_list)
+        rc = max(self.rc_list)
+        act = cm.layer_activation_bytes(m, mbs, m.num_query_groups, m.ffn_hidden_size, rc)
+        hints = []
+        if not rc:
+            hints.append("--recompute on")
+        if mbs > 1:
+            hints.append("--micro-batch-size 1")
+        hints.append("more GPUs")
+        if not self.dist_opt:
+            hints.append("--use-distributed-optimizer")
+        return (f"no {strategy} plan fits: model state needs {state / 1e9:.1f} GB of "
+                f"{room / 1e9:.1f} GB, and activations of the in-flight micro-batches "
+                f"({act / 1e9:.2f} GB per layer per micro-batch of {mbs}"
+                f"{' with recompute' if rc else ''}) or a stage's embedding / LM head do not fit "
+                f"in what is left on the GPUs; try " + ", ".join(hints))
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _set_partitions(items):
+    """Every partition of a list into non-empty blocks (restricted growth strings)."""
+    n = len(items)
+    if n == 0:
+        return
+    a = [0] * n
+
+    def rec(i, k):
+        if i == n:
+            blocks = [[] for _ in range(k)]
+            for x, b in zip(items, a):
+                blocks[b].append(x)
+            yield blocks
+            return
+        for b in range(k + 1):
+            a[i] = b
+            yield from rec(i + 1, max(k, b + 1))
+
+    yield from rec(0, 0)
+
+
+def search_plan(cluster, model, global_batch_size, strategy="hexi", micro_batch_size=None,
+                recompute="auto", seed=0, use_distributed_optimizer=False, progress=False):
+    """The best plan under `strategy`, validated and with `estimate` filled; SpecError if none."""
+    s = Searcher(cluster, model, global_batch_size, micro_batch_size, recompute, seed,
+                 use_distributed_optimizer, progress)
+    return s.run(strategy)
+
+
+__all__ = ["search_plan", "Searcher", "allocate", "rebalance", "STRATEGIES"]

@@ -1,0 +1,179 @@
+"""Simulator: score any valid plan with the cost model and say what limits it.
+
+iteration time = the slowest pipeline's 1F1B time (each stage's own forward/backward, boundary
+transfers and all-gathers) + the serial weighted gradient sync across pipelines + the optimizer
+step (the slowest rank). MFU = model FLOPs without recompute / (iteration time x the sum of the
+used GPUs' catalog peaks). Memory is checked per rank against the device's capacity.
+"""
+from dataclasses import dataclass, field
+
+from planner import costmodel as cm
+from planner.gradsync import StageLayout, optimizer_shares, rank_sets, sync_time
+from planner.schedule import pipeline_time
+
+
+@dataclass
+class StageReport:
+    pipeline: int
+    stage: int
+    ranks: tuple
+    fwd: float                # per micro-batch, incl. the all-gather of received activations
+    bwd: float
+    compute: float
+    tp_comm: float
+    p2p_in: float             # transfer + gather, fwd + bwd, of the boundary before this stage
+
+
+@dataclass
+class Estimate:
+    iteration_time_s: float
+    tokens_per_s: float
+    mfu: float
+    peak_memory_gb: list
+    memory_capacity_gb: list
+    memory_terms_gb: list     # per rank {term: GB}
+    pipeline_time_s: list
+    grad_sync_time_s: float
+    optimizer_step_time_s: float
+    bottleneck: str
+    fits_memory: bool
+    stages: list = field(default_factory=list)
+
+    def to_dict(self):
+        """The plan's `estimate` object (JSON keys are a contract)."""
+        return {"iteration_time_s": self.iteration_time_s, "tokens_per_s": self.tokens_per_s,
+                "mfu": self.mfu, "peak_memory_gb": self.peak_memory_gb,
+                "memory_capacity_gb": self.memory_capacity_gb, "fits_memory": self.fits_memory,
+                "pipeline_time_s": self.pipeline_time_s,
+                "grad_sync_time_s": self.grad_sync_time_s,
+                "optimizer_step_time_s": self.optimizer_step_time_s,
+                "bottleneck": self.bottleneck}
+
+
+def layouts_of(plan):
+    """Plan -> list (pipelines) of lists (stages) of StageLayout, shards resolved."""
+    out = []
+    for pipe in plan.pipelines:
+        out.append([StageLayout(tuple(s.ranks), tuple(s.layers),
+                                tuple(plan.shard_sizes(s, "query_groups")),
+                                tuple(plan.shard_sizes(s, "ffn")),
+                                tuple(plan.shard_sizes(s, "vocab"))) for s in pipe.stages])
+    return out
+
+
+def simulate(plan, topo=None):
+    """Estimate of a validated Plan."""
+    return simulate_layout(plan.model, plan.cluster, layouts_of(plan),
+                           [(p.micro_batch_size, p.num_microbatches) for p in plan.pipelines],
+                           plan.training.recompute, plan.training.use_distributed_optimizer,
+                           plan.training.optimizer_shard, topo)
+
+
+def _gpu_label(topo, ranks):
+    nodes = sorted({topo.node_of[r] for r in ranks})
+    dev = topo.devices[nodes[0]].name
+    where = ",".join(topo.nodes[n].name for n in nodes[:3]) + ("..." if len(nodes) > 3 else "")
+    return f"{len(ranks)}x{dev}@{where}"
+
+
+def simulate_layout(model, cluster, layouts, batches, recompute, distributed_optimizer=False,
+                    optimizer_shard="even", topo=None):
+    """Estimate of a layout: `layouts` as from layouts_of, `batches` [(mbs, num_microbatches)]."""
+    m = model
+    topo = topo or cm.Topology(cluster)
+    K = len(layouts)
+    ptimes, reports, nonopt, params_of, capacity = [], [], {}, {}, {}
+    for pi, (stages, (mbs, nmb)) in enumerate(zip(layouts, batches)):
+        p = len(stages)
+        fwd, bwd, xf, xb, p2p = [], [], [], [], [0.0] * p
+        for k, st in enumerate(stages):
+            devs = [topo.device_of(r) for r in st.ranks]
+            first, last = st.layers[0] == 0, st.layers[1] == m.num_layers
+            link = topo.slowest(st.ranks)
+            c = cm.stage_cost(m, mbs, devs, {"query_groups": st.query_groups, "ffn": st.ffn,
+                                             "vocab": st.vocab},
+                              st.layers[1] - st.layers[0], first, last, link, recompute)
+            fwd.append(c.fwd)
+            bwd.append(c.bwd)
+            reports.append(StageReport(pi, k, st.ranks, c.fwd, c.bwd, c.compute, c.tp_comm, 0.0))
+            for i, r in enumerate(st.ranks):
+                mem = cm.rank_memory(m, mbs, st.query_groups[i], st.ffn[i], st.vocab[i],
+                                     st.layers[1] - st.layers[0], first, last, k, p, nmb,
+                                     recompute, optimizer_fraction=0.0)
+                nonopt[r] = mem
+                params_of[r] = mem.weights / cm.WEIGHT_BYTES_PER_PARAM
+                capacity[r] = topo.device_of(r).memory_bytes
+        base = len(reports) - p
+        for k in range(p - 1):
+            (tf, gf), (tb, gb) = cm.boundary_times(m, mbs, stages[k].ranks, stages[k + 1].ranks,
+                                                   topo)
+            xf.append(tf)
+            xb.append(tb)
+            fwd[k + 1] += gf
+            bwd[k] += gb
+            reports[base + k + 1].fwd += gf
+            reports[base + k].bwd += gb
+            reports[base + k + 1].p2p_in = tf + gf + tb + gb
+        ptimes.append(pipeline_time(fwd, bwd, xf, xb, nmb))
+
+    sets = rank_sets(m, layouts)
+    sync, worst_sync = sync_time(sets, topo, distributed_optimizer)
+    if distributed_optimizer and K > 1:
+        weights = None
+        if optimizer_shard == "memory":
+            weights = {r: capacity[r] - nonopt[r].total for r in nonopt}
+        owned = optimizer_shares(sets, weights)
+        fraction = {r: min(1.0, owned.get(r, 0.0) / params_of[r]) for r in nonopt}
+    else:
+        fraction = {r: 1.0 for r in nonopt}
+    opt_time, peak, cap, terms = 0.0, [], [], []
+    fits, worst_mem = True, None
+    for r in sorted(nonopt):
+        base = nonopt[r]
+        opt = params_of[r] * cm.OPTIMIZER_BYTES_PER_PARAM * fraction[r]
+        total = base.total + opt
+        opt_time = max(opt_time, cm.optimizer_step_time(params_of[r] * fraction[r],
+                                                        topo.device_of(r).mem_bw))
+        peak.append(total / 1e9)
+        cap.append(capacity[r] / 1e9)
+        t = {k: v / 1e9 for k, v in base.terms().items()}
+        t["optimizer"] = opt / 1e9
+        terms.append(t)
+        over = total - capacity[r]
+        if over > 0:
+            fits = False
+            if worst_mem is None or over > worst_mem[0]:
+                worst_mem = (over, r, t)
+
+    iteration = max(ptimes) + sync + opt_time
+    samples = sum(mbs * nmb for mbs, nmb in batches)
+    tokens = samples * m.seq_length
+    used_peak = sum(topo.device_of(r).peak_flops for r in nonopt)
+    mfu = samples * cm.model_flops_per_sample(m) / (iteration * used_peak)
+    bottleneck = _bottleneck(topo, reports, ptimes, batches, sync, worst_sync, opt_time,
+                             iteration, worst_mem)
+    return Estimate(iteration, tokens / iteration, mfu, peak, cap, terms, ptimes, sync, opt_time,
+                    bottleneck, fits, reports)
+
+
+def _bottleneck(topo, reports, ptimes, batches, sync, worst_sync, opt_time, iteration, worst_mem):
+    """One line naming what limits the plan: memory, a stage (and why), or a link."""
+    if worst_mem is not None:
+        over, r, t = worst_mem
+        term = max((k for k in t if k != "reserve"), key=lambda k: t[k])
+        return (f"memory: rank {r} ({topo.device_of(r).name}) needs {sum(t.values()):.2f} GB, "
+                f"{over / 1e9:.2f} GB over capacity (largest term: {term} {t[term]:.2f} GB)")
+    slow = max(range(len(ptimes)), key=lambda i: ptimes[i])
+    if sync > 0.5 * (iteration - opt_time) or sync >= ptimes[slow]:
+        t, ranks = worst_sync
+        bw, _ = topo.slowest(ranks)
+        return (f"gradient sync: {sync:.3g} s of {iteration:.3g} s; largest all-reduce over "
+                f"{len(ranks)} ranks ({_gpu_label(topo, ranks)}) at {bw / 1e9:.3g} GB/s")
+    stages = [r for r in reports if r.pipeline == slow]
+    st = max(stages, key=lambda r: r.fwd + r.bwd)
+    per = st.fwd + st.bwd
+    parts = {"compute": st.compute, "TP all-reduce": st.tp_comm, "stage-boundary p2p": st.p2p_in}
+    why = max(parts, key=parts.get)
+    return (f"pipeline {slow} stage {st.stage} ({_gpu_label(topo, st.ranks)}): {per * 1e3:.3g} ms "
+            f"per micro-batch, mostly {why} ({parts[why] / per:.0%}); pipeline {ptimes[slow]:.3g} s "
+            f"of iteration {iteration:.3g} s")
