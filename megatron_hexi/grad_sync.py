@@ -17,8 +17,10 @@ import torch.distributed as dist
 class Slot:
     """A segment as this rank holds it: a slice of one local parameter."""
     param: torch.nn.Parameter
+    name: str                  # canonical parameter name
     dim: int
-    start: int
+    start: int                 # along dim, in the local parameter
+    global_start: int          # along dim, in the canonical tensor
     length: int
     contributes: bool
 
@@ -26,8 +28,18 @@ class Slot:
         return self.param.grad.narrow(self.dim, self.start, self.length)
 
 
+def reduced_together(seg, shard_optimizer_state):
+    """Whether a segment takes part in a collective over its holders.
+
+    Only a segment with several contributors needs one for the gradient sum; with the optimizer
+    state sharded, TP replicas also share their segments' state, so every segment with several
+    holders does."""
+    return seg.needs_reduce or (shard_optimizer_state and len(seg.members) > 1)
+
+
 class GradientSync:
-    def __init__(self, plan_rank, params, segments, groups):
+    def __init__(self, plan_rank, params, segments, groups, shard_optimizer_state=False):
+        self.plan_rank = plan_rank
         by_name = {shard.name: [] for shard, _ in params}
         for shard, p in params:
             by_name[shard.name].append(p)
@@ -41,9 +53,10 @@ class GradientSync:
             # A rank holds a canonical tensor at most once, except a tied embedding/output pair
             # on one stage, which megatron-core keeps as a single parameter.
             param = by_name[seg.name][0]
-            slot = Slot(param, seg.dim, mine[0], seg.end - seg.start,
-                        plan_rank in seg.contributors or not seg.needs_reduce)
-            key = seg.ranks if seg.needs_reduce else (plan_rank,)
+            together = reduced_together(seg, shard_optimizer_state)
+            slot = Slot(param, seg.name, seg.dim, mine[0], seg.start, seg.end - seg.start,
+                        plan_rank in seg.contributors or not together)
+            key = seg.ranks if together else (plan_rank,)
             if key not in index:
                 index[key] = len(self.buckets)
                 self.buckets.append((key, groups.segment_groups.get(key), []))

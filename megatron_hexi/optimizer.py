@@ -42,8 +42,11 @@ def param_groups(named_params):
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model, grad_sync, args):
-    """Adam(W) inside megatron-core's optimizer wrapper, plus its lr/wd scheduler."""
+def build_optimizer(model, grad_sync, args, plan=None):
+    """Adam(W) inside megatron-core's optimizer wrapper, plus its lr/wd scheduler.
+
+    With the plan's `use_distributed_optimizer`, the fp32 master weights and Adam state are
+    sharded over each gradient segment's ranks (megatron_hexi.distributed_optimizer)."""
     config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr,
                              weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
                              adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
@@ -52,7 +55,10 @@ def build_optimizer(model, grad_sync, args):
     inner = torch.optim.AdamW(param_groups(model.named_parameters()), lr=args.lr,
                               weight_decay=args.weight_decay,
                               betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    if args.bf16:
+    if plan is not None and plan.training.use_distributed_optimizer:
+        from megatron_hexi.distributed_optimizer import HeteroDistributedOptimizer
+        opt = HeteroDistributedOptimizer(plan, grad_sync, config, plan.training.optimizer_shard)
+    elif args.bf16:
         opt = HeteroFloat16Optimizer(inner, config, None, lambda o: None)
     else:
         opt = HeteroFP32Optimizer(inner, config, lambda o: None)

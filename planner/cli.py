@@ -32,7 +32,9 @@ def cmd_manual(args):
         raise SpecError(f"{args.pipelines}: not valid JSON: {e.msg} at line {e.lineno}")
     if isinstance(pipelines, dict) and "pipelines" in pipelines:
         pipelines = pipelines["pipelines"]
-    plan = build_plan(cluster, model, args.global_batch_size, pipelines, recompute=args.recompute)
+    plan = build_plan(cluster, model, args.global_batch_size, pipelines, recompute=args.recompute,
+                      use_distributed_optimizer=args.use_distributed_optimizer,
+                      optimizer_shard=args.optimizer_shard)
     save_plan(plan, args.output)
     print(f"wrote {args.output}: {plan.world_size} ranks, {len(plan.pipelines)} pipelines")
 
@@ -109,6 +111,10 @@ def build_parser():
     p.add_argument("--seq-length", type=int, default=None, help="override the model's seq_length")
     p.add_argument("--pipelines", required=True, help="JSON file with the plan's `pipelines` array")
     p.add_argument("--recompute", action="store_true", help="full activation recompute")
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard fp32 master weights and Adam state over each segment's ranks")
+    p.add_argument("--optimizer-shard", choices=["even", "memory"], default="even",
+                   help="with --use-distributed-optimizer: cut state evenly or by GPU memory")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_manual)
 

@@ -56,9 +56,9 @@ REFERENCE = [{"micro_batch_size": GLOBAL_BATCH, "num_microbatches": 1,
               "stages": [{"ranks": [0], "layers": [0, 4]}]}]
 
 
-def write_plan(directory, name, model, world, pipelines, recompute=False):
+def write_plan(directory, name, model, world, pipelines, recompute=False, **training):
     plan = build_plan(cpu_cluster(world), load_model(model), GLOBAL_BATCH, pipelines,
-                      recompute=recompute)
+                      recompute=recompute, **training)
     path = directory / f"{name}.json"
     save_plan(plan, path)
     return path

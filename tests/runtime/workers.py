@@ -87,11 +87,26 @@ def train(plan_path, defect=None, extra_flags=()):
            "plan_rank": trainer.rank}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"plan_rank": trainer.rank,
-                                      "sync_bytes": trainer.grad_sync.bytes_per_step})
+                                      "sync_bytes": trainer.grad_sync.bytes_per_step,
+                                      "optimizer_bytes": optimizer_state_bytes(trainer.optimizer)})
     if dist.get_rank() == 0:
         out["params"] = {k: v.clone() for k, v in full.items()}
         out["sync_bytes_per_rank"] = {e["plan_rank"]: e["sync_bytes"] for e in everyone}
+        out["optimizer_bytes_per_rank"] = {e["plan_rank"]: e["optimizer_bytes"] for e in everyone}
     return out
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes of fp32 master weights (where separate) and Adam moments the optimizer holds."""
+    total = 0
+    for group in optimizer.optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.optimizer.state.get(p, {})
+            total += sum(t.numel() * t.element_size() for k, t in state.items()
+                         if torch.is_tensor(t) and k != "step")
+            if hasattr(optimizer, "parts"):          # sharded: fp32 masters are separate
+                total += p.numel() * p.element_size()
+    return total
 
 
 def max_relative_difference(a, b):

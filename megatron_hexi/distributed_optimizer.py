@@ -1,0 +1,231 @@
+"""Heterogeneous ZeRO-1: fp32 master weights and Adam state sharded over each segment's ranks.
+
+megatron-core's distributed optimizer shards one flat buffer over one data-parallel group, which
+replicas of different shapes do not have. Here the unit is the gradient segment
+(planner.layout): a range of one parameter held by a fixed set of ranks, at most one per pipeline
+(plus the TP replicas of norms). Each segment is cut along its split dimension into one part per
+holder, evenly or in proportion to the holders' GPU memory (the plan's
+`training.optimizer_shard`). Per step, for every rank set:
+
+1. gradients are reduce-scattered: each holder receives the sum of its part (NCCL
+   reduce_scatter; gloo has none, so on CPU an all-reduce of the same buffer stands in);
+2. each holder steps Adam on its parts' fp32 master weights;
+3. the updated parts are all-gathered back into every holder's parameters.
+
+Every gradient element is owned by exactly one rank, so the norm for clipping is exact. Parts
+are ranges of the canonical tensor (`MasterPart.name/dim/global_start/length`), which is what
+checkpoints store.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+from planner.catalog import get_gpu
+from planner.plan import even_split
+
+
+def split_by_weights(length, weights):
+    """Cut `length` into len(weights) parts proportional to the weights (largest remainders)."""
+    if all(w == weights[0] for w in weights):
+        return even_split(length, len(weights))
+    total = sum(weights)
+    raw = [length * w / total for w in weights]
+    parts = [int(x) for x in raw]
+    for i in sorted(range(len(raw)), key=lambda i: raw[i] - parts[i], reverse=True)[:length - sum(parts)]:
+        parts[i] += 1
+    return parts
+
+
+@dataclass
+class MasterPart:
+    """One part of one segment that this rank owns: its canonical range and fp32 master copy."""
+    param: torch.nn.Parameter
+    name: str                 # canonical parameter name
+    dim: int
+    global_start: int         # in the canonical tensor, along dim
+    local_start: int          # in this rank's parameter, along dim
+    length: int
+    master: torch.Tensor      # fp32 copy of the part
+
+    def param_view(self):
+        return self.param.narrow(self.dim, self.local_start, self.length)
+
+
+@dataclass
+class _Region:
+    """One member's parts of every segment of a rank set, in buffer order."""
+    pieces: list              # [(slot index, part start, part length, numel)]
+    numel: int
+
+
+class HeteroDistributedOptimizer(MegatronOptimizer):
+    """Adam(W) over this rank's master parts, with reduce-scatter / all-gather per rank set."""
+
+    def __init__(self, plan, grad_sync, config, shard_mode):
+        self.plan, self.grad_sync, self.rank = plan, grad_sync, grad_sync.plan_rank
+        self.parts = []                   # MasterPart, this rank's
+        self.sets = []                    # (ranks, group, slots, regions, my index)
+        for ranks, group, slots in grad_sync.buckets:
+            weights = [self._weight(r, shard_mode) for r in ranks]
+            regions = [_Region([], 0) for _ in ranks]
+            for k, slot in enumerate(slots):
+                starts = 0
+                inner = slot.param.numel() // slot.param.shape[slot.dim]
+                for i, n in enumerate(split_by_weights(slot.length, weights)):
+                    regions[i].pieces.append((k, starts, n, n * inner))
+                    regions[i].numel += n * inner
+                    starts += n
+            me = ranks.index(self.rank)
+            mine = []                     # aligned with regions[me].pieces
+            for k, start, n, _ in regions[me].pieces:
+                slot = slots[k]
+                view = slot.param.detach().narrow(slot.dim, slot.start + start, n)
+                mine.append(MasterPart(slot.param, slot.name, slot.dim, slot.global_start + start,
+                                       slot.start + start, n, view.float().clone()))
+            self.parts += [p for p in mine if p.length]
+            self.sets.append((ranks, group, slots, regions, me, mine))
+        decay = [p.master for p in self.parts if p.param.ndim > 1]
+        no_decay = [p.master for p in self.parts if p.param.ndim == 1]
+        groups = [{"params": decay, "wd_mult": 1.0, "lr_mult": 1.0, "default_config": True,
+                   "is_expert_parallel": False},
+                  {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0, "default_config": True,
+                   "is_expert_parallel": False}]
+        inner = torch.optim.AdamW([g for g in groups if g["params"]] or [{"params": []}],
+                                  lr=config.lr, weight_decay=config.weight_decay,
+                                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        super().__init__(inner, config, lambda o: None)
+        self.is_stub_optimizer = False
+        self._found_grads = False
+
+    def _weight(self, rank, mode):
+        return get_gpu(self.plan.ranks[rank].gpu).memory_gb if mode == "memory" else 1.0
+
+    # -- gradients ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def reduce_scatter_grads(self, num_tokens):
+        """Sum each part over its holders into the owner's master gradient, divided by tokens."""
+        for ranks, group, slots, regions, me, mine_parts in self.sets:
+            width = max(r.numel for r in regions)
+            buf = torch.zeros(width * len(ranks), dtype=torch.float32,
+                              device=slots[0].param.device)
+            for i, region in enumerate(regions):
+                offset = i * width
+                for k, start, n, numel in region.pieces:
+                    slot = slots[k]
+                    if slot.contributes and n:
+                        g = slot.param.grad.narrow(slot.dim, slot.start + start, n)
+                        buf[offset:offset + numel].copy_(g.reshape(-1))
+                    offset += numel
+            if group is None:
+                mine = buf
+            elif dist.get_backend(group) == "nccl":
+                mine = torch.empty(width, dtype=buf.dtype, device=buf.device)
+                dist.reduce_scatter_tensor(mine, buf, group=group)
+            else:                          # gloo: no reduce-scatter
+                dist.all_reduce(buf, group=group)
+                mine = buf[me * width:(me + 1) * width]
+            mine = mine / num_tokens
+            offset = 0
+            for part, (k, start, n, numel) in zip(mine_parts, regions[me].pieces):
+                if n:
+                    part.master.grad = mine[offset:offset + numel].view_as(part.master).clone()
+                offset += numel
+        self._found_grads = True
+
+    @torch.no_grad()
+    def all_gather_params(self):
+        """Every holder gets every part's updated values."""
+        for ranks, group, slots, regions, me, mine_parts in self.sets:
+            width = max(r.numel for r in regions)
+            dtype = slots[0].param.dtype
+            mine = torch.zeros(width, dtype=dtype, device=slots[0].param.device)
+            offset = 0
+            for part, (k, start, n, numel) in zip(mine_parts, regions[me].pieces):
+                if n:
+                    mine[offset:offset + numel].copy_(part.master.reshape(-1))
+                offset += numel
+            if group is None:
+                gathered = [mine]
+            else:
+                gathered = [torch.empty_like(mine) for _ in ranks]
+                dist.all_gather(gathered, mine, group=group)
+            for i, region in enumerate(regions):
+                offset = 0
+                for k, start, n, numel in region.pieces:
+                    slot = slots[k]
+                    if n:
+                        view = slot.param.data.narrow(slot.dim, slot.start + start, n)
+                        view.copy_(gathered[i][offset:offset + numel].view_as(view))
+                    offset += numel
+
+    # -- MegatronOptimizer interface ---------------------------------------------------------
+    def get_main_grads_for_grad_norm(self):
+        return [p.master.grad for p in self.parts if p.master.grad is not None]
+
+    def get_grad_stats_parallel_group(self):
+        return dist.group.WORLD
+
+    def prepare_grads(self):
+        if not self._found_grads:
+            raise RuntimeError("reduce_scatter_grads() must run before the optimizer step")
+        return False
+
+    def step_with_ready_grads(self):
+        self.optimizer.step()
+        self.all_gather_params()
+        return True
+
+    @torch.no_grad()
+    def step(self):
+        self.prepare_grads()
+        grad_norm = None
+        if self.config.clip_grad > 0.0:
+            grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        success = self.step_with_ready_grads()
+        self._found_grads = False
+        return success, grad_norm, None
+
+    def clip_grad_norm(self, clip_grad):
+        grads = self.get_main_grads_for_grad_norm()
+        total = torch.zeros(1, dtype=torch.float64)
+        for g in grads:
+            total += g.double().pow(2).sum()
+        dist.all_reduce(total)
+        norm = total.sqrt().item()
+        coeff = clip_grad / (norm + 1e-6)
+        if coeff < 1.0:
+            for g in grads:
+                g.mul_(coeff)
+        return norm
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.parts:
+            p.master.grad = None
+        for ranks, group, slots, regions, me, mine_parts in self.sets:
+            for slot in slots:
+                slot.param.grad = None
+
+    def get_loss_scale(self):
+        return torch.ones(1)
+
+    def reload_model_params(self, state_dict=None):
+        for p in self.parts:
+            p.master.copy_(p.param_view().float())
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)
+
+    def sharded_state_dict(self, *args, **kwargs):
+        raise RuntimeError("megatron-core dist-checkpointing is not used; see "
+                           "megatron_hexi.checkpoint")
+
+    def state_bytes(self):
+        """Bytes of fp32 master weights and Adam state this rank holds."""
+        n = sum(p.master.numel() for p in self.parts)
+        return n * 4 * 3
