@@ -4,9 +4,12 @@ Global batch i is samples [i x G, (i + 1) x G) of the training dataset, the same
 Pipeline p reads only its range [start_p, end_p) of each global batch (Plan.sample_range), in
 micro-batches of its own size.
 """
+import os
 from collections import OrderedDict
 
 import torch
+
+from planner.errors import SpecError
 
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import (GPTDataset, GPTDatasetConfig, MockGPTDataset,
@@ -45,17 +48,97 @@ class MockTokenizer:
 def build_train_dataset(args, plan, tokenizer=None):
     """The training split, long enough for every iteration of this run."""
     num_samples = args.train_iters * plan.global_batch_size
+    if not args.mock_data:
+        return _build_real_train_dataset(args, plan, tokenizer, num_samples)
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=plan.model.seq_length,
-        split=args.split if not args.mock_data else "1,0,0",
-        blend=None if args.mock_data else (args.data_path, None),
-        tokenizer=tokenizer or MockTokenizer(plan.model.vocab_size),
+        split="1,0,0", blend=None, tokenizer=tokenizer or MockTokenizer(plan.model.vocab_size),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False, path_to_cache=args.data_cache_path)
-    config.mock = args.mock_data
-    cls = SizedMockGPTDataset if args.mock_data else GPTDataset
-    train, _, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, None, None], lambda: True,
+    config.mock = True
+    train, _, _ = BlendedMegatronDatasetBuilder(SizedMockGPTDataset, [num_samples, None, None],
+                                                lambda: True, config).build()
+    return train
+
+
+def data_blend(data_path):
+    """--data-path in Megatron's syntax -> (prefixes, weights or None); SpecError if malformed.
+
+    `PREFIX [PREFIX ...]` (blended in proportion to their sizes) or `W1 PREFIX1 W2 PREFIX2 ...`.
+    """
+    from megatron.core.datasets.utils import get_blend_from_list
+    items = [str(x) for x in data_path]
+    numeric = [_is_number(x) for x in items]
+    if any(numeric[0::2]) and (len(items) % 2 or not all(numeric[0::2])):
+        raise SpecError(f"--data-path {' '.join(items)}: give either prefixes only or "
+                        f"'weight prefix' pairs")
+    prefixes, weights = get_blend_from_list(items)
+    if weights is not None and (any(w < 0 for w in weights) or sum(weights) <= 0):
+        raise SpecError(f"--data-path: blend weights must be >= 0 with a positive sum, got "
+                        f"{weights}")
+    return prefixes, weights
+
+
+def _is_number(text):
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def check_indexed_datasets(prefixes):
+    """Every prefix has a readable .bin/.idx pair. Checked on every rank before megatron-core's
+    builder, which builds on rank 0 first while the others wait in a barrier (a failure there
+    would leave them waiting until the timeout)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    for prefix in prefixes:
+        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            hint = (f"; did you mean {prefix}_text_document (tools/preprocess_data.py names its "
+                    f"output PREFIX_KEY_document)?"
+                    if os.path.isfile(prefix + "_text_document.bin") else
+                    " (make it with tools/preprocess_data.py)")
+            raise SpecError(f"--data-path {prefix}: {' and '.join(missing)} not found{hint}")
+        try:
+            IndexedDataset(prefix)
+        except Exception as e:
+            raise SpecError(f"--data-path {prefix}: not a megatron-core indexed dataset "
+                            f"({type(e).__name__}: {e})") from None
+
+
+def _build_real_train_dataset(args, plan, tokenizer, num_samples):
+    """megatron-core's GPTDataset (BlendedDataset over several prefixes) on --data-path."""
+    from megatron_hexi.tokenizer import check_vocab_fits
+    if tokenizer is None:
+        raise SpecError("--data-path needs --tokenizer-type HuggingFaceTokenizer and "
+                        "--tokenizer-model PATH")
+    check_vocab_fits(tokenizer, plan.model.vocab_size)
+    prefixes, weights = data_blend(args.data_path)
+    check_indexed_datasets(prefixes)
+    try:
+        config = GPTDatasetConfig(
+            random_seed=args.seed, sequence_length=plan.model.seq_length, split=args.split,
+            blend=(prefixes, weights), tokenizer=tokenizer,
+            reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+            create_attention_mask=False, path_to_cache=args.data_cache_path)
+    except (AssertionError, ValueError) as e:
+        raise SpecError(f"--split {args.split}: {e or 'malformed'}") from None
+    if config.split_matrix[0] is None:
+        raise SpecError(f"--split {args.split} leaves no documents for training")
+    # Only the training split is built: its documents are those --split gives it, and its
+    # sample order is the one megatron-core gives it whatever the other splits are (the random
+    # state depends only on the seed); validation and test are not used by this runtime.
+    config.split_matrix = [config.split_matrix[0], None, None]
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: True,
                                                 config).build()
+    if train is None or len(train) < num_samples:
+        have = 0 if train is None else len(train)
+        raise SpecError(f"--data-path: the training split gives {have} samples, {num_samples} "
+                        f"are needed"
+                        + ("; prefixes without weights are read once each (Megatron's rule): "
+                           "give weights ('W1 PREFIX1 W2 PREFIX2') to repeat them"
+                           if weights is None and len(prefixes) > 1 else ""))
     return train
 
 
