@@ -1,0 +1,22 @@
+"""`hexi-profile`: measure this device's training costs with the runtime's own modules.
+
+The JSON it writes is referenced by a cluster file's node group (`profile: path.json`) and read by
+the planner (planner/profile.py). Format "hexi-device-profile/1":
+
+- `device` (catalog GPU name; "CPU" on CPU), `matmul_tflops` (achieved GEMM throughput),
+  `memory_gb`, `memory_bandwidth_gbs`, `source`, `threads`, `cpu_cores`, `dtype`, `model`;
+- `layer`: per-layer forward / backward / backward-with-full-recompute seconds of one transformer
+  layer holding a 1/t shard (query groups and FFN columns), for each TP width t and micro-batch
+  size b measured; compute only (the TP all-reduces come from `comm`);
+- `embedding`, `head`: the embedding and the final norm + LM head + vocab-parallel cross entropy,
+  per vocabulary shard 1/t and micro-batch size;
+- `optimizer`: the runtime's optimizer step (megatron-core wrapper, exact grad norm, AdamW), fit
+  as `fixed_s + s_per_param x params`;
+- `runtime`: the runtime's own per-micro-batch and per-step overheads (1F1B schedule, data,
+  loss, gradient finalize, stats), from timed single-rank Trainer steps;
+- `comm`: all-reduce, all-gather and p2p time vs bytes on `procs` local processes (gloo on CPU,
+  NCCL on CUDA), with a ring-model (bandwidth, latency) fit per collective;
+- `contention`: compute slowdown when `procs` processes run the same layer at once (CPU: they
+  share cores and memory bandwidth).
+"""
+FORMAT = "hexi-device-profile/1"

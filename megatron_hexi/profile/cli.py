@@ -1,0 +1,212 @@
+"""`hexi-profile`: measure this device's costs for a model and write a device profile JSON.
+
+    hexi-profile --model tiny -o cpu.json [--device cpu|cuda] [--tp-widths 1 2 4]
+        [--micro-batch-sizes 1 2 4] [--comm-procs 2] [--threads N] [--max-seconds 120]
+
+Reference the file from the cluster spec: `nodes: [{name: .., gpu: CPU, profile: cpu.json}]`.
+Progress goes to stderr; the run stops measuring new points when --max-seconds is near (what
+was measured is written, with `complete: false`).
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import sys
+import time
+
+from megatron_hexi.profile import FORMAT
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total, budget, stream=sys.stderr):
+        self.total, self.done, self.budget, self.stream = total, 0, budget, stream
+        self.start = time.monotonic()
+        self.tty = stream.isatty()
+
+    def elapsed(self):
+        return time.monotonic() - self.start
+
+    def left(self):
+        return self.budget - self.elapsed()
+
+    def step(self, what):
+        self.done += 1
+        width = 24
+        fill = int(width * self.done / max(self.total, 1))
+        line = (f"hexi-profile [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
+                f"{self.elapsed():5.1f}s/{self.budget:g}s {what}")
+        self.stream.write(("\r" + line.ljust(100)) if self.tty else line + "\n")
+        self.stream.flush()
+
+    def close(self):
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _init_single_rank(device):
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    return True
+
+
+def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2, 4),
+            comm_procs=0, threads=None, max_seconds=120.0, device_name=None, reps=None,
+            runtime=True, progress_stream=sys.stderr):
+    """Measure and return the profile dict (see megatron_hexi.profile)."""
+    import torch
+
+    from megatron_hexi.model import seed_rng
+    from megatron_hexi.profile import comm, measure
+    from planner.catalog import match_device_name
+
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    if threads is None:
+        threads = int(os.environ.get("OMP_NUM_THREADS", "1")) if device.type == "cpu" else 1
+    torch.set_num_threads(threads)
+    if device.type == "cpu":
+        from megatron_hexi.patches import apply_cpu_patches
+        apply_cpu_patches()
+        dtype = torch.float32
+        name = device_name or "CPU"
+    else:
+        torch.cuda.set_device(device)
+        dtype = torch.bfloat16
+        gpu = match_device_name(torch.cuda.get_device_name(device))
+        name = device_name or (gpu.name if gpu else torch.cuda.get_device_name(device))
+    started = _init_single_rank(device)
+    seed_rng(1234, 0)
+    widths = measure.sizes_for(model, tp_widths)
+    mbss = sorted(set(micro_batch_sizes))
+    # budget shares: compute grid 55 %, ends 15 %, optimizer + runtime 10 %, comm 20 %
+    n_units = len(widths) * len(mbss) * 2 + 3 + (1 if comm_procs > 1 else 0)
+    bar = Progress(n_units, max_seconds, progress_stream)
+    complete = True
+    out = {"format": FORMAT, "device": name, "dtype": str(dtype).replace("torch.", ""),
+           "threads": threads, "cpu_cores": os.cpu_count(),
+           "host": platform.node(), "torch": torch.__version__,
+           "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "model": {k: v for k, v in model.__dict__.items()},
+           "layer": [], "embedding": [], "head": []}
+    out["matmul_tflops"] = measure.matmul_tflops(model, max(mbss), device, dtype,
+                                                 seconds=min(0.5, max_seconds * 0.02))
+    bar.step(f"matmul {out['matmul_tflops'] * 1e3:.1f} GFLOP/s")
+    cost = None
+    for t in widths:
+        for b in mbss:
+            if bar.left() < max_seconds * 0.45 and out["layer"]:
+                complete = False
+                break
+            r = reps or (measure.est_reps(bar.left() - 0.45 * max_seconds,
+                                          n_units - bar.done, cost) if cost else 5)
+            t0 = time.monotonic()
+            e = measure.layer_entry(model, t, b, device, dtype, r)
+            out["layer"].append(e)
+            bar.step(f"layer tp{t} mbs{b}: fwd {e['fwd_s'] * 1e3:.2f} ms bwd "
+                     f"{e['bwd_s'] * 1e3:.2f} ms")
+            ends = measure.end_entries(model, t, b, device, dtype, r)
+            out["embedding"].append(ends["embedding"])
+            out["head"].append(ends["head"])
+            bar.step(f"embedding+head tp{t} mbs{b}")
+            cost = (time.monotonic() - t0) / r / 2
+    opt = measure.optimizer_entry(model, device, dtype, reps or 5)
+    out["optimizer"] = opt
+    bar.step(f"optimizer {opt['s_per_param'] * 1e9:.2f} ns/param + {opt['fixed_s'] * 1e3:.2f} ms")
+    if runtime and bar.left() > 0.2 * max_seconds:
+        from megatron_hexi.profile.runtime_overhead import measure_runtime
+        out["runtime"] = measure_runtime(model, device, reps or 4, opt)
+        bar.step(f"runtime {out['runtime']['per_microbatch_s'] * 1e3:.2f} ms/micro-batch + "
+                 f"{out['runtime']['per_step_s'] * 1e3:.2f} ms/step")
+    else:
+        bar.step("runtime overheads skipped")
+    if started:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    if comm_procs > 1:
+        left = max(bar.left(), 5.0)
+        layer_job = (model, 1, max(mbss), reps or 5) if device.type == "cpu" else None
+        c = comm.measure(comm_procs, threads, device.type, left * 0.8, layer_job=layer_job)
+        if "concurrent_layer_s" in c:
+            ref = next(e for e in out["layer"] if e["tp"] == 1 and e["mbs"] == max(mbss))
+            alone = ref["fwd_s"] + ref["bwd_s"]
+            out["contention"] = {"procs": comm_procs, "slowdown": c.pop("concurrent_layer_s")
+                                 / alone}
+        out["comm"] = c
+        fit = c["fit"]["allreduce"]
+        bar.step(f"comm {comm_procs} procs: all-reduce {fit['bandwidth_gbs']:.2f} GB/s, "
+                 f"{fit['latency_us']:.0f} us" if fit else "comm: too few points")
+    bar.close()
+    out["complete"] = complete
+    out["seconds"] = round(bar.elapsed(), 2)
+    out["source"] = (f"hexi-profile on {out['host']} ({name}, {threads} thread(s), "
+                     f"{out['dtype']}), {out['date']}")
+    return out
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="hexi-profile", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="catalog model name or model YAML")
+    p.add_argument("--seq-length", type=int, default=None)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="default: cuda when available, else cpu")
+    p.add_argument("--device-name", default=None, help="catalog GPU name to record "
+                   "(default: CPU, or the CUDA device's catalog match)")
+    p.add_argument("--tp-widths", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--comm-procs", type=int, default=0,
+                   help="also time collectives on this many local processes (>= 2)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per process (default: OMP_NUM_THREADS, else 1, as "
+                   "torchrun runs each rank)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default: by budget)")
+    p.add_argument("--no-runtime", action="store_true", help="skip the runtime-overhead runs")
+    p.add_argument("--max-seconds", type=float, default=120.0)
+    p.add_argument("-o", "--output", required=True)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    from planner.errors import SpecError
+    from planner.models import load_model
+    try:
+        model = load_model(args.model)
+        if args.seq_length:
+            import dataclasses
+            model = dataclasses.replace(model, seq_length=args.seq_length)
+    except SpecError as e:
+        for line in e.problems:
+            print(f"hexi-profile: error: {line}", file=sys.stderr)
+        return 2
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("hexi-profile: error: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    if args.comm_procs == 1 or args.comm_procs < 0:
+        print("hexi-profile: error: --comm-procs needs at least 2 processes", file=sys.stderr)
+        return 2
+    out = profile(model, device, args.tp_widths, args.micro_batch_sizes, args.comm_procs,
+                  args.threads, args.max_seconds, args.device_name, args.reps,
+                  runtime=not args.no_runtime)
+    with open(args.output, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.output}: {out['device']}, {len(out['layer'])} layer points, matmul "
+          f"{out['matmul_tflops'] * 1e3:.1f} GFLOP/s, {out['seconds']:.1f} s"
+          f"{'' if out['complete'] else ' (incomplete: --max-seconds reached)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Collective curves on the local group: a small torch.distributed job of `procs` processes.
+
+Each process sets the profile's thread count, joins a gloo (CPU) or NCCL (CUDA) group, times
+all-reduce, all-gather (into a list, as the runtime's boundary gather does) and p2p send/recv
+(half a ping-pong) for growing sizes, then (optionally) times one reference layer with all
+processes computing at once: that ratio is the contention the planner applies when a node runs
+that many processes. Rank 0 writes the results to a JSON file.
+"""
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _time(fn, reps, device):
+    out = []
+    for i in range(reps + 2):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            out.append(time.perf_counter() - t0)
+    # the slowest rank's median is what a collective costs the group
+    t = torch.tensor([statistics.median(out)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def fit_ring(points, lat_coef, byte_coef):
+    """(bandwidth, latency) of the ring model t = lat_coef*lat + byte_coef*bytes/bw: latency from
+    the smallest message, bandwidth from the largest (where bytes dominate)."""
+    if len(points) < 2:
+        return None
+    pts = sorted(points, key=lambda p: p["bytes"])
+    lat = min(p["s"] for p in pts[:2]) / lat_coef
+    big = pts[-1]
+    rest = max(big["s"] - lat_coef * lat, 1e-12)
+    return {"bandwidth_gbs": byte_coef * big["bytes"] / rest / 1e9, "latency_us": lat * 1e6}
+
+
+def _worker(rank, procs, port, out_path, sizes, reps, threads, device_type, deadline, layer_job):
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(procs)})
+    torch.set_num_threads(threads)
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        from megatron_hexi.patches import apply_cpu_patches
+        apply_cpu_patches()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
+                            world_size=procs)
+    singles = [dist.new_group([r]) for r in range(procs)]
+    res = {"allreduce": [], "allgather": [], "p2p": []}
+    for nbytes in sizes:
+        # every rank must stop at the same size: rank 0's clock decides (at least 3 sizes)
+        stop = torch.tensor([float(time.time() > deadline and len(res["p2p"]) >= 3)],
+                            device=device)
+        dist.broadcast(stop, 0)
+        if stop.item():
+            break
+        n = max(1, nbytes // 4)
+        x = torch.ones(n, dtype=torch.float32, device=device)
+        part = torch.ones(max(1, n // procs), dtype=torch.float32, device=device)
+        outs = [torch.empty_like(part) for _ in range(procs)]
+        r = reps if nbytes < (1 << 22) else max(3, reps // 3)
+        res["allreduce"].append({"bytes": 4 * n, "s": _time(lambda: dist.all_reduce(x), r,
+                                                            device)})
+        res["allgather"].append({"bytes": 4 * part.numel() * procs,
+                                 "s": _time(lambda: dist.all_gather(outs, part), r, device)})
+
+        def pingpong():
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            elif rank == 1:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+        res["p2p"].append({"bytes": 4 * n, "s": _time(pingpong, r, device) / 2})
+    if layer_job is not None:
+        from megatron_hexi.profile.measure import Stage, shard_view
+        from megatron_hexi.model import seed_rng
+        seed_rng(1234, 0)
+        Stage.tp_group = singles[rank]
+        model, t, mbs, lreps = layer_job
+        st = Stage(model, shard_view(model, t, 2), mbs, device, torch.float32)
+        dist.barrier()
+        f, b = st.time(lreps)
+        tt = torch.tensor([f + b], dtype=torch.float64)
+        dist.all_reduce(tt)
+        res["concurrent_layer_s"] = tt.item() / procs / 2
+    if rank == 0:
+        with open(out_path, "w") as fh:
+            json.dump(res, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(procs, threads, device_type, max_seconds, reps=10, layer_job=None,
+            max_bytes=1 << 26):
+    """Run the job; returns {"procs", "backend", curves, fits[, "concurrent_layer_s"]}."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    sizes, s = [], 1 << 10
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= 4
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="hexi-profile-") as tmp:
+        path = os.path.join(tmp, "comm.json")
+        env_threads = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        try:
+            mp.start_processes(_worker, args=(procs, port, path, sizes, reps, threads,
+                                              device_type, time.time() + max_seconds, layer_job),
+                               nprocs=procs, join=True, start_method="spawn")
+        finally:
+            if env_threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = env_threads
+        with open(path) as fh:
+            res = json.load(fh)
+    n = procs
+    fits = {"allreduce": fit_ring(res["allreduce"], 2 * (n - 1), 2 * (n - 1) / n),
+            "allgather": fit_ring(res["allgather"], n - 1, (n - 1) / n),
+            "p2p": fit_ring(res["p2p"], 1, 1)}
+    out = {"procs": procs, "backend": "nccl" if device_type == "cuda" else "gloo",
+           "allreduce": res["allreduce"], "allgather": res["allgather"], "p2p": res["p2p"],
+           "fit": fits}
+    if "concurrent_layer_s" in res:
+        out["concurrent_layer_s"] = res["concurrent_layer_s"]
+    return out

@@ -1,0 +1,194 @@
+"""Compute measurements on the local device with the runtime's own stage modules.
+
+Every stage is built by megatron_hexi.model.stage_config / build_stage_model (a single rank, so
+TP shards are built at their local size and no collective runs): what is timed is what a rank of
+that shard computes in training. Times are medians of repeated runs after warm-up.
+"""
+import math
+import statistics
+import time
+import types
+
+import torch
+
+from megatron_hexi.loss import sharded_cross_entropy
+from megatron_hexi.model import build_stage_model, seed_rng, stage_config
+
+
+def _world():
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() != 1:
+        raise RuntimeError("profile stages need a one-rank process group (Stage.tp_group)")
+    return dist.group.WORLD
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def shard_view(model, t, layers, first=False, last=False):
+    """A RankView stand-in for TP rank 0 of an even t-way stage (only the fields the model
+    builders read). Query groups and FFN columns are 1/t of the model's (at least one)."""
+    g, hpg = model.num_query_groups, model.num_attention_heads // model.num_query_groups
+    q = max(1, g // t)
+    f = max(1, model.ffn_hidden_size // t)
+    v = max(1, model.vocab_size // t)
+    return types.SimpleNamespace(
+        tp_size=1, layers=(0, layers), query_groups=(q, 0), heads=(q * hpg, 0), ffn=(f, 0),
+        vocab=(v, 0) if (first or last) else None, holds_embedding=first, holds_output=last)
+
+
+class Stage:
+    """One single-rank stage: build, then time forward / backward per micro-batch."""
+
+    tp_group = None     # a one-rank process group (set by the caller once the group exists)
+
+    def __init__(self, model, view, mbs, device, dtype, recompute=False):
+        plan = types.SimpleNamespace(model=model)
+        self.cfg = stage_config(plan, view, params_dtype=dtype, recompute=recompute)
+        self.net = build_stage_model(plan, view, Stage.tp_group or _world(), self.cfg, device)
+        with torch.no_grad():
+            for p in self.net.parameters():
+                p.normal_(0.0, 0.02) if p.ndim > 1 else p.fill_(1.0)
+        self.view, self.model, self.device, self.dtype = view, model, device, dtype
+        s, h = model.seq_length, model.hidden_size
+        gen = torch.Generator().manual_seed(1)
+        self.x = torch.randn(s, mbs, h, generator=gen).to(device, dtype)
+        self.grad = torch.randn(s, mbs, h, generator=gen).to(device, dtype) * 1e-3
+        self.tokens = torch.randint(0, view.vocab[0] if view.vocab else 1, (mbs, s),
+                                    generator=gen).to(device)
+        self.positions = torch.arange(s, device=device).unsqueeze(0).expand(mbs, s)
+        self.labels = self.tokens.clone()
+        self.net.train()
+
+    def forward(self):
+        v = self.view
+        if v.holds_embedding:
+            out = self.net(self.tokens, self.positions, None)
+        else:
+            x = self.x.detach().requires_grad_(True)
+            self.net.set_input_tensor(x)
+            out = self.net(None, None, None)
+        if v.holds_output:
+            per_token = sharded_cross_entropy(out.float(), self.labels, 0, None, 1)
+            return per_token.sum()
+        return out
+
+    def backward(self, out):
+        if out.dim() == 0:
+            out.backward()
+        else:
+            out.backward(self.grad)
+
+    def time(self, reps, warmup=2):
+        """(median forward s, median backward s) per micro-batch."""
+        fw, bw = [], []
+        for i in range(warmup + reps):
+            self.net.zero_grad(set_to_none=False)
+            sync(self.device)
+            t0 = time.perf_counter()
+            out = self.forward()
+            sync(self.device)
+            t1 = time.perf_counter()
+            self.backward(out)
+            sync(self.device)
+            t2 = time.perf_counter()
+            if i >= warmup:
+                fw.append(t1 - t0)
+                bw.append(t2 - t1)
+        return statistics.median(fw), statistics.median(bw)
+
+
+def layer_entry(model, t, mbs, device, dtype, reps, layers=2):
+    """Per-layer seconds of a 1/t shard: forward, backward, backward under full recompute."""
+    view = shard_view(model, t, layers)
+    f, b = Stage(model, view, mbs, device, dtype).time(reps)
+    _, brc = Stage(model, view, mbs, device, dtype, recompute=True).time(reps)
+    return {"tp": t, "query_groups": view.query_groups[0], "ffn": view.ffn[0], "mbs": mbs,
+            "fwd_s": f / layers, "bwd_s": b / layers, "bwd_recompute_s": brc / layers}
+
+
+def end_entries(model, t, mbs, device, dtype, reps):
+    """Embedding stage and head stage costs: a one-layer first / last stage minus a one-layer
+    middle stage (same stage machinery, so per-stage overheads cancel)."""
+    lf, lb = Stage(model, shard_view(model, t, 1), mbs, device, dtype).time(reps)
+    out = {}
+    for kind, first, last in (("embedding", True, False), ("head", False, True)):
+        view = shard_view(model, t, 1, first=first, last=last)
+        f, b = Stage(model, view, mbs, device, dtype).time(reps)
+        out[kind] = {"tp": t, "vocab": view.vocab[0], "mbs": mbs,
+                     "fwd_s": max(f - lf, 0.0), "bwd_s": max(b - lb, 0.0)}
+    return out
+
+
+def matmul_tflops(model, mbs, device, dtype, seconds=0.5):
+    """Achieved throughput of the layer's largest GEMM shape ([s*b, h] x [h, ffn])."""
+    m, k, n = model.seq_length * mbs, model.hidden_size, model.ffn_hidden_size
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(k, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ w
+    sync(device)
+    count, t0 = 0, time.perf_counter()
+    while True:
+        a @ w
+        count += 1
+        if count % 4 == 0:
+            sync(device)
+            if time.perf_counter() - t0 > seconds:
+                break
+    dt = time.perf_counter() - t0
+    return 2.0 * m * k * n * count / dt / 1e12
+
+
+def optimizer_entry(model, device, dtype, reps, layer_counts=(1, 3)):
+    """The runtime's optimizer step (megatron-core FP32Optimizer/Float16 wrapper around AdamW,
+    exact grad norm over the world, clipping) on stage models of two sizes: fit fixed + per param.
+    Needs an initialised process group (one rank is enough)."""
+    from megatron_hexi.optimizer import build_optimizer
+    args = types.SimpleNamespace(lr=1e-4, min_lr=0.0, weight_decay=0.01, adam_beta1=0.9,
+                                 adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0,
+                                 bf16=dtype == torch.bfloat16, lr_decay_iters=None,
+                                 train_iters=100, lr_warmup_init=0.0, lr_warmup_iters=0,
+                                 lr_decay_style="constant")
+    points = []
+    for n in layer_counts:
+        st = Stage(model, shard_view(model, 1, n), 1, device, dtype)
+        params = [p for p in st.net.parameters()]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+            p.main_grad = p.grad
+
+        class _Owned:
+            def owned_grads(self):
+                return [p.grad for p in params]
+        opt, _ = build_optimizer(st.net, _Owned(), args)
+        times = []
+        for i in range(reps + 2):
+            sync(device)
+            t0 = time.perf_counter()
+            opt.step()
+            sync(device)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        points.append((sum(p.numel() for p in params), statistics.median(times)))
+    (n1, t1), (n2, t2) = points
+    per = max((t2 - t1) / (n2 - n1), 1e-15)
+    return {"fixed_s": max(t1 - per * n1, 0.0), "s_per_param": per,
+            "points": [{"params": n, "s": t} for n, t in points]}
+
+
+def sizes_for(model, tp_widths):
+    """TP widths that give distinct, non-empty shards of this model."""
+    out = []
+    for t in tp_widths:
+        if t >= 1 and t <= model.num_query_groups and t not in out:
+            out.append(t)
+    return out or [1]
+
+
+def est_reps(seconds_left, units_left, unit_cost, lo=3, hi=15):
+    if unit_cost <= 0 or units_left <= 0:
+        return hi
+    return int(min(hi, max(lo, math.floor(seconds_left / units_left / unit_cost))))

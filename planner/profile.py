@@ -1,0 +1,300 @@
+"""Measured device profiles (`hexi-profile`) in the cost model: reading and interpolation.
+
+A node group's `profile: path.json` (planner/costmodel.device_for) may be
+- a plain profile: only `matmul_tflops` (+ optional memory figures) replaces the catalog's
+  sustained throughput; every time is still FLOPs / throughput;
+- a detailed profile (format "hexi-device-profile/1", written by hexi-profile): for the model it
+  was measured with (same sizes; the layer count may differ), the cost model uses the measured
+  per-layer forward/backward (and recompute backward) times, interpolated piecewise-linearly in the
+  rank's shard (FLOP-weighted share of query groups and FFN columns) and in the micro-batch size,
+  the measured embedding and LM-head + loss times (by vocabulary share), the runtime's measured
+  per-micro-batch and per-step overheads, the optimizer step (fixed + per parameter), and the
+  measured all-reduce curve for TP groups inside the profiled node (other links inside the node use
+  the ring-model fit of the measured curves). For another model it falls back to `matmul_tflops`.
+
+CPU contention (stated model): a node of a CPU profile runs `gpus_per_node` processes of `threads`
+threads on `cpu_cores` cores. With k processes the compute slows by the measured `contention`
+slowdown at the profiled process count (interpolated linearly from 1.0 at one process), and beyond
+the cores by a further k x threads / cores (time-slicing). GPU profiles get no contention.
+
+Pure Python (no torch): the planner must not import torch.
+"""
+from bisect import bisect_left
+from functools import lru_cache
+import math
+
+FORMAT = "hexi-device-profile/1"
+_MODEL_KEYS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "vocab_size", "seq_length", "swiglu", "normalization", "kv_channels",
+               "untie_embeddings_and_output_weights")
+
+
+def is_detailed(data):
+    return isinstance(data, dict) and data.get("format") == FORMAT and bool(data.get("layer"))
+
+
+def _interp(xs, ys, x):
+    """Piecewise-linear through (xs, ys) (sorted, distinct); outside the measured range (or
+    with a single point) proportional to the nearest end point (time ~ work)."""
+    if x >= xs[-1] or len(xs) == 1:
+        return ys[-1] * x / xs[-1] if xs[-1] else ys[-1]
+    if x <= xs[0]:
+        return ys[0] * x / xs[0] if xs[0] else ys[0]
+    i = bisect_left(xs, x)
+    i = min(max(i, 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(y, 0.0)
+
+
+def _loglog(points, x):
+    """Interpolate a measured (bytes, seconds) curve in log-log; linear in bytes beyond it."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
+        return points[0][1]
+    if x >= xs[-1]:
+        (xa, ya), (xb, yb) = points[-2], points[-1]
+        slope = max((yb - ya) / (xb - xa), 0.0)
+        return yb + slope * (x - xb)
+    i = bisect_left(xs, x)
+    (xa, ya), (xb, yb) = points[i - 1], points[i]
+    f = (math.log(x) - math.log(xa)) / (math.log(xb) - math.log(xa))
+    return math.exp(math.log(max(ya, 1e-12)) * (1 - f) + math.log(max(yb, 1e-12)) * f)
+
+
+class _Grid:
+    """Times on a (share, micro-batch) grid: interpolate in share per micro-batch size, then in
+    micro-batch size."""
+
+    def __init__(self, rows, share_of, fields):
+        by_mbs = {}
+        for r in rows:
+            by_mbs.setdefault(r["mbs"], {})[share_of(r)] = r
+        self.mbs = sorted(by_mbs)
+        self.cols = []
+        for b in self.mbs:
+            shares = sorted(by_mbs[b])
+            self.cols.append((shares, {f: [by_mbs[b][s][f] for s in shares] for f in fields}))
+
+    def __call__(self, field, share, mbs):
+        ys = []
+        for shares, vals in self.cols:
+            ys.append(_interp(shares, vals[field], share))
+        return _interp(self.mbs, ys, mbs)
+
+
+class DeviceProfile:
+    """A detailed profile, ready for the cost model."""
+
+    def __init__(self, data, path):
+        self.path, self.data = path, data
+        self.model = data.get("model", {})
+        m = self.model
+        self.threads = int(data.get("threads", 1))
+        self.cores = int(data.get("cpu_cores", 1) or 1)
+        self.is_cpu = data.get("device") == "CPU"
+        self.act_bytes = 4 if data.get("dtype") == "float32" else 2
+        att, mlp = _flops_split(m)
+        self._att_frac = att / (att + mlp)
+        g, f, v = m["num_query_groups"], m["ffn_hidden_size"], m["vocab_size"]
+        self.layer = _Grid(data["layer"], lambda r: self.share(r["query_groups"] / g,
+                                                                r["ffn"] / f),
+                           ("fwd_s", "bwd_s", "bwd_recompute_s"))
+        self.embedding = _Grid(data["embedding"], lambda r: r["vocab"] / v, ("fwd_s", "bwd_s")) \
+            if data.get("embedding") else None
+        self.head = _Grid(data["head"], lambda r: r["vocab"] / v, ("fwd_s", "bwd_s")) \
+            if data.get("head") else None
+        rt = data.get("runtime") or {}
+        self.per_microbatch_s = float(rt.get("per_microbatch_s", 0.0))
+        self.per_step_s = float(rt.get("per_step_s", 0.0))
+        opt = data.get("optimizer") or {}
+        self.opt_fixed_s = float(opt.get("fixed_s", 0.0))
+        self.opt_s_per_param = opt.get("s_per_param")
+        comm = data.get("comm") or {}
+        self.comm_procs = comm.get("procs")
+        self.curves = {k: [(p["bytes"], p["s"]) for p in comm.get(k, [])]
+                       for k in ("allreduce", "allgather", "p2p")}
+        fit = (comm.get("fit") or {}).get("allreduce")
+        self.link = ((fit["bandwidth_gbs"] * 1e9, fit["latency_us"] * 1e-6) if fit else None)
+        cont = data.get("contention") or {}
+        self.contention_procs = cont.get("procs")
+        self.contention_slowdown = float(cont.get("slowdown", 1.0))
+
+    def share(self, qf, ff):
+        """FLOP-weighted share of a layer held by a rank with these query-group / FFN fractions."""
+        return self._att_frac * qf + (1 - self._att_frac) * ff
+
+    def matches(self, m):
+        mine = self.model
+        for k in _MODEL_KEYS:
+            if k in mine and getattr(m, k, None) != mine[k]:
+                return False
+        return True
+
+    def contention(self, procs):
+        """Compute slowdown with `procs` processes on the node (1.0 on GPUs)."""
+        if not self.is_cpu or procs <= 1:
+            return 1.0
+        cp, sd = self.contention_procs, self.contention_slowdown
+        fit_cores = max(self.cores // max(self.threads, 1), 1)
+        if cp and cp > 1:
+            at = 1.0 + (sd - 1.0) * (min(procs, cp) - 1) / (cp - 1)
+        else:
+            at = 1.0
+        if procs > fit_cores:
+            at *= procs / fit_cores
+        return at
+
+    def allreduce(self, nbytes, n, link):
+        """Seconds of an all-reduce of nbytes over n ranks: measured curve inside the node."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        if n == self.comm_procs and self.curves["allreduce"] and link == self.link:
+            return _loglog(self.curves["allreduce"], nbytes)
+        bw, lat = link
+        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+
+
+def _flops_split(m):
+    s, h, a = m["seq_length"], m["hidden_size"], m["num_attention_heads"]
+    g = m["num_query_groups"]
+    d = m.get("kv_channels") or h // a
+    att = 2 * s * h * (a * d + 2 * g * d) + 4 * s * s * a * d + 2 * s * a * d * h
+    mlp = (3 if m.get("swiglu", True) else 2) * 2 * s * h * m["ffn_hidden_size"]
+    return att, mlp
+
+
+class ProfiledDevice:
+    """What a Device carries: the profile and the contention of its node."""
+    __slots__ = ("profile", "slowdown")
+
+    def __init__(self, profile, slowdown):
+        self.profile, self.slowdown = profile, slowdown
+
+
+@lru_cache(maxsize=None)
+def _profile_of(path):
+    from planner.costmodel import _load_profile
+    return DeviceProfile(_load_profile(path), path)
+
+
+def attach(data, path, procs_per_node):
+    """ProfiledDevice for a detailed profile, else None."""
+    if not is_detailed(data):
+        return None
+    prof = _profile_of(path)
+    return ProfiledDevice(prof, prof.contention(procs_per_node))
+
+
+# ------------------------------------------------------------------------- cost-model hooks
+
+def _uses(dev, m):
+    p = dev.profile
+    return p is not None and p.profile.matches(m)
+
+
+def layer_times(m, mbs, devices, qg, ffn, tp_link, recompute):
+    """costmodel.layer_times with measured per-layer times where a device has a profile."""
+    g, f = m.num_query_groups, m.ffn_hidden_size
+    cf = cb = 0.0
+    for q, x, dev in zip(qg, ffn, devices):
+        if _uses(dev, m):
+            pd = dev.profile
+            s = pd.profile.share(q / g, x / f)
+            fw = pd.profile.layer("fwd_s", s, mbs) * pd.slowdown
+            bw = pd.profile.layer("bwd_recompute_s" if recompute else "bwd_s", s, mbs) \
+                * pd.slowdown
+        else:
+            from planner.costmodel import attention_flops, mlp_flops
+            fw = (attention_flops(m, mbs) * q / g + mlp_flops(m, mbs) * x / f) / dev.flops
+            bw = fw * (3 if recompute else 2)
+        cf, cb = max(cf, fw), max(cb, bw)
+    t = len(devices)
+    nbytes = m.seq_length * mbs * m.hidden_size
+    prof = next((d.profile.profile for d in devices if d.profile is not None), None)
+    ar = prof.allreduce(nbytes * prof.act_bytes, t, tuple(tp_link)) if prof else 0.0
+    tf = 2 * ar
+    tb = (4 if recompute else 2) * ar
+    return cf, tf, cb, tb
+
+
+def head_times(m, mbs, devices, vocab, tp_link):
+    """costmodel.head_times with the measured LM head + loss where a device has a profile."""
+    from planner.costmodel import head_flops
+    cf = cb = 0.0
+    for v, dev in zip(vocab, devices):
+        if _uses(dev, m) and dev.profile.profile.head is not None:
+            pd = dev.profile
+            share = v / m.vocab_size
+            fw = pd.profile.head("fwd_s", share, mbs) * pd.slowdown
+            bw = pd.profile.head("bwd_s", share, mbs) * pd.slowdown
+        else:
+            fw = head_flops(m, mbs) * v / m.vocab_size / dev.flops
+            bw = 2 * fw
+        cf, cb = max(cf, fw), max(cb, bw)
+    t = len(devices)
+    prof = next((d.profile.profile for d in devices if d.profile is not None), None)
+    small = prof.allreduce(m.seq_length * mbs * 4, t, tuple(tp_link))
+    big = prof.allreduce(m.seq_length * mbs * m.hidden_size * prof.act_bytes, t, tuple(tp_link))
+    return cf + 3 * small, cb + big
+
+
+def stage_extra(m, mbs, devices, vocab, first):
+    """(fwd, bwd) seconds a profiled stage adds per micro-batch: the embedding's compute (first
+    stage) and the runtime's measured per-micro-batch overhead."""
+    ef = eb = over = 0.0
+    for i, dev in enumerate(devices):
+        if not _uses(dev, m):
+            continue
+        pd = dev.profile
+        over = max(over, pd.profile.per_microbatch_s * pd.slowdown)
+        if first and pd.profile.embedding is not None:
+            share = vocab[i] / m.vocab_size
+            ef = max(ef, pd.profile.embedding("fwd_s", share, mbs) * pd.slowdown)
+            eb = max(eb, pd.profile.embedding("bwd_s", share, mbs) * pd.slowdown)
+    return ef + over, eb
+
+
+def step_overhead(device):
+    """Seconds per iteration the runtime adds on a profiled device (beyond per-parameter Adam)."""
+    pd = device.profile
+    if pd is None:
+        return 0.0
+    return (pd.profile.per_step_s + pd.profile.opt_fixed_s) * pd.slowdown
+
+
+def optimizer_mem_bw(data, default_bw):
+    """The bandwidth that makes costmodel.optimizer_step_time reproduce the measured per-parameter
+    step time (ADAM_STEP_BYTES_PER_PARAM / s_per_param)."""
+    from planner.costmodel import ADAM_STEP_BYTES_PER_PARAM
+    per = (data.get("optimizer") or {}).get("s_per_param")
+    return ADAM_STEP_BYTES_PER_PARAM / per if per else default_bw
+
+
+# ------------------------------------------------------------------------------- reporting
+
+def cost_sources(topo, model):
+    """{node group: one line saying which figures the cost model used for that device}."""
+    out = {}
+    for node, dev in zip(topo.nodes, topo.devices):
+        if node.group in out:
+            continue
+        if dev.profile is not None:
+            pd = dev.profile
+            if pd.profile.matches(model):
+                parts = ["measured per-layer/head/embedding times"]
+                if pd.profile.curves["allreduce"]:
+                    parts.append(f"measured {pd.profile.comm_procs}-process comm curves inside "
+                                 "the node")
+                if pd.slowdown != 1.0:
+                    parts.append(f"contention x{pd.slowdown:.2f} for {node.gpus_per_node} "
+                                 "processes")
+                out[node.group] = f"{dev.name}: profile {pd.profile.path} ({', '.join(parts)})"
+            else:
+                out[node.group] = (f"{dev.name}: profile {pd.profile.path} measured for another "
+                                   f"model: matmul_tflops only ({dev.flops / 1e12:.4g} TFLOP/s)")
+        elif dev.source.startswith("profile"):
+            out[node.group] = f"{dev.name}: {dev.source} (matmul_tflops {dev.flops / 1e12:.4g})"
+        else:
+            out[node.group] = f"{dev.name}: {dev.source} (no profile)"
+    return out

@@ -1,0 +1,319 @@
+"""Cost-model fidelity on this machine: predicted (hexi-plan simulate) vs measured step times.
+
+    python tools/bench/fidelity.py [--profile cpu.json] [--steps 6] [--warmup 3]
+        [--png docs/fidelity.png] [--device cpu|cuda] [--max-profile-seconds 120]
+
+1. Profile the local device with `hexi-profile` (the bench model, --comm-procs 2, the runtime's
+   thread setting: OMP_NUM_THREADS=1 per process, as torchrun and the test harness run ranks),
+   unless --profile gives one.
+2. For each plan below (all fit 2 cores: at most 2 processes), write the plan over a one-node
+   cluster whose group references the profile (gpus_per_node = the plan's processes, which sets
+   the profile's contention model), predict the iteration time with the simulator (also with the
+   catalog figures, no profile), then train it with the runtime (tests/harness.run_distributed,
+   gloo, one process per rank, OMP_NUM_THREADS=1) and take the median step_time_s after warm-up.
+3. Print predicted vs measured, per-plan error, mean and max |error| (targets 10 % / 20 %), save a
+   PNG (predicted vs measured), and compare per-rank memory: the model's parameters, gradients,
+   optimizer state and activations against what the runtime holds (parameter/grad/Adam-state
+   tensor bytes; activations = peak bytes of tensors saved for backward, by saved-tensor hooks).
+
+On a GPU machine the same script runs with --device cuda (NCCL; plans over up to 2 GPUs).
+The memory model is the planner's bf16 mixed-precision one (18 B/param, bf16 activations); on
+CPU the runtime trains in fp32 (4 B weight + 4 B grad + 8 B Adam, fp32 activations), so the
+comparison converts the predicted terms to fp32 byte sizes (stated in the output).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent), str(ROOT / "tests")]
+
+MODEL = {"num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 1024, "num_attention_heads": 8,
+         "num_query_groups": 8, "vocab_size": 1024, "seq_length": 128, "name": "bench-small"}
+GLOBAL_BATCH = 8
+ALL = [0, 4]
+# name: (pipelines, recompute)
+PLANS = {
+    "1 rank": ([{"micro_batch_size": 2, "num_microbatches": 4,
+                 "stages": [{"ranks": [0], "layers": ALL}]}], False),
+    "1 rank, recompute": ([{"micro_batch_size": 2, "num_microbatches": 4,
+                            "stages": [{"ranks": [0], "layers": ALL}]}], True),
+    "TP2": ([{"micro_batch_size": 2, "num_microbatches": 4,
+              "stages": [{"ranks": [0, 1], "layers": ALL}]}], False),
+    "TP2 uneven 3:1": ([{"micro_batch_size": 2, "num_microbatches": 4, "stages": [
+        {"ranks": [0, 1], "layers": ALL,
+         "shards": {"query_groups": [6, 2], "ffn": [768, 256], "vocab": [768, 256]}}]}], False),
+    "PP2 m4": ([{"micro_batch_size": 2, "num_microbatches": 4, "stages": [
+        {"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}]}], False),
+    "PP2 m8 recompute": ([{"micro_batch_size": 1, "num_microbatches": 8, "stages": [
+        {"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}]}], True),
+    "PP2 uneven 3:1": ([{"micro_batch_size": 2, "num_microbatches": 4, "stages": [
+        {"ranks": [0], "layers": [0, 3]}, {"ranks": [1], "layers": [3, 4]}]}], False),
+    "DP2": ([{"micro_batch_size": 2, "num_microbatches": 2,
+              "stages": [{"ranks": [0], "layers": ALL}]},
+             {"micro_batch_size": 2, "num_microbatches": 2,
+              "stages": [{"ranks": [1], "layers": ALL}]}], False),
+    "2 pipelines 6x1 | 1x2": ([{"micro_batch_size": 1, "num_microbatches": 6,
+                                "stages": [{"ranks": [0], "layers": ALL}]},
+                               {"micro_batch_size": 2, "num_microbatches": 1,
+                                "stages": [{"ranks": [1], "layers": ALL}]}], False),
+}
+FLAGS = ["--mock-data", "--lr", "1e-4", "--lr-decay-style", "constant", "--seed", "1234",
+         "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "100000",
+         "--weight-decay", "0.01"]
+
+
+# ------------------------------------------------------------------------ rank body (spawned)
+
+class _SavedBytes:
+    """Live bytes of tensors autograd saves for backward (parameters excluded), and the peak."""
+
+    def __init__(self, param_ptrs):
+        self.param_ptrs, self.live, self.count, self.cur, self.peak = param_ptrs, {}, {}, 0, 0
+
+    def pack(self, t):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in self.param_ptrs or st.nbytes() == 0:
+            return t
+        tracker = self
+
+        class Held:
+            __slots__ = ("t", "__weakref__")
+
+            def __init__(self, x):
+                self.t = x
+                tracker.count[key] = tracker.count.get(key, 0) + 1
+                if tracker.count[key] == 1:
+                    tracker.cur += st.nbytes()
+                    tracker.peak = max(tracker.peak, tracker.cur)
+
+            def __del__(self):
+                tracker.count[key] -= 1
+                if tracker.count[key] == 0:
+                    tracker.cur -= st.nbytes()
+                    del tracker.count[key]
+        return Held(t)
+
+    @staticmethod
+    def unpack(x):
+        return x.t if hasattr(x, "t") and not hasattr(x, "shape") else x
+
+
+def train_rank(plan_path, iters, device_type, measure_memory):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hexi.arguments import parse_args
+    from megatron_hexi.training import Trainer, init_distributed
+    from planner.plan import load_plan
+
+    args = parse_args(["--hetero-plan-path", str(plan_path), "--train-iters", str(iters),
+                       "--hetero-device", device_type, *FLAGS])
+    plan = load_plan(plan_path)
+    device = init_distributed(args, plan)
+    trainer = Trainer(args, plan, device)
+    times = []
+    for it in range(iters):
+        times.append(trainer.train_step(it)["step_time_s"])
+    out = {"rank": trainer.rank, "step_s": times}
+    if measure_memory:
+        params = list(trainer.model.parameters())
+        ptrs = {p.untyped_storage().data_ptr() for p in params}
+        tracker = _SavedBytes(ptrs)
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+            trainer.train_step(iters)
+        def nbytes(t):
+            return t.numel() * t.element_size()
+        grads = sum(nbytes(p.grad) for p in params if p.grad is not None)
+        grads += sum(nbytes(p.main_grad) for p in params
+                     if getattr(p, "main_grad", None) is not None
+                     and (p.grad is None or p.main_grad.data_ptr() != p.grad.data_ptr()))
+        inner = trainer.optimizer.optimizer
+        state = sum(nbytes(v) for s in inner.state.values() for v in s.values()
+                    if torch.is_tensor(v) and v.numel() > 1)
+        masters = 0
+        for g in getattr(trainer.optimizer, "fp32_from_float16_groups", []) or []:
+            masters += sum(nbytes(p) for p in g)
+        out["memory"] = {"params": sum(p.numel() for p in params),
+                         "weights": sum(nbytes(p) for p in params), "grads": grads,
+                         "optimizer": state + masters, "activations": tracker.peak}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, out)
+    return everyone
+
+
+# --------------------------------------------------------------------------------- driver
+
+def _cluster(world, profile):
+    from planner.cluster import load_cluster_dict
+    group = {"name": "cpu", "gpu": "CPU", "gpus_per_node": world, "intra_node": "host",
+             "nic": "10 Gbit/s"}
+    if profile:
+        group["profile"] = str(profile)
+    return load_cluster_dict({"name": f"local-{world}", "nodes": [group]})
+
+
+def _world(pipelines):
+    return 1 + max(r for p in pipelines for s in p["stages"] for r in s["ranks"])
+
+
+def _profile(model_path, out, seconds, device):
+    cmd = [sys.executable, "-W", "ignore", "-m", "megatron_hexi.profile", "--model",
+           str(model_path), "--tp-widths", "1", "2", "4", "--micro-batch-sizes", "1", "2", "4",
+           "--comm-procs", "2", "--max-seconds", str(seconds), "--device", device, "-o", str(out)]
+    print("$ OMP_NUM_THREADS=1 " + " ".join(cmd[3:]).replace(sys.executable, "python"),
+          flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(4.6, 4.2), dpi=90)
+    meas = [r["measured"] * 1e3 for r in rows]
+    pred = [r["predicted"] * 1e3 for r in rows]
+    cat = [r["catalog"] * 1e3 for r in rows]
+    hi = max(meas + pred) * 1.15
+    ax.plot([0, hi], [0, hi], "k-", lw=0.8)
+    ax.fill_between([0, hi], [0, hi * 0.8], [0, hi * 1.2], color="0.9", label="±20 %")
+    ax.scatter(meas, pred, s=22, c="C0", zorder=3, label="profile")
+    ax.scatter(meas, cat, s=14, c="C3", marker="x", zorder=3, label="catalog (no profile)")
+    for r, x, y in zip(rows, meas, pred):
+        ax.annotate(r["plan"], (x, y), fontsize=6, xytext=(3, -3), textcoords="offset points")
+    ax.set_xlim(0, hi)
+    ax.set_ylim(0, hi)
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title("hexi-plan simulate vs runtime (CPU, gloo)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default=None, help="use this profile instead of measuring one")
+    ap.add_argument("--save-profile", default=None, help="keep the measured profile here")
+    ap.add_argument("--max-profile-seconds", type=float, default=120)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per plan")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--plans", nargs="+", default=None, help="subset of plan names")
+    ap.add_argument("--png", default=str(ROOT / "docs/fidelity.png"))
+    ap.add_argument("--json", default=None, help="also write the rows as JSON")
+    ap.add_argument("--timeout", type=float, default=300)
+    a = ap.parse_args(argv)
+    import yaml
+
+    import fidelity as this
+    from harness import run_distributed
+    from planner.models import load_model
+    from planner.plan import build_plan, save_plan
+    from planner.profile import cost_sources
+    from planner.costmodel import Topology
+    from planner.simulator import simulate
+
+    start = time.monotonic()
+    loads = [os.getloadavg()[0]]
+    print(f"load average {loads[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    with tempfile.TemporaryDirectory(prefix="hexi-fidelity-") as tmp:
+        tmp = Path(tmp)
+        model_path = tmp / "model.yaml"
+        model_path.write_text(yaml.safe_dump(MODEL))
+        model = load_model(str(model_path))
+        prof = Path(a.profile).resolve() if a.profile else tmp / "profile.json"
+        if not a.profile:
+            _profile(model_path, prof, a.max_profile_seconds, a.device)
+            if a.save_profile:
+                Path(a.save_profile).write_text(prof.read_text())
+        rows = []
+        names = a.plans or list(PLANS)
+        for name in names:
+            pipelines, recompute = PLANS[name]
+            world = _world(pipelines)
+            plan = build_plan(_cluster(world, prof), model, GLOBAL_BATCH, pipelines,
+                              recompute=recompute)
+            path = tmp / f"plan{len(rows)}.json"
+            save_plan(plan, path)
+            est = simulate(plan)
+            cat_plan = build_plan(_cluster(world, None), model, GLOBAL_BATCH, pipelines,
+                                  recompute=recompute)
+            catalog = simulate(cat_plan).iteration_time_s
+            if not rows:
+                for line in cost_sources(Topology(plan.cluster), model).values():
+                    print(f"cost source: {line}", flush=True)
+            iters = a.warmup + a.steps
+            t = time.monotonic()
+            per_rank = run_distributed(this.train_rank, world, str(path), iters, a.device,
+                                       True, timeout=a.timeout,
+                                       env={"OMP_NUM_THREADS": "1"})[0]
+            steps = per_rank[0]["step_s"][a.warmup:]   # step_time_s: max over ranks already
+            measured = statistics.median(steps)
+            loads.append(os.getloadavg()[0])
+            err = (est.iteration_time_s - measured) / measured
+            mem = []
+            for r in sorted(per_rank, key=lambda x: x["rank"]):
+                terms = est.memory_terms_gb[r["rank"]]
+                mem.append({"rank": r["rank"], "measured": r["memory"], "predicted_gb": terms})
+            rows.append({"plan": name, "world": world, "predicted": est.iteration_time_s,
+                         "catalog": catalog, "measured": measured, "error": err,
+                         "spread": (max(steps) - min(steps)) / measured, "memory": mem})
+            print(f"  {name:<24} predicted {est.iteration_time_s * 1e3:7.1f} ms  measured "
+                  f"{measured * 1e3:7.1f} ms  error {err:+6.1%}  (catalog {catalog * 1e3:7.1f} "
+                  f"ms; run {time.monotonic() - t:4.1f} s, load {loads[-1]:.1f})", flush=True)
+    print(f"\n| plan | procs | predicted ms | measured ms | error | catalog ms |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['plan']} | {r['world']} | {r['predicted'] * 1e3:.1f} | "
+              f"{r['measured'] * 1e3:.1f} | {r['error']:+.1%} | {r['catalog'] * 1e3:.1f} |")
+    errs = [abs(r["error"]) for r in rows]
+    mean, mx = statistics.mean(errs), max(errs)
+    print(f"\nstep time: mean |error| {mean:.1%} (target <= 10 %), max |error| {mx:.1%} "
+          f"(target <= 20 %): {'OK' if mean <= 0.10 and mx <= 0.20 else 'MISSED'}")
+    # memory: the planner's bf16 model converted to the runtime's fp32 CPU byte sizes
+    print("\nmemory per rank (MB): predicted (fp32 sizes) / measured")
+    print("| plan | rank | params pred/meas | weights+grads+Adam | activations |")
+    print("|---|---|---|---|---|")
+    state_err, act_err = [], []
+    fp32 = a.device == "cpu"
+    for r in rows:
+        for m in r["memory"]:
+            t, got = m["predicted_gb"], m["measured"]
+            params_pred = t["weights"] * 1e9 / 2
+            state_pred = params_pred * (4 + 4 + 8) if fp32 else (t["weights"] + t["grads"]
+                                                                 + t["optimizer"]) * 1e9
+            state_meas = got["weights"] + got["grads"] + got["optimizer"]
+            act_pred = (t["activations"] * (2 if fp32 else 1) + t["logits"]) * 1e9
+            state_err.append(abs(state_pred - state_meas) / state_meas)
+            act_err.append(abs(act_pred - got["activations"]) / got["activations"])
+            print(f"| {r['plan']} | {m['rank']} | {params_pred / 1e6:.3f}M / "
+                  f"{got['params'] / 1e6:.3f}M | {state_pred / 1e6:.1f} / {state_meas / 1e6:.1f} "
+                  f"| {act_pred / 1e6:.1f} / {got['activations'] / 1e6:.1f} "
+                  f"({(act_pred - got['activations']) / got['activations']:+.0%}) |")
+    print(f"\nmemory: weights+grads+optimizer mean |error| {statistics.mean(state_err):.1%}, max "
+          f"{max(state_err):.1%}; activations mean |error| {statistics.mean(act_err):.1%}, max "
+          f"{max(act_err):.1%}")
+    if a.png:
+        plot(rows, a.png)
+        print(f"wrote {a.png}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    print(f"total {time.monotonic() - start:.0f} s; load average {min(loads):.1f}-{max(loads):.1f} "
+          f"on {os.cpu_count()} CPUs")
+    if max(loads) > (os.cpu_count() or 1) + 0.5:
+        print("WARNING: other jobs loaded the machine; step times are noisy (rerun when idle)")
+    return 0 if (mean <= 0.10 and mx <= 0.20) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
