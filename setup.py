@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.12",
     packages=["planner", "megatron_hexi", "megatron_hexi.patches", "megatron_hexi.launch",
-              "megatron_hexi.cluster_tools"],
+              "megatron_hexi.cluster_tools", "megatron_hexi.profile"],
     package_dir={"megatron_hexi.patches": "patches"},
     package_data={"planner": ["data/*.yaml", "data/*.json"]},
     py_modules=[],
@@ -23,10 +23,15 @@ setup(
         "numpy==2.4.6",
         "pyyaml==6.0.4",
         "packaging==26.4",
+        "safetensors==0.8.0",     # checkpoints (megatron_hexi/checkpoint.py)
     ],
     extras_require={
         "test": ["pytest==9.2.0", "jsonschema==4.26.0", "matplotlib==3.11.2",
-                 "tokenizers==0.23.3", "safetensors==0.8.0"],
+                 "tokenizers==0.23.3", "safetensors==0.8.0",
+                 # HF Llama import/export tests; transformers needs no torch of its own, so the
+                 # pinned CPU torch stays.
+                 "transformers==5.24.0", "tensorboard==2.21.0"],
+        "tensorboard": ["tensorboard==2.21.0"],
         "plot": ["matplotlib==3.11.2"],
         "gpu": ["transformer-engine[pytorch]"],
     },
@@ -35,5 +40,6 @@ setup(
         "hexi-train=megatron_hexi.training:main",
         "hexi-launch=megatron_hexi.launch.cli:main",
         "hexi-cluster=megatron_hexi.cluster_tools.cli:main",
+        "hexi-profile=megatron_hexi.profile.cli:main",
     ]},
 )

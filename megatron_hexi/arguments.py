@@ -60,6 +60,10 @@ def build_parser():
     b.add_argument("--adam-eps", type=float, default=1e-8)
     b.add_argument("--clip-grad", type=float, default=1.0)
     b.add_argument("--optimizer", choices=["adam"], default="adam")
+    b.add_argument("--use-distributed-optimizer", action="store_true", default=None,
+                   help="shard fp32 master weights and Adam state (the plan must assume it)")
+    b.add_argument("--hetero-optimizer-shard", choices=["even", "memory"], default=None,
+                   help="how optimizer state is cut over a segment's ranks (the plan says)")
     b.add_argument("--bf16", action="store_true")
     b.add_argument("--seed", type=int, default=1234)
     d = p.add_argument_group("data and logging")
@@ -71,7 +75,33 @@ def build_parser():
     d.add_argument("--tokenizer-model", default=None)
     d.add_argument("--log-interval", type=int, default=1)
     d.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None)
-    d.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    d.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="collective timeout; fractions allowed (a dead or hung peer fails every "
+                        "rank within it)")
+    d.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
+    d.add_argument("--tensorboard-log-interval", type=int, default=1)
+    d.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (saving first, with --save) when the iteration is a multiple of it")
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--save", default=None, help="checkpoint directory to save to")
+    c.add_argument("--save-interval", type=int, default=None,
+                   help="save every N iterations (and always at the end with --save)")
+    c.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    c.add_argument("--ckpt-step", type=int, default=None,
+                   help="load this iteration instead of latest_checkpointed_iteration.txt's")
+    c.add_argument("--finetune", action="store_true",
+                   help="load weights only: iteration 0, fresh Adam state and RNGs")
+    c.add_argument("--no-load-optim", action="store_true", help="do not load Adam state")
+    c.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
+    c.add_argument("--override-opt_param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="use this run's lr schedule, not the checkpoint's")
+    c.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   dest="use_checkpoint_opt_param_scheduler",
+                   help="use the checkpoint's lr schedule")
+    h.add_argument("--hetero-load-if-exists", action="store_true",
+                   help="with --load: start fresh if DIR holds no checkpoint at all (a first run "
+                        "of a restartable job); a missing or corrupt part of one is still an error")
     return p
 
 
@@ -93,6 +123,19 @@ def parse_args(argv=None):
     if args.data_path and (args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model):
         raise SpecError("--data-path needs --tokenizer-type HuggingFaceTokenizer and "
                         "--tokenizer-model PATH")
+    for flag in ("save_interval", "exit_interval", "tensorboard_log_interval"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise SpecError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.save_interval and not args.save:
+        raise SpecError("--save-interval needs --save DIR")
+    if args.distributed_timeout_minutes <= 0:
+        raise SpecError(f"--distributed-timeout-minutes must be > 0, got "
+                        f"{args.distributed_timeout_minutes}")
+    loading = ("ckpt_step", "finetune", "no_load_optim", "no_load_rng", "hetero_load_if_exists")
+    given = [f for f in loading if getattr(args, f) not in (None, False)]
+    if not args.load and given:
+        raise SpecError(f"--{given[0].replace('_', '-')} needs --load DIR")
     if args.train_iters < 1:
         raise SpecError(f"--train-iters must be >= 1, got {args.train_iters}")
     return args
@@ -133,6 +176,15 @@ def check_against_plan(args, plan):
     if args.pipeline_model_parallel_size is not None and pps != [args.pipeline_model_parallel_size]:
         problems.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} "
                         f"contradicts the plan's stage counts {pps}")
+    t = plan.training
+    if args.use_distributed_optimizer and not t.use_distributed_optimizer:
+        problems.append("--use-distributed-optimizer contradicts the plan (use_distributed_"
+                        "optimizer: false); re-plan with hexi-plan ... --use-distributed-optimizer")
+    if (args.hetero_optimizer_shard is not None
+            and (not t.use_distributed_optimizer or args.hetero_optimizer_shard != t.optimizer_shard)):
+        problems.append(f"--hetero-optimizer-shard {args.hetero_optimizer_shard} contradicts the "
+                        f"plan (use_distributed_optimizer: {str(t.use_distributed_optimizer).lower()}"
+                        f", optimizer_shard: {t.optimizer_shard})")
     wants_recompute = args.recompute_granularity == "full"
     if args.recompute_granularity is not None and wants_recompute != plan.training.recompute:
         problems.append("--recompute-granularity full contradicts the plan (recompute: false)")

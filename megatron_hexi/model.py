@@ -94,7 +94,12 @@ def build_stage_model(plan, view, tp_group, config, device):
         emb = model.embedding.word_embeddings
         emb.vocab_start_index = view.vocab[1]
         emb.vocab_end_index = view.vocab[1] + view.vocab[0]
-    return model.to(device)
+    model = model.to(device)
+    if config.bf16:
+        # As Megatron-LM's Float16Module: every parameter in bf16, norms included (torch norms
+        # are created in fp32); the optimizer keeps fp32 master copies.
+        model = model.bfloat16()
+    return model
 
 
 def seed_rng(seed, tp_rank):

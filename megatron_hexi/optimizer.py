@@ -27,7 +27,16 @@ class HeteroFP32Optimizer(_ExactNormMixin, FP32Optimizer):
 
 
 class HeteroFloat16Optimizer(_ExactNormMixin, Float16OptimizerWithFloat16Params):
-    """bf16 parameters with fp32 master weights (GPU)."""
+    """bf16 parameters with fp32 master weights (GPU).
+
+    megatron-core moves the synced bf16 gradients into the fp32 masters before clipping, so the
+    owned slices are read from the masters."""
+
+    def get_main_grads_for_grad_norm(self):
+        master_of = {id(m): f for mg, fg in zip(self.float16_groups, self.fp32_from_float16_groups)
+                     for m, f in zip(mg, fg)}
+        return [master_of[id(s.param)].grad.narrow(s.dim, s.start, s.length)
+                for s in self.grad_sync.owned]
 
 
 def param_groups(named_params):

@@ -23,7 +23,7 @@ from planner.plan import load_plan
 
 from megatron_hexi.arguments import check_against_plan, parse_args
 from megatron_hexi.communicator import Boundary, StageCommunicator
-from megatron_hexi.grad_sync import GradientSync
+from megatron_hexi.grad_sync import GradientSync, reduced_together
 from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.model import (build_stage_model, initialise_weights, local_parameters,
                                  seed_rng, stage_config)
@@ -40,7 +40,8 @@ class Trainer:
         timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
         mapping = map_processes(plan, _device_name(device), check_devices=device.type == "cuda")
         segments = gradient_segments(plan)
-        rank_sets = list(dict.fromkeys(s.ranks for s in segments if s.needs_reduce))
+        shard = plan.training.use_distributed_optimizer
+        rank_sets = list(dict.fromkeys(s.ranks for s in segments if reduced_together(s, shard)))
         self.groups = build_groups(plan, mapping, rank_sets, timeout)
         self.rank = self.groups.plan_rank
         self.view = view = plan.rank_view(self.rank)
@@ -53,8 +54,9 @@ class Trainer:
         self.model = build_stage_model(plan, view, self.groups.tp, self.config, device)
         self.params = local_parameters(plan, self.rank, self.model)
         initialise_weights(plan, self.params, args.seed)
-        self.grad_sync = GradientSync(self.rank, self.params, segments, self.groups)
-        self.optimizer, self.scheduler = build_optimizer(self.model, self.grad_sync, args)
+        self.grad_sync = GradientSync(self.rank, self.params, segments, self.groups,
+                                      shard_optimizer_state=shard)
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.grad_sync, args, plan)
         self.config.finalize_model_grads_func = self._finalize_grads
         self.config.grad_scale_func = None
         pipe = plan.pipelines[view.pipeline]
@@ -82,7 +84,10 @@ class Trainer:
         self.global_tokens = tokens.item()
         if self.global_tokens <= 0:
             raise RuntimeError("the global batch has no tokens with a loss mask")
-        self.grad_sync.sync(self.global_tokens)
+        if self.plan.training.use_distributed_optimizer:
+            self.optimizer.reduce_scatter_grads(self.global_tokens)
+        else:
+            self.grad_sync.sync(self.global_tokens)
 
     def _loss(self, labels, loss_mask, logits):
         v = self.view
@@ -149,7 +154,7 @@ class Trainer:
     @torch.no_grad()
     def exact_grad_norm(self):
         total = torch.zeros(1, dtype=torch.float64)
-        for g in self.grad_sync.owned_grads():
+        for g in self.optimizer.get_main_grads_for_grad_norm():
             total += g.double().pow(2).sum()
         dist.all_reduce(total)
         return total.sqrt().item()
@@ -189,18 +194,55 @@ def _log_line(it, args, plan, metrics, mfu):
             f"iterations: {0:>3d} | tokens/s: {metrics['tokens_per_s']:.1f} | MFU: {mfu * 100:.2f}% |")
 
 
+def _resume_iteration(trainer, args):
+    """--load: the checkpoint's iteration (0 for a fresh start under --hetero-load-if-exists)."""
+    from megatron_hexi import checkpoint
+    if not args.load:
+        return 0
+    if args.hetero_load_if_exists:
+        found = [checkpoint.checkpoint_exists(args.load) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(found, src=0)    # one decision for every rank
+        if not found[0]:
+            if dist.get_rank() == 0:
+                print(f" no checkpoint in {args.load}: starting from iteration 0 "
+                      f"(--hetero-load-if-exists)", flush=True)
+            return 0
+    iteration, seconds = checkpoint.load(trainer, args)
+    trainer.checkpoint_events.append({"load_iteration": iteration, "seconds": seconds})
+    return iteration
+
+
+def _save(trainer, args, iteration):
+    from megatron_hexi import checkpoint
+    seconds, size = checkpoint.save(trainer, args.save, iteration)
+    trainer.checkpoint_events.append({"save_iteration": iteration, "seconds": seconds,
+                                      "bytes": size})
+    if dist.get_rank() == 0:
+        print(f" successfully saved checkpoint from iteration {iteration:>7d} to {args.save} "
+              f"[ {seconds:.3f} s, {size / 1e6:.2f} MB ]", flush=True)
+
+
 def run(args, plan, device):
-    """Train for --train-iters iterations; returns the per-iteration metrics (every rank)."""
+    """Train up to --train-iters iterations (resuming from --load); returns the trainer and the
+    per-iteration metrics of this run (every rank)."""
     trainer = Trainer(args, plan, device)
+    trainer.checkpoint_events = []
+    first = _resume_iteration(trainer, args)
     peak = sum((get_gpu("CPU") if device.type == "cpu" else get_gpu(r.gpu)).peak_flops
                for r in plan.ranks)
     flops = iteration_model_flops(plan.model, plan.global_batch_size)
     tokens_per_iter = plan.global_batch_size * plan.model.seq_length
     history = []
-    metrics_file = None
-    if args.hetero_metrics_path and dist.get_rank() == 0:
-        metrics_file = open(args.hetero_metrics_path, "w")
-    for it in range(args.train_iters):
+    metrics_file = tensorboard = None
+    if dist.get_rank() == 0:
+        if args.hetero_metrics_path:   # a resumed run appends to the history it continues
+            metrics_file = open(args.hetero_metrics_path, "a" if first else "w")
+        if args.tensorboard_dir:
+            from megatron_hexi.tensorboard_log import TensorBoardLogger
+            tensorboard = TensorBoardLogger(args.tensorboard_dir, plan.global_batch_size,
+                                            args.tensorboard_log_interval)
+    saved = first if args.load else None
+    for it in range(first, args.train_iters):
         m = trainer.train_step(it)
         m["iteration"] = it + 1
         m["tokens_per_s"] = tokens_per_iter / m["step_time_s"]
@@ -216,15 +258,76 @@ def run(args, plan, device):
             if metrics_file:
                 metrics_file.write(json.dumps(m) + "\n")
                 metrics_file.flush()
+            if tensorboard:
+                tensorboard.log(it + 1, m)
+        if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
+            _save(trainer, args, it + 1)
+            saved = it + 1
+        if args.exit_interval and (it + 1) % args.exit_interval == 0:
+            if dist.get_rank() == 0:
+                print(f" exiting at iteration {it + 1} (--exit-interval {args.exit_interval})",
+                      flush=True)
+            break
+    last = first + len(history)
+    if args.save and history and saved != last:
+        _save(trainer, args, last)
     if metrics_file:
         metrics_file.close()
     if dist.get_rank() == 0:
-        mean_tps = sum(h["tokens_per_s"] for h in history) / len(history)
-        print(f"done: {len(history)} iterations, {len(history) * tokens_per_iter} tokens, mean "
-              f"{mean_tps:.1f} tokens/s, MFU {sum(h['mfu'] for h in history) / len(history):.2%}"
-              f" ({'CPU processes' if device.type == 'cpu' else 'plan GPUs'} peak), peak memory "
-              f"per rank (GB): {[round(x, 3) for x in history[-1]['peak_memory_gb']]}", flush=True)
+        text = _summary(history, first, tokens_per_iter, flops, peak, device, trainer)
+        print(text, flush=True)
+        if tensorboard:
+            tensorboard.summary(text, last)
+            tensorboard.close()
     return trainer, history
+
+
+def _summary(history, first, tokens_per_iter, flops, peak, device, trainer):
+    """The closing line: iterations and tokens of this run, throughput, MFU, memory, checkpoints."""
+    if not history:
+        return f"done: nothing to train (resumed at iteration {first} = --train-iters)"
+    seconds = sum(h["step_time_s"] for h in history)
+    tokens = len(history) * tokens_per_iter
+    memory = [round(max(h["peak_memory_gb"][r] for h in history), 3)
+              for r in range(len(history[0]["peak_memory_gb"]))]
+    saves = [e for e in trainer.checkpoint_events if "save_iteration" in e]
+    text = (f"done: iterations {first + 1}-{first + len(history)} ({len(history)} this run), "
+            f"{tokens} tokens in {seconds:.2f} s of steps, mean {tokens / seconds:.1f} tokens/s, "
+            f"MFU {len(history) * flops / (seconds * peak):.2%} "
+            f"({'CPU processes' if device.type == 'cpu' else 'plan GPUs'} peak), peak memory per "
+            f"rank (GB): {memory}")
+    if saves:
+        text += (f", {len(saves)} checkpoint save(s) in "
+                 f"{sum(e['seconds'] for e in saves):.2f} s")
+    return text
+
+
+def _failure(exc, args):
+    """A rank's failure after the process group exists: one clear message, then exit at once
+    (tearing down a group whose peer died can hang)."""
+    import traceback
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    collective = isinstance(exc, getattr(dist, "DistError", ())) or any(
+        word in str(exc) for word in ("gloo", "Gloo", "NCCL", "Connection", "connection",
+                                      "Timed out", "timed out", "timeout"))
+    first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+    lines = [f"pretrain_gpt.py: error: launch rank {rank}: {type(exc).__name__}: {first_line}"]
+    if collective:
+        lines.append(f"pretrain_gpt.py: error: launch rank {rank}: a collective failed: another "
+                     f"rank died, hung or lost its connection (collective timeout "
+                     f"--distributed-timeout-minutes {args.distributed_timeout_minutes:g})")
+        if args.save:
+            pointer = os.path.join(args.save, "latest_checkpointed_iteration.txt")
+            last = open(pointer).read().strip() if os.path.isfile(pointer) else None
+            lines.append(f"pretrain_gpt.py: error: last complete checkpoint: "
+                         f"{'iteration ' + last if last else 'none'} in {args.save}; rerun the "
+                         f"same command with --load {args.save} to resume")
+    else:
+        traceback.print_exc()
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def init_distributed(args, plan):
@@ -257,6 +360,9 @@ def main(argv=None):
         args = parse_args(argv)
         plan = load_plan(args.hetero_plan_path)
         check_against_plan(args, plan)
+        if args.tensorboard_dir:
+            from megatron_hexi.tensorboard_log import check_available
+            check_available()
         device = init_distributed(args, plan)
         run(args, plan, device)
     except SpecError as e:
@@ -265,6 +371,10 @@ def main(argv=None):
         if dist.is_initialized():
             dist.destroy_process_group()
         return 2
+    except Exception as e:   # noqa: BLE001 - after start-up: say which rank and why, never hang
+        if not dist.is_initialized():
+            raise
+        _failure(e, args)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

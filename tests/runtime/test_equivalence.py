@@ -89,3 +89,18 @@ def test_broken_sync_is_caught(defect, tmp_path, tmp_path_factory):
     loss, norm, param = compare(result, ref)
     print(f"{defect}: loss {loss:.2e}, grad norm {norm:.2e}, parameters {param:.2e}")
     assert max(norm, param) > 100 * TOLERANCE, f"{defect} was not detected"
+
+
+def test_bf16_matches_one_rank_bf16(tmp_path):
+    """--bf16 (bf16 parameters, fp32 master weights): same losses as one rank in bf16, to bf16
+    precision (the fp32 runs above carry the exact comparison)."""
+    model, world, pipelines = PLANS["two_pipelines_uneven_tp2"]
+    ref = run_distributed(train, 1, write_plan(tmp_path, "one-bf16", model, 1, REFERENCE),
+                          extra_flags=["--bf16"], timeout=240)[0]
+    result = run_distributed(train, world, write_plan(tmp_path, "bf16", model, world, pipelines),
+                             extra_flags=["--bf16"], timeout=400)[0]
+    loss = max(max_relative_difference(a, b) for a, b in zip(result["losses"], ref["losses"]))
+    norm = max(max_relative_difference(a, b)
+               for a, b in zip(result["grad_norms"], ref["grad_norms"]))
+    print(f"bf16: max relative difference loss {loss:.2e}, grad norm {norm:.2e}")
+    assert loss < 1e-3 and norm < 1e-2

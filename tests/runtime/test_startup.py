@@ -27,7 +27,8 @@ def run_entry(repo_root, *args):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--use-distributed-optimizer"], "unsupported flag: --use-distributed-optimizer"),
+    (["--sequence-parallel"], "unsupported flag: --sequence-parallel"),
+    (["--use-distributed-optimizer"], "--use-distributed-optimizer contradicts the plan"),
     (["--hidden-size", "128"], "--hidden-size 128 contradicts the plan's model hidden_size 64"),
     (["--global-batch-size", "16"], "--global-batch-size 16 contradicts the plan's "
                                     "global_batch_size 8"),

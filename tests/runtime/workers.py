@@ -55,9 +55,9 @@ def _break_sync(defect):
         # Every TP replica of a norm contributes, so stages of TP t count it t times.
         real_init = GradientSync.__init__
 
-        def init(self, plan_rank, params, segments, groups):
+        def init(self, plan_rank, params, segments, groups, **kwargs):
             segments = [dataclasses.replace(s, contributors=frozenset(s.ranks)) for s in segments]
-            real_init(self, plan_rank, params, segments, groups)
+            real_init(self, plan_rank, params, segments, groups, **kwargs)
         GradientSync.__init__ = init
     elif defect is not None:
         raise ValueError(defect)

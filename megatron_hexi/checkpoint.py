@@ -1,0 +1,694 @@
+"""Checkpoints: safetensors with global offsets, written atomically, loadable under any plan.
+
+Layout of a save directory (Megatron-LM's names for the pointer and the iteration folders):
+
+    DIR/latest_checkpointed_iteration.txt      "12" (or "release" for an imported model)
+    DIR/iter_0000012/checkpoint.json           rank 0: iteration, consumed samples, plan, model,
+                                               lr scheduler, Adam step, RNG states per rank, index
+    DIR/iter_0000012/rank_00003.safetensors    one file per rank that writes something
+
+Every tensor in a rank file is a contiguous range [start, start + length) along one dimension
+(`dim`) of a canonical one-device tensor (planner/layout.py), of one kind: "param" (fp32 master
+weights), "exp_avg" or "exp_avg_sq" (Adam's moments share the parameter layout). The model is cut
+into the atomic segments of the gradient sync, and each segment is written exactly once, by the
+least-loaded rank that holds it (TP replicas and pipeline replicas are not written twice).
+Loading reads, for every local piece, the overlapping ranges from whichever files hold them
+(safetensors `get_slice`: a rank reads only what it needs), so a checkpoint saved under plan A
+loads under plan B of the same model; the optimizer state reshards the same way.
+
+Saving is atomic: rank 0 makes `DIR/.iter_0000012.tmp`, every rank writes and fsyncs its file
+there, rank 0 writes checkpoint.json, fsyncs the directory and renames it to `iter_0000012`, and
+only then replaces the pointer file (temporary name, fsync, rename). A save killed at any point
+leaves the previous checkpoint and its pointer untouched. Phases are separated by a collective
+status exchange (a barrier under the --distributed-timeout-minutes timeout) so that a failure on
+one rank fails the save on every rank.
+
+Fault injection, for tests only: HEXI_FAULT_INJECT="kill-in-save:ITERATION:PLAN_RANK:PHASE" makes
+that rank SIGKILL itself during the save of ITERATION, PHASE "written" (its file written, nothing
+committed) or "renamed" (rank 0 only: the directory renamed, the pointer not yet updated).
+
+Optimizer state is reached only through `owned_ranges` (what a rank writes) and
+`restore_optimizer` (what it reads), for megatron-core's FP32/Float16 optimizers and for the
+distributed optimizer (megatron_hexi.distributed_optimizer) alike: the files hold canonical
+ranges, so a checkpoint saved with either loads with either, under any plan.
+"""
+import base64
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from planner.errors import SpecError
+from planner.layout import canonical_shards, gradient_segments, segment_numel
+
+FORMAT = "megatron-hexi-checkpoint"
+FORMAT_VERSION = 1
+TRACKER = "latest_checkpointed_iteration.txt"
+METADATA = "checkpoint.json"
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+# Model fields that do not change the parameters or the function the model computes.
+NOT_COMPARED = ("name", "seq_length")
+
+
+class CheckpointError(SpecError):
+    """A missing, corrupt or incompatible checkpoint: one line naming the file or the field."""
+
+
+def iteration_dir_name(iteration):
+    return "release" if iteration is None else f"iter_{iteration:07d}"
+
+
+def rank_file_name(rank):
+    return f"rank_{rank:05d}.safetensors"
+
+
+# ------------------------------------------------------------------------------------- writing
+
+def writer_segments(plan):
+    """{plan rank: [Segment]}: every atomic segment once, by the least-loaded rank holding it."""
+    shapes = {s.name: s.shape for s in canonical_shards(plan.model)}
+    load = [0] * plan.world_size
+    out = {r: [] for r in range(plan.world_size)}
+    for seg in gradient_segments(plan):
+        writer = min(seg.ranks, key=lambda r: (load[r], r))
+        load[writer] += segment_numel(shapes[seg.name], seg)
+        out[writer].append(seg)
+    return out
+
+
+def local_runs(params, segments):
+    """[(ParamShard, param, local_start, global_start, length)]: this rank's owned segments,
+    merged into runs that are contiguous both locally and in the canonical tensor."""
+    owned = {}
+    for seg in segments:
+        owned.setdefault(seg.name, []).append((seg.start, seg.end))
+    runs = []
+    for shard, param in params:
+        intervals = owned.get(shard.name, [])
+        for piece in shard.pieces:
+            lo, hi = piece.global_start, piece.global_start + piece.length
+            inside = sorted(iv for iv in intervals if lo <= iv[0] and iv[1] <= hi)
+            intervals = [iv for iv in intervals if iv not in inside]
+            merged = []
+            for s, e in inside:
+                if merged and merged[-1][1] == s:
+                    merged[-1][1] = e
+                else:
+                    merged.append([s, e])
+            for s, e in merged:
+                runs.append((shard, param, piece.local_start + s - lo, s, e - s))
+        owned[shard.name] = intervals
+    left = {n: iv for n, iv in owned.items() if iv}
+    if left:
+        raise RuntimeError(f"checkpoint: segments {left} are assigned to a rank that does not "
+                           f"hold them (layout bug)")
+    return runs
+
+
+def entry_key(kind, name, start):
+    return f"{kind}/{name}/{start}"
+
+
+def write_rank_file(path, entries):
+    """entries: [(kind, name, dim, start, canonical shape, tensor)]; writes and fsyncs `path`.
+    Returns the index rows for checkpoint.json."""
+    from safetensors.torch import save_file
+    tensors, index = {}, []
+    for kind, name, dim, start, shape, tensor in entries:
+        key = entry_key(kind, name, start)
+        tensors[key] = tensor.detach().cpu().contiguous()
+        index.append({"key": key, "kind": kind, "name": name, "dim": dim, "start": start,
+                      "length": tensor.shape[dim], "shape": list(shape),
+                      "dtype": str(tensor.dtype).replace("torch.", "")})
+    save_file(tensors, str(path), metadata={"format": FORMAT,
+                                            "format_version": str(FORMAT_VERSION),
+                                            "index": json.dumps(index)})
+    os.chmod(path, 0o644)    # safetensors creates 0600; others on a shared file system read it
+    _fsync_file(path)
+    return index
+
+
+def _fsync_file(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path):
+    try:
+        _fsync_file(path)
+    except OSError:     # some file systems do not support fsync on directories
+        pass
+
+
+def write_pointer(save_dir, iteration):
+    """Replace latest_checkpointed_iteration.txt atomically (temporary name, fsync, rename)."""
+    tmp = os.path.join(save_dir, f".{TRACKER}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write("release" if iteration is None else str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(save_dir, TRACKER))
+    _fsync_dir(save_dir)
+
+
+def commit_directory(save_dir, tmp_dir, iteration):
+    """Rename a complete temporary directory to its final name (replacing an older save of the
+    same iteration), then fsync the parent."""
+    final = os.path.join(save_dir, iteration_dir_name(iteration))
+    _fsync_dir(tmp_dir)
+    old = None
+    if os.path.exists(final):
+        old = f"{tmp_dir}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp_dir, final)
+    _fsync_dir(save_dir)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_json(path, data):
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fault(iteration, rank, phase):
+    spec = os.environ.get("HEXI_FAULT_INJECT", "")
+    if spec.startswith("kill-in-save:"):
+        _, it, r, ph = spec.split(":")
+        if int(it) == iteration and int(r) == rank and ph == phase:
+            print(f"HEXI_FAULT_INJECT: rank {rank} kills itself in the save of iteration "
+                  f"{iteration} ({phase})", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _agree(error, what):
+    """Collective status exchange (also the barrier between save/load phases): every rank raises
+    the same CheckpointError if any rank failed."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, error)
+    failed = {}
+    for r, e in enumerate(everyone):
+        if e:
+            failed.setdefault(e, []).append(r)
+    if failed:
+        raise CheckpointError([f"{what}: {e} (launch rank{'s' if len(rs) > 1 else ''} "
+                               f"{', '.join(map(str, rs))})" for e, rs in failed.items()])
+
+
+def save(trainer, save_dir, iteration):
+    """Save the trainer's state after `iteration` steps (collective). Returns (seconds, bytes)."""
+    start = time.perf_counter()
+    plan, rank, launch_rank = trainer.plan, trainer.rank, dist.get_rank()
+    tmp_dir = os.path.join(save_dir, f".{iteration_dir_name(iteration)}.tmp")
+    error = None
+    if launch_rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            for name in os.listdir(save_dir):     # left by saves that were killed
+                path = os.path.join(save_dir, name)
+                if name.startswith(".iter_") and name.endswith(".tmp.old"):
+                    final = os.path.join(save_dir, name[1:-len(".tmp.old")])
+                    if not os.path.exists(final):   # killed between the two renames: put back
+                        os.replace(path, final)
+                        continue
+                if name.startswith(".iter_") and ".tmp" in name:
+                    shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(tmp_dir)
+        except OSError as e:
+            error = f"cannot create {tmp_dir}: {e}"
+    _agree(error, f"checkpoint save of iteration {iteration}")
+
+    index, size = [], 0
+    try:
+        entries = []
+        for name, dim, shape, global_start, tensors in owned_ranges(trainer):
+            for kind in KINDS:
+                if kind in tensors:
+                    entries.append((kind, name, dim, global_start, shape, tensors[kind].detach()))
+        if entries:
+            path = os.path.join(tmp_dir, rank_file_name(rank))
+            index = write_rank_file(path, entries)
+            size = os.path.getsize(path)
+        _fault(iteration, rank, "written")
+        error = None
+    except Exception as e:   # noqa: BLE001 - reported on every rank by _agree
+        error = f"{type(e).__name__}: {e}"
+    mine = {"plan_rank": rank, "index": index, "bytes": size, "rng": rng_state(),
+            "adam_steps": sorted(_adam_steps(trainer.optimizer)), "error": error}
+    everyone = [None] * dist.get_world_size() if launch_rank == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    error = None
+    total = 0
+    if launch_rank == 0:
+        try:
+            bad = [f"launch rank {i}: {e['error']}" for i, e in enumerate(everyone) if e["error"]]
+            if bad:
+                raise RuntimeError("; ".join(bad))
+            steps = {x for e in everyone for x in e["adam_steps"]}
+            if len(steps) > 1:
+                raise RuntimeError(f"parameters have different Adam step counts: {sorted(steps)}")
+            meta = {
+                "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
+                "consumed_samples": iteration * plan.global_batch_size,
+                "global_batch_size": plan.global_batch_size,
+                "model": dataclasses.asdict(plan.model), "plan": plan.to_dict(),
+                "has_optimizer_state": bool(steps), "adam_step": steps.pop() if steps else None,
+                "scheduler": trainer.scheduler.state_dict(),
+                "rng": {str(e["plan_rank"]): e["rng"] for e in everyone},
+                "files": {rank_file_name(e["plan_rank"]): e["index"]
+                          for e in everyone if e["index"]},
+                "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            }
+            total = sum(e["bytes"] for e in everyone)
+            _write_json(os.path.join(tmp_dir, METADATA), meta)
+            commit_directory(save_dir, tmp_dir, iteration)
+            _fault(iteration, rank, "renamed")
+            write_pointer(save_dir, iteration)
+        except Exception as e:   # noqa: BLE001
+            error = f"{type(e).__name__}: {e}"
+    _agree(error, f"checkpoint save of iteration {iteration}")
+    return time.perf_counter() - start, total
+
+
+def save_params_only(out_dir, model, tensors, extra=None, iteration=None):
+    """Write a checkpoint holding whole canonical tensors {name: tensor} as if one rank held
+    everything, without optimizer state (used by the Hugging Face importer). One process."""
+    names = [s.name for s in canonical_shards(model)]
+    if set(names) != set(tensors):
+        raise CheckpointError(f"params-only checkpoint: tensors {sorted(set(names) ^ set(tensors))}"
+                              f" do not match the model's parameters")
+    os.makedirs(out_dir, exist_ok=True)
+    tmp_dir = os.path.join(out_dir, f".{iteration_dir_name(iteration)}.tmp")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    os.makedirs(tmp_dir)
+    shapes = {s.name: (s.shape, s.dim) for s in canonical_shards(model)}
+    entries = []
+    for name in names:
+        shape, dim = shapes[name]
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise CheckpointError(f"{name}: shape {tuple(tensors[name].shape)}, the model "
+                                  f"needs {tuple(shape)}")
+        entries.append(("param", name, dim, 0, shape, tensors[name]))
+    index = write_rank_file(os.path.join(tmp_dir, rank_file_name(0)), entries)
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration or 0,
+            "consumed_samples": 0, "global_batch_size": None,
+            "model": dataclasses.asdict(model), "plan": None, "has_optimizer_state": False,
+            "adam_step": None, "scheduler": None, "rng": {},
+            "files": {rank_file_name(0): index}, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta.update(extra or {})
+    _write_json(os.path.join(tmp_dir, METADATA), meta)
+    final = commit_directory(out_dir, tmp_dir, iteration)
+    write_pointer(out_dir, iteration)
+    return final
+
+
+# ------------------------------------------------------------------------------------- reading
+
+class Checkpoint:
+    """One checkpoint directory, opened and checked (no torch.distributed needed)."""
+
+    def __init__(self, load_dir, step=None):
+        self.load_dir = load_dir
+        if not os.path.isdir(load_dir):
+            raise CheckpointError(f"--load {load_dir}: no such directory")
+        if step is None:
+            pointer = os.path.join(load_dir, TRACKER)
+            if not os.path.isfile(pointer):
+                raise CheckpointError(f"{pointer}: missing (no checkpoint was completed in "
+                                      f"{load_dir}; a first run of a restartable job can add "
+                                      f"--hetero-load-if-exists)")
+            text = open(pointer).read().strip()
+            if text == "release":
+                step = None
+            else:
+                try:
+                    step = int(text)
+                except ValueError:
+                    raise CheckpointError(f"{pointer}: corrupt (holds {text[:40]!r}, expected an "
+                                          f"iteration number or 'release')")
+        self.dir = os.path.join(load_dir, iteration_dir_name(step))
+        aside = os.path.join(load_dir, f".{iteration_dir_name(step)}.tmp.old")
+        if not os.path.isdir(self.dir) and os.path.isfile(os.path.join(aside, METADATA)):
+            self.dir = aside    # a re-save of this iteration was killed between its two renames
+        meta_path = os.path.join(self.dir, METADATA)
+        if not os.path.isdir(self.dir):
+            raise CheckpointError(f"{self.dir}: missing (the pointer or --ckpt-step names "
+                                  f"iteration {step if step is not None else 'release'})")
+        try:
+            with open(meta_path) as f:
+                self.meta = json.load(f)
+        except FileNotFoundError:
+            raise CheckpointError(f"{meta_path}: missing")
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{meta_path}: corrupt ({e})")
+        if self.meta.get("format") != FORMAT:
+            raise CheckpointError(f"{meta_path}: not a megatron-hexi checkpoint")
+        if self.meta.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{meta_path}: format_version {self.meta.get('format_version')},"
+                                  f" this runtime reads {FORMAT_VERSION}")
+        self.iteration = self.meta["iteration"]
+        self.index = {}
+        for fname, rows in self.meta["files"].items():
+            for row in rows:
+                self.index.setdefault((row["kind"], row["name"]), []).append((fname, row))
+        self._files = {}
+
+    @property
+    def has_optimizer_state(self):
+        return bool(self.meta.get("has_optimizer_state"))
+
+    def check_model(self, model):
+        """One error naming every model field that differs from the checkpoint's."""
+        saved = self.meta["model"]
+        mine = dataclasses.asdict(model)
+        diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {mine[k]!r}"
+                for k in mine if k not in NOT_COMPARED and saved.get(k) != mine[k]]
+        if diff:
+            raise CheckpointError(f"{self.dir} holds a different model ({'; '.join(diff)})")
+
+    def _open(self, fname):
+        from safetensors import safe_open
+        if fname not in self._files:
+            path = os.path.join(self.dir, fname)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path}: missing")
+            try:
+                self._files[fname] = safe_open(path, framework="pt")
+            except Exception as e:   # noqa: BLE001 - safetensors raises its own error types
+                raise CheckpointError(f"{path}: corrupt or truncated ({e})")
+        return self._files[fname]
+
+    def read_range(self, kind, name, dim, start, length, shape, out):
+        """Fill `out` (canonical `shape` with `length` along `dim`) with [start, start + length)
+        of tensor `name`/`kind`, from whichever files hold overlapping ranges."""
+        rows = self.index.get((kind, name))
+        if not rows:
+            raise CheckpointError(f"{self.dir}: holds no {kind} of {name}")
+        covered = []
+        for fname, row in rows:
+            if row["dim"] != dim or tuple(row["shape"]) != tuple(shape):
+                raise CheckpointError(f"{self.dir}/{fname}: {row['key']} has canonical shape "
+                                      f"{row['shape']} (dim {row['dim']}), expected "
+                                      f"{list(shape)} (dim {dim})")
+            lo = max(start, row["start"])
+            hi = min(start + length, row["start"] + row["length"])
+            if lo >= hi:
+                continue
+            f = self._open(fname)
+            path = os.path.join(self.dir, fname)
+            try:
+                sl = f.get_slice(row["key"])
+                want = list(shape)
+                want[dim] = row["length"]
+                if list(sl.get_shape()) != want:
+                    raise CheckpointError(f"{path}: {row['key']} has shape {sl.get_shape()}, "
+                                          f"the index says {want}")
+                idx = [slice(None)] * len(shape)
+                idx[dim] = slice(lo - row["start"], hi - row["start"])
+                data = sl[tuple(idx)]
+            except CheckpointError:
+                raise
+            except Exception as e:   # noqa: BLE001
+                raise CheckpointError(f"{path}: corrupt or truncated ({type(e).__name__}: {e})")
+            out.narrow(dim, lo - start, hi - lo).copy_(data.to(out.dtype))
+            covered.append((lo, hi))
+        pos = start
+        for lo, hi in sorted(covered):
+            if lo > pos:
+                break
+            pos = max(pos, hi)
+        if pos < start + length:
+            raise CheckpointError(f"{self.dir}: no file holds {kind} of {name} [{pos}, "
+                                  f"{start + length}) along dim {dim}")
+
+    def read_full(self, name, shape, dim, kind="param", dtype=None):
+        """A whole canonical tensor (export, tests), in its stored dtype unless `dtype`."""
+        rows = self.index.get((kind, name))
+        if not rows:
+            raise CheckpointError(f"{self.dir}: holds no {kind} of {name}")
+        dtype = dtype or getattr(torch, rows[0][1].get("dtype", "float32"))
+        out = torch.empty(shape, dtype=dtype)
+        self.read_range(kind, name, dim, 0, shape[dim], shape, out)
+        return out
+
+    def read_local(self, shard, kind, dtype=torch.float32):
+        """This rank's local tensor of `shard` (its pieces concatenated)."""
+        out = torch.empty(shard.local_shape, dtype=dtype)
+        for piece in shard.pieces:
+            self.read_range(kind, shard.name, shard.dim, piece.global_start, piece.length,
+                            shard.shape, out.narrow(shard.dim, piece.local_start, piece.length))
+        return out
+
+    def close(self):
+        self._files.clear()
+
+
+def read_full_model(load_dir, step=None):
+    """(Checkpoint, ModelSpec, {canonical name: full tensor}) of a checkpoint, one process."""
+    from planner.models import model_from_dict
+    ckpt = Checkpoint(load_dir, step)
+    model = model_from_dict(ckpt.meta["model"], f"{ckpt.dir}/{METADATA}: model")
+    tensors = {s.name: ckpt.read_full(s.name, s.shape, s.dim) for s in canonical_shards(model)}
+    ckpt.close()
+    return ckpt, model, tensors
+
+
+def checkpoint_exists(load_dir):
+    """True if DIR holds a pointer or any checkpoint directory (used by --hetero-load-if-exists)."""
+    if not os.path.isdir(load_dir):
+        return False
+    return any(n == TRACKER or n.startswith("iter_") or n == "release"
+               for n in os.listdir(load_dir))
+
+
+def load(trainer, args):
+    """Load --load into the trainer (collective). Returns (iteration, seconds)."""
+    start = time.perf_counter()
+    plan = trainer.plan
+    finetune = getattr(args, "finetune", False)
+    load_optim = not (finetune or getattr(args, "no_load_optim", False))
+    load_rng = not (finetune or getattr(args, "no_load_rng", False))
+    error, ckpt, notes = None, None, []
+    try:
+        ckpt = Checkpoint(args.load, getattr(args, "ckpt_step", None))
+        ckpt.check_model(plan.model)
+        saved_gbs = ckpt.meta.get("global_batch_size")
+        if (not finetune and ckpt.iteration and saved_gbs is not None
+                and saved_gbs != plan.global_batch_size):
+            raise CheckpointError(
+                f"{ckpt.dir}: saved with global batch size {saved_gbs}, this plan has "
+                f"{plan.global_batch_size}: the data position (global batch i = samples "
+                f"[i x G, (i + 1) x G)) cannot continue; use --finetune to start at iteration 0 "
+                f"from these weights")
+        with torch.no_grad():
+            for shard, param in trainer.params:
+                param.copy_(ckpt.read_local(shard, "param", param.dtype))
+            moments = load_optim and ckpt.has_optimizer_state
+            restore_optimizer(trainer, ckpt, ckpt.meta["adam_step"] if moments else None)
+        if load_optim and not moments:
+            notes.append("no optimizer state in the checkpoint: Adam starts fresh")
+        ckpt.close()
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:   # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    _agree(error, f"loading checkpoint {args.load}")
+
+    iteration = 0 if finetune else ckpt.iteration
+    if not finetune and ckpt.meta.get("scheduler"):
+        _load_scheduler(trainer.scheduler, ckpt.meta["scheduler"], args)
+    same_plan = (ckpt.meta.get("plan") or {}).get("pipelines") == plan.to_dict()["pipelines"]
+    if load_rng and ckpt.meta.get("rng"):
+        if same_plan and str(trainer.rank) in ckpt.meta["rng"]:
+            set_rng_state(ckpt.meta["rng"][str(trainer.rank)])
+        else:
+            notes.append("RNG states not restored: the checkpoint's plan differs (RNGs stay "
+                         "seeded from --seed)")
+    seconds = time.perf_counter() - start
+    if dist.get_rank() == 0:
+        print(f" loaded checkpoint from {ckpt.dir} at iteration {iteration} in {seconds:.3f} s"
+              + "".join(f"; {n}" for n in notes), flush=True)
+    return iteration, seconds
+
+
+def _load_scheduler(scheduler, saved, args):
+    """Megatron's rule: the run's schedule must match the checkpoint's (one clear error naming
+    the field) unless --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler."""
+    mine = scheduler.state_dict()
+    if getattr(args, "override_opt_param_scheduler", False):
+        scheduler.override_opt_param_scheduler = True
+    elif getattr(args, "use_checkpoint_opt_param_scheduler", False):
+        scheduler.use_checkpoint_opt_param_scheduler = True
+    else:
+        ignored = {"num_steps"} | ({"wd_incr_steps"} if mine.get("wd_incr_style") == "constant"
+                                   else set())
+        diff = [f"{k}: checkpoint {saved[k]!r}, this run {mine[k]!r}" for k in mine
+                if k not in ignored and k in saved and saved[k] != mine[k]]
+        if diff:
+            raise CheckpointError(
+                f"--load {args.load}: the learning-rate schedule differs from the checkpoint's "
+                f"({'; '.join(diff)}); give the same --lr/--min-lr/--lr-*/--train-iters, or "
+                f"--use-checkpoint-opt_param-scheduler / --override-opt_param-scheduler")
+        saved = {**saved, "wd_incr_steps": mine["wd_incr_steps"]}
+    scheduler.load_state_dict(saved)
+
+
+# ------------------------------------------------------------------------------ optimizer state
+# The only functions that know how optimizer state is held. Two layouts:
+# * megatron-core's FP32Optimizer / Float16Optimizer: torch AdamW state per local parameter (the
+#   parameter itself in fp32, an fp32 master copy under bf16); this rank writes the segments
+#   that writer_segments() gives it;
+# * the distributed optimizer (megatron_hexi.distributed_optimizer): fp32 master weights and
+#   Adam state per MasterPart, a canonical range owned by exactly one rank; each rank writes its
+#   parts.
+# Either way the files hold canonical ranges, so either optimizer loads what the other saved.
+
+def _is_sharded(optimizer):
+    return hasattr(optimizer, "parts") and hasattr(optimizer, "all_gather_params")
+
+
+def _main_params(optimizer):
+    """{id(model parameter): the fp32 tensor the optimizer updates (itself in fp32 training)}."""
+    if hasattr(optimizer, "float16_groups"):
+        out = {}
+        for g16, g32 in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups):
+            out.update({id(a): b for a, b in zip(g16, g32)})
+        for group in optimizer.fp32_from_fp32_groups:
+            out.update({id(a): a for a in group})
+        return out
+    return {id(p): p for g in optimizer.param_groups for p in g["params"]}
+
+
+def _state(optimizer):
+    return optimizer.optimizer.state      # torch AdamW inside megatron-core's wrapper
+
+
+def _with_moments(tensors, state):
+    if state:
+        tensors.update(exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
+    return tensors
+
+
+def owned_ranges(trainer):
+    """[(name, dim, canonical shape, global start, {kind: tensor})]: what this rank writes."""
+    opt = trainer.optimizer
+    shapes = {shard.name: shard.shape for shard, _ in trainer.params}
+    state = _state(opt)
+    if _is_sharded(opt):
+        return [(p.name, p.dim, shapes[p.name], p.global_start,
+                 _with_moments({"param": p.master}, state.get(p.master)))
+                for p in opt.parts if p.length]
+    main = _main_params(opt)
+    out = []
+    for shard, param, local_start, global_start, length in local_runs(
+            trainer.params, writer_segments(trainer.plan)[trainer.rank]):
+        mp = main[id(param)]
+        tensors = _with_moments({"param": mp}, state.get(mp))
+        out.append((shard.name, shard.dim, shard.shape, global_start,
+                    {k: t.narrow(shard.dim, local_start, length) for k, t in tensors.items()}))
+    return out
+
+
+def _adam_steps(optimizer):
+    """The set of Adam step counts over this rank's optimizer state (empty before step 1)."""
+    return {int(float(s["step"])) for s in _state(optimizer).values() if "step" in s}
+
+
+@torch.no_grad()
+def restore_optimizer(trainer, ckpt, adam_step):
+    """Fill the fp32 master weights from the checkpoint's params and, if adam_step is not None,
+    Adam's moments and step; otherwise the optimizer state stays empty (fresh Adam)."""
+    opt = trainer.optimizer
+    state = _state(opt)
+
+    def moments(name, dim, shape, start, like):
+        out = {}
+        for kind in KINDS[1:]:
+            t = torch.empty(like.shape, dtype=torch.float32)
+            ckpt.read_range(kind, name, dim, start, like.shape[dim], shape, t)
+            out[kind] = t.to(like.device, like.dtype)
+        return {"step": torch.tensor(float(adam_step), dtype=torch.float32), **out}
+
+    if _is_sharded(opt):
+        shapes = {shard.name: shard.shape for shard, _ in trainer.params}
+        for p in opt.parts:
+            if not p.length:
+                continue
+            value = torch.empty(p.master.shape, dtype=torch.float32)
+            ckpt.read_range("param", p.name, p.dim, p.global_start, p.length, shapes[p.name],
+                            value)
+            p.master.copy_(value)
+            if adam_step is not None:
+                state[p.master] = moments(p.name, p.dim, shapes[p.name], p.global_start,
+                                          p.master)
+        return
+    main = _main_params(opt)
+    for shard, param in trainer.params:
+        mp = main[id(param)]
+        if mp is not param:
+            mp.copy_(ckpt.read_local(shard, "param"))
+        if adam_step is not None:
+            st = {"step": torch.tensor(float(adam_step), dtype=torch.float32)}
+            for kind in KINDS[1:]:
+                st[kind] = ckpt.read_local(shard, kind).to(mp.device, mp.dtype)
+            state[mp] = st
+
+
+# ------------------------------------------------------------------------------------ RNG state
+
+def _b64(t):
+    return base64.b64encode(t.cpu().contiguous().numpy().tobytes()).decode()
+
+
+def _unb64(s):
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state():
+    """This process's RNG states, JSON-ready: torch CPU, CUDA, megatron's tracker, Python, NumPy."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    cuda = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = _b64(torch.cuda.get_rng_state())
+    return {"torch_cpu": _b64(torch.get_rng_state()), "cuda": cuda,
+            "tracker": {k: _b64(v) for k, v in get_cuda_rng_tracker().get_states().items()},
+            "python": [py_state[0], _b64_words(py_state[1]), py_state[2]],
+            "numpy": [np_state[0], _b64_words(np_state[1]), int(np_state[2]), int(np_state[3]),
+                      float(np_state[4])]}
+
+
+def _b64_words(words):
+    return base64.b64encode(np.asarray(words, dtype=np.uint32).tobytes()).decode()
+
+
+def _words(text):
+    return np.frombuffer(base64.b64decode(text), dtype=np.uint32)
+
+
+def set_rng_state(state):
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    torch.set_rng_state(_unb64(state["torch_cpu"]))
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_unb64(state["cuda"]))
+    get_cuda_rng_tracker().set_states({k: _unb64(v) for k, v in state["tracker"].items()})
+    py = state["python"]
+    random.setstate((py[0], tuple(int(w) for w in _words(py[1])), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], _words(n[1]).copy(), n[2], n[3], n[4]))

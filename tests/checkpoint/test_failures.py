@@ -1,0 +1,179 @@
+"""A rank killed mid-step or mid-save: the others exit with a clear error within the collective
+timeout, and rerunning the same command resumes from the last complete checkpoint, continuing
+the loss curve exactly.
+
+Every run is the same command (`--load D --hetero-load-if-exists --save D`, one metrics file that
+resumed runs append to). Run 1 is killed from outside (SIGKILL to rank 1) once the metrics show a
+checkpoint was completed; run 2 resumes, and rank 1 kills itself in the middle of the next save
+(HEXI_FAULT_INJECT, the documented test-only hook: the window is milliseconds long); run 3 (under
+torchrun) resumes from the checkpoint before the broken save and finishes. Iterations computed
+twice must agree bit for bit, and every iteration 1..N must be in the metrics.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+from harness import _kill_tree, free_port, run_torchrun
+from megatron_hexi.checkpoint import TRACKER, Checkpoint
+from planner.layout import canonical_shards
+from planner.models import load_model
+from runtime.plans import REFERENCE, write_plan
+
+TWO_STAGES = [{"micro_batch_size": 2, "num_microbatches": 4, "stages": [
+    {"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}]}]
+TRAIN_ITERS, INTERVAL, TIMEOUT_MIN = 14, 3, 0.5
+
+
+def command(tmp_path, plan):
+    d = tmp_path / "ckpt"
+    return ["--hetero-plan-path", str(plan), "--mock-data", "--train-iters", str(TRAIN_ITERS),
+            "--lr", "1e-3", "--lr-decay-style", "cosine", "--attention-dropout", "0",
+            "--hidden-dropout", "0", "--adam-eps", "1e-4", "--seed", "7",
+            "--save", str(d), "--save-interval", str(INTERVAL), "--load", str(d),
+            "--hetero-load-if-exists", "--hetero-metrics-path", str(tmp_path / "metrics.jsonl"),
+            "--distributed-timeout-minutes", str(TIMEOUT_MIN), "--log-interval", "1"]
+
+
+def launch(tmp_path, tag, argv, world, env=None):
+    """The ranks as plain processes (what torchrun starts, without its agent, which would kill
+    the survivors itself): each must exit on its own."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        e = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+             "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+             "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", **(env or {})}
+        out = open(tmp_path / f"{tag}.{rank}.out", "w")
+        err = open(tmp_path / f"{tag}.{rank}.err", "w")
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "pretrain_gpt.py"), *argv],
+                                      env=e, stdout=out, stderr=err, start_new_session=True))
+    return procs
+
+
+def wait_all(procs, deadline):
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    return [p.poll() for p in procs]
+
+
+def metrics(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
+    plan = write_plan(tmp_path, "two_stages", "tiny", 2, TWO_STAGES)
+    argv = command(tmp_path, plan)
+    ckpt = tmp_path / "ckpt"
+    procs = []
+    try:
+        # Run 1: SIGKILL rank 1 from outside once iteration 2 x INTERVAL + 1 is logged.
+        procs = launch(tmp_path, "run1", argv, 2)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            if any(m["iteration"] > 2 * INTERVAL for m in metrics(tmp_path)):
+                break
+            time.sleep(0.02)
+        assert all(p.poll() is None for p in procs), "run 1 ended before the kill"
+        os.kill(procs[1].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        codes = wait_all(procs, killed_at + TIMEOUT_MIN * 60 + 15)
+        exited_after = time.monotonic() - killed_at
+        err0 = (tmp_path / "run1.0.err").read_text()
+        assert codes[0] not in (None, 0), f"rank 0 did not exit after its peer died:\n{err0}"
+        assert exited_after < TIMEOUT_MIN * 60, exited_after
+        assert "a collective failed" in err0, err0
+        k1 = int((ckpt / TRACKER).read_text())
+        assert k1 >= 2 * INTERVAL and k1 < TRAIN_ITERS - INTERVAL
+        assert re.search(rf"last complete checkpoint: iteration {k1} in .*rerun the same command "
+                         rf"with --load", err0), err0
+        run1 = [m["iteration"] for m in metrics(tmp_path)]
+        print(f"run 1: rank 1 killed after iteration {run1[-1]}; rank 0 exited (code {codes[0]}) "
+              f"{exited_after:.1f} s later; last checkpoint {k1}")
+
+        # Run 2: the same command resumes from k1; rank 1 dies inside the save of k1 + INTERVAL.
+        k2 = k1 + INTERVAL
+        procs = launch(tmp_path, "run2", argv, 2,
+                       {"HEXI_FAULT_INJECT": f"kill-in-save:{k2}:1:written"})
+        codes = wait_all(procs, time.monotonic() + 240)
+        err0 = (tmp_path / "run2.0.err").read_text()
+        out0 = (tmp_path / "run2.0.out").read_text()
+        assert f"loaded checkpoint from {ckpt}/iter_{k1:07d} at iteration {k1}" in out0, out0
+        assert codes[1] == -signal.SIGKILL and codes[0] not in (None, 0), (codes, err0)
+        assert "checkpoint save of iteration" in err0 or "a collective failed" in err0, err0
+        assert (ckpt / TRACKER).read_text() == str(k1), "a broken save moved the pointer"
+        assert not (ckpt / f"iter_{k2:07d}").exists()
+        # The previous checkpoint is intact: every tensor of it reads.
+        previous = Checkpoint(str(ckpt))
+        assert previous.iteration == k1
+        for s in canonical_shards(load_model("tiny")):
+            for kind in ("param", "exp_avg", "exp_avg_sq"):
+                previous.read_full(s.name, s.shape, s.dim, kind)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_tree(p.pid, group=True)
+
+    # Run 3: the same command under torchrun finishes the run from k1.
+    code, out, err = run_torchrun([REPO / "pretrain_gpt.py", *argv], 2, timeout=300)
+    assert code == 0, err[-3000:]
+    assert f"at iteration {k1} in" in out
+    assert (ckpt / TRACKER).read_text() == str(TRAIN_ITERS)
+    assert not [n for n in os.listdir(ckpt) if n.endswith(".tmp")], os.listdir(ckpt)
+
+    # Every iteration is in the (appended) metrics; iterations computed twice agree exactly.
+    seen = {}
+    for m in metrics(tmp_path):
+        seen.setdefault(m["iteration"], set()).add((m["lm_loss"], m["grad_norm"]))
+    assert sorted(seen) == list(range(1, TRAIN_ITERS + 1))
+    repeated = [i for i in seen if i > k1 and i <= run1[-1] or k1 < i <= k2]
+    assert all(len(v) == 1 for v in seen.values()), {i: v for i, v in seen.items() if len(v) > 1}
+    print(f"iterations computed twice, identical: {sorted(set(repeated))}")
+
+    # A checkpoint loaded with another model is one clear error naming the fields.
+    other = write_plan(tmp_path, "gqa", "tiny-gqa", 1, REFERENCE)
+    code, out, err = run_torchrun([REPO / "pretrain_gpt.py", "--hetero-plan-path", other,
+                                   "--mock-data", "--train-iters", "1", "--lr", "1e-3",
+                                   "--load", ckpt], 1, timeout=120)
+    assert code != 0, err[-3000:]   # the rank exits 2; torchrun reports 1
+    assert re.search(r"pretrain_gpt.py: error: .*holds a different model \(ffn_hidden_size: "
+                     r"checkpoint 256, this run 192; num_attention_heads", err), err[-3000:]
+
+
+def test_hung_rank_fails_the_others_within_the_timeout(tmp_path):
+    """A rank that stops answering (SIGSTOP: no connection is closed) fails its peers when the
+    collective timeout (--distributed-timeout-minutes, fractions allowed) runs out."""
+    timeout_min = 0.2
+    plan = write_plan(tmp_path, "two_stages", "tiny", 2, TWO_STAGES)
+    argv = ["--hetero-plan-path", str(plan), "--mock-data", "--train-iters", "500", "--lr", "1e-3",
+            "--hetero-metrics-path", str(tmp_path / "metrics.jsonl"), "--log-interval", "100",
+            "--distributed-timeout-minutes", str(timeout_min)]
+    procs = launch(tmp_path, "hang", argv, 2)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not any(m["iteration"] >= 2
+                                                      for m in metrics(tmp_path)):
+            assert all(p.poll() is None for p in procs), "a rank ended early"
+            time.sleep(0.05)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        code = wait_all(procs[:1], stopped + timeout_min * 60 + 30)[0]
+        after = time.monotonic() - stopped
+        err = (tmp_path / "hang.0.err").read_text()
+        print(f"rank 1 stopped; rank 0 exited (code {code}) {after:.1f} s later "
+              f"(timeout {timeout_min * 60:g} s)")
+        assert code not in (None, 0), err
+        assert timeout_min * 60 * 0.8 < after < timeout_min * 60 + 15, after
+        assert "a collective failed" in err and "imed out" in err, err
+    finally:
+        for p in procs:
+            _kill_tree(p.pid, group=True)

@@ -1,0 +1,54 @@
+"""Functions the checkpoint tests run on every rank (module level, so spawned processes find them)."""
+import torch
+
+# As tests/runtime/workers.py (Adam eps 1e-4 keeps rounding noise from being amplified), with a
+# linear lr decay so that the scheduler state matters on resume.
+BASE_FLAGS = ["--adam-eps", "1e-4", "--mock-data", "--lr", "1e-3", "--lr-decay-style", "linear",
+              "--seed", "1234", "--attention-dropout", "0", "--hidden-dropout", "0",
+              "--log-interval", "1000", "--weight-decay", "0.01"]
+
+
+def train(plan_path, flags=()):
+    """Train as pretrain_gpt.py does; returns this run's losses and grad norms, the checkpoint
+    events, and on launch rank 0 the final parameters gathered to full tensors."""
+    import torch.distributed as dist
+
+    from megatron_hexi.arguments import parse_args
+    from megatron_hexi.training import init_distributed, run
+    from planner.plan import load_plan
+
+    args = parse_args(["--hetero-plan-path", str(plan_path), *BASE_FLAGS, *flags])
+    plan = load_plan(args.hetero_plan_path)
+    device = init_distributed(args, plan)
+    trainer, history = run(args, plan, device)
+    full = trainer.full_parameters()
+    out = {"iterations": [h["iteration"] for h in history],
+           "losses": [h["lm_loss"] for h in history],
+           "grad_norms": [h["grad_norm"] for h in history],
+           "events": trainer.checkpoint_events}
+    if dist.get_rank() == 0:
+        out["params"] = {k: v.clone() for k, v in full.items()}
+    return out
+
+
+def logits(plan_path, load_dir, tokens):
+    """Load `load_dir` under the plan and return the full logits of `tokens` (launch rank 0)."""
+    from megatron_hexi import checkpoint
+    from megatron_hexi.arguments import parse_args
+    from megatron_hexi.inference import forward_logits
+    from megatron_hexi.training import Trainer, init_distributed
+    from planner.plan import load_plan
+
+    args = parse_args(["--hetero-plan-path", str(plan_path), *BASE_FLAGS, "--train-iters", "1",
+                       "--load", str(load_dir)])
+    plan = load_plan(args.hetero_plan_path)
+    device = init_distributed(args, plan)
+    trainer = Trainer(args, plan, device)
+    checkpoint.load(trainer, args)
+    return forward_logits(trainer, tokens)
+
+
+def max_relative_difference(a, b):
+    if isinstance(a, torch.Tensor):
+        return ((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
+    return abs(a - b) / max(abs(b), 1e-6)

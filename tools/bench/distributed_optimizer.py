@@ -1,0 +1,57 @@
+"""What the heterogeneous distributed optimizer buys on the paper's clusters (planner predictions).
+
+    python tools/bench/distributed_optimizer.py [--gbs 64]
+
+For Llama-2 7B and 13B on each example cluster, plan with `hexi` twice, without and with
+--use-distributed-optimizer (fp32 master weights and Adam state sharded over each gradient
+segment's ranks), and print the pipelines found, their depth, recompute, memory per rank and the
+predicted MFU. A cluster where only the sharded plan fits shows "no fit" on the left.
+"""
+import argparse
+import os
+import time
+
+from planner.cluster import load_cluster
+from planner.errors import SpecError
+from planner.models import load_model
+from planner.search import search_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLUSTERS = ["paper-hetero-a", "paper-hetero-consumer", "paper-hetero-b", "paper-a100-pcie-2x8",
+            "paper-a100-pcie-4x8"]
+MODELS = ["llama2-7b", "llama2-13b"]
+
+
+def describe(plan):
+    depth = "/".join(str(len(p.stages)) for p in plan.pipelines)
+    return (f"{len(plan.pipelines)} x [{depth}]{' rc' if plan.training.recompute else ''}, "
+            f"MFU {plan.estimate['mfu']:.3f}, max {max(plan.estimate['peak_memory_gb']):.1f} GB")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gbs", type=int, default=64)
+    args = ap.parse_args()
+    print(f"global batch {args.gbs}, micro-batch 1; pipelines x [stages per pipeline], rc = recompute")
+    print("| cluster | model | without | with --use-distributed-optimizer | MFU change |")
+    print("|---|---|---|---|---|")
+    for name in CLUSTERS:
+        cluster = load_cluster(os.path.join(ROOT, "examples/clusters", name + ".yaml"))
+        for mname in MODELS:
+            model = load_model(mname)
+            plans = []
+            for sharded in (False, True):
+                start = time.perf_counter()
+                try:
+                    plans.append(search_plan(cluster, model, args.gbs, micro_batch_size=1,
+                                             use_distributed_optimizer=sharded))
+                except SpecError:
+                    plans.append(None)
+            cells = [describe(p) if p else "no fit" for p in plans]
+            change = (f"{plans[1].estimate['mfu'] - plans[0].estimate['mfu']:+.3f}"
+                      if all(plans) else "-")
+            print(f"| {name} | {mname} | {cells[0]} | {cells[1]} | {change} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
