@@ -9,6 +9,7 @@ g query groups, d head size (kv_channels), f FFN hidden size, V vocabulary, L la
 """
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -73,6 +74,7 @@ class Device:
     memory_bytes: float
     mem_bw: float              # bytes/s
     source: str
+    profile: object = None     # planner.profile.ProfiledDevice for a detailed (hexi-profile) profile
 
 
 @lru_cache(maxsize=None)
@@ -90,13 +92,14 @@ def _load_profile(path):
     return data
 
 
-def device_for(gpu_name, profile=None):
+def device_for(gpu_name, profile=None, procs_per_node=1):
     """The Device of a catalog GPU, with a measured profile applied when the node group has one.
 
     Profile (JSON): {"device": "RTX-4090", "matmul_tflops": 96.0, "memory_gb": 23.6,
     "memory_bandwidth_gbs": 900, "source": "..."}: `matmul_tflops` is the measured sustained
     throughput of the layer's GEMM shapes and replaces peak x SUSTAINED_FRACTION_OF_PEAK; the other
-    fields are optional overrides.
+    fields are optional overrides. A detailed profile (hexi-profile) is used as planner/profile.py
+    describes; `procs_per_node` sets its CPU contention.
     """
     gpu = get_gpu(gpu_name)
     if not profile:
@@ -106,10 +109,13 @@ def device_for(gpu_name, profile=None):
     data = _load_profile(os.path.abspath(profile))
     if data.get("device", gpu.name) != gpu.name:
         raise SpecError(f"profile {profile}: is for {data['device']!r}, node holds {gpu.name}")
+    from planner import profile as measured
     return Device(gpu.name, gpu.peak_flops, float(data["matmul_tflops"]) * 1e12,
                   float(data.get("memory_gb", gpu.memory_gb)) * 1e9,
-                  float(data.get("memory_bandwidth_gbs", gpu.mem_bw_gbs)) * 1e9,
-                  f"profile {profile}")
+                  measured.optimizer_mem_bw(data, float(data.get("memory_bandwidth_gbs",
+                                                                 gpu.mem_bw_gbs)) * 1e9),
+                  f"profile {profile}",
+                  measured.attach(data, os.path.abspath(profile), procs_per_node))
 
 
 # ----------------------------------------------------------------------------------------- FLOPs
@@ -191,12 +197,42 @@ class Topology:
         self._by_name_override = any(x in self.node_names and x not in {g.name for g in cluster.groups}
                                      for lk in cluster.links for x in lk.between)
         groups = {g.name: g for g in cluster.groups}
-        self.devices = [device_for(n.gpu, groups[n.group].profile) for n in self.nodes]
+        self.devices = [device_for(n.gpu, groups[n.group].profile, n.gpus_per_node)
+                        for n in self.nodes]
         self.nic = [n.nic_bw for n in self.nodes]
         self._link = {}
+        self._slowest = {}
 
     def device_of(self, rank):
         return self.devices[self.node_of[rank]]
+
+    def node_sig(self, n):
+        """What the cost model sees of node n: its group (devices, intra link, NIC), or the node
+        itself when links name single machines."""
+        return n if self._by_name_override else self.group_of[n]
+
+    def sig(self, *rank_lists):
+        """Cost signature of one or more rank lists (e.g. a TP group, or both sides of a stage
+        boundary): per rank its node's signature and the node's first-appearance number. Rank
+        lists with equal signatures have equal costs (devices, links, NICs, shards), so caches
+        keyed by it serve identical machines and identical pipelines once."""
+        seen, out = {}, []
+        node_of, by_name, group_of = self.node_of, self._by_name_override, self.group_of
+        for ranks in rank_lists:
+            run, last, count = [], None, 0
+            for r in ranks:
+                n = node_of[r]
+                if n != last:
+                    if last is not None:
+                        run.append((last if by_name else group_of[last], seen[last], count))
+                    if n not in seen:
+                        seen[n] = len(seen)
+                    last, count = n, 0
+                count += 1
+            if last is not None:
+                run.append((last if by_name else group_of[last], seen[last], count))
+            out.append(tuple(run))
+        return tuple(out)
 
     def node_link(self, i, j):
         """(bytes/s, s) between GPUs on node indices i and j (i == j: inside the machine)."""
@@ -212,37 +248,55 @@ class Topology:
                     # same group pair but different nodes: depends only on the groups
                     self._link[gkey] = got
             else:
-                got = self.cluster.link(a.name, b.name)
+                # inside a machine, without per-node links: depends on the group only
+                gkey = ("i", a.group) if not self._by_name_override else None
+                got = self._link.get(gkey) if gkey else None
+                if got is None:
+                    got = self.cluster.link(a.name, b.name)
+                    if i == j and self.devices[i].profile is not None \
+                            and self.devices[i].profile.profile.link:   # measured inside the node
+                        got = self.devices[i].profile.profile.link
+                    if gkey:
+                        self._link[gkey] = got
             self._link[key] = got
         return got
 
     def slowest(self, ranks):
         """(bandwidth, latency) of the slowest pair in a set of ranks: a ring runs at its pace."""
-        nodes = {}
-        for r in ranks:
-            n = self.node_of[r]
-            nodes[n] = nodes.get(n, 0) + 1
+        key = ranks if isinstance(ranks, tuple) else tuple(ranks)
+        got = self._slowest.get(key)
+        if got is None:
+            if len(self._slowest) > 100_000:
+                self._slowest.clear()
+            got = self._slowest[key] = self._slowest_uncached(key)
+        return got
+
+    def _slowest_uncached(self, ranks):
+        nodes = Counter(map(self.node_of.__getitem__, ranks))
         bw, lat = float("inf"), 0.0
-        for n, c in nodes.items():
-            if c > 1:
-                b, l = self.node_link(n, n)
-                bw, lat = min(bw, b), max(lat, l)
-        if len(nodes) > 1:
-            if self._by_name_override:
-                items = list(nodes)
-                pairs = ((items[x], items[y]) for x in range(len(items))
-                         for y in range(x + 1, len(items)))
-            else:   # links depend on groups only: one representative node per group
-                rep = {}
-                for n in nodes:
-                    rep.setdefault(self.group_of[n], []).append(n)
-                reps = [(v[0], v[1] if len(v) > 1 else None) for v in rep.values()]
-                pairs = [(x[0], x[1]) for x in reps if x[1] is not None]
-                pairs += [(reps[x][0], reps[y][0]) for x in range(len(reps))
-                          for y in range(x + 1, len(reps))]
-            for x, y in pairs:
-                b, l = self.node_link(x, y)
-                bw, lat = min(bw, b), max(lat, l)
+        if self._by_name_override:
+            items = list(nodes)
+            pairs = [(n, n) for n, c in nodes.items() if c > 1]
+            pairs += [(items[x], items[y]) for x in range(len(items))
+                      for y in range(x + 1, len(items))]
+        else:   # links depend on groups only: one or two representative nodes per group
+            rep, multi = {}, {}
+            for n, c in nodes.items():
+                g = self.group_of[n]
+                rep.setdefault(g, []).append(n)
+                if c > 1:
+                    multi.setdefault(g, n)
+            pairs = [(n, n) for n in multi.values()]
+            reps = [(v[0], v[1] if len(v) > 1 else None) for v in rep.values()]
+            pairs += [(x[0], x[1]) for x in reps if x[1] is not None]
+            pairs += [(reps[x][0], reps[y][0]) for x in range(len(reps))
+                      for y in range(x + 1, len(reps))]
+        for x, y in pairs:
+            b, l = self.node_link(x, y)
+            if b < bw:
+                bw = b
+            if l > lat:
+                lat = l
         if bw == float("inf"):
             return float("inf"), 0.0
         return bw, lat
@@ -342,6 +396,9 @@ def layer_times(m, mbs, devices, qg, ffn, tp_link, recompute):
     (after attention and after the MLP, [s, b, h] bf16 each). Backward = 2 x forward compute and 2
     all-reduces; full recompute adds one forward (compute and its all-reduces) to backward.
     """
+    if any(d.profile is not None for d in devices):   # measured times (planner/profile.py)
+        from planner.profile import layer_times as measured
+        return measured(m, mbs, devices, qg, ffn, tp_link, recompute)
     g, f = m.num_query_groups, m.ffn_hidden_size
     att, mlp = attention_flops(m, mbs), mlp_flops(m, mbs)
     c_att = max(att * q / g / dev.flops for q, dev in zip(qg, devices))
@@ -368,6 +425,9 @@ def head_times(m, mbs, devices, vocab, tp_link):
     forward adds CROSS_ENTROPY_ALLREDUCES all-reduces of [s, b] fp32, backward one all-reduce of
     the input gradient [s, b, h] bf16 (the head is column-parallel).
     """
+    if any(d.profile is not None for d in devices):   # measured times (planner/profile.py)
+        from planner.profile import head_times as measured
+        return measured(m, mbs, devices, vocab, tp_link)
     hf = head_flops(m, mbs)
     c = max(hf * v / m.vocab_size / dev.flops for v, dev in zip(vocab, devices))
     t = len(devices)
@@ -391,6 +451,10 @@ def stage_cost(m, mbs, devices, shards, n_layers, first, last, tp_link, recomput
         c = max(head_flops(m, mbs) * v / m.vocab_size / dev.flops
                 for v, dev in zip(shards["vocab"], devices))
         compute, tp = compute + 3 * c, tp + (hf - c) + (hb - 2 * c)
+    if any(d.profile is not None for d in devices):   # embedding compute, runtime overhead
+        from planner.profile import stage_extra
+        xf, xb = stage_extra(m, mbs, devices, shards["vocab"], first)
+        fwd, bwd, compute = fwd + xf, bwd + xb, compute + xf + xb
     return StageCost(cf, tf, fwd, bwd, compute, tp)
 
 

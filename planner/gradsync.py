@@ -16,15 +16,16 @@ one after another, in one global order, after the last backward of the iteration
 not overlap them yet), each at the pace of the slowest link in its rank set.
 """
 from bisect import bisect_right
-from dataclasses import dataclass
+from operator import itemgetter
+from typing import NamedTuple
 
 from planner.costmodel import (BF16_BYTES, GRAD_BYTES_PER_PARAM, ring_allgather_time,
                                ring_allreduce_time, ring_reduce_scatter_time)
 
 
-@dataclass(frozen=True)
-class StageLayout:
-    """One stage as the cost model sees it: TP ranks, [first, last) layers and per-rank shards."""
+class StageLayout(NamedTuple):
+    """One stage as the cost model sees it: TP ranks, [first, last) layers and per-rank shards.
+    (A named tuple: the search builds hundreds of thousands of them on large clusters.)"""
     ranks: tuple
     layers: tuple
     query_groups: tuple
@@ -46,45 +47,74 @@ def _add_axis(sets, holders, unit):
     Adds `unit` x segment length elements to sets[rank set]. Holders with identical boundaries
     are grouped so that the work is segments x pipelines once per distinct layout.
     """
+    if unit == 0:
+        return
     by_bounds = {}
     for sizes, ranks in holders:
-        by_bounds.setdefault(tuple(_bounds(sizes)), []).append(ranks)
-    cuts = sorted({c for b in by_bounds for c in b})
+        by_bounds.setdefault(sizes, []).append(ranks)
+    if len(by_bounds) == 1:             # every holder cut alike: one set per shard
+        (sizes, rank_lists), = by_bounds.items()
+        for i, n in enumerate(sizes):
+            key = tuple(sorted(map(itemgetter(i), rank_lists)))
+            sets[key] = sets.get(key, 0) + n * unit
+        return
+    groups = [(_bounds(sizes), rank_lists) for sizes, rank_lists in by_bounds.items()]
+    cuts = sorted({c for b, _ in groups for c in b})
     for x, y in zip(cuts, cuts[1:]):
         members = []
-        for b, rank_lists in by_bounds.items():
+        for b, rank_lists in groups:
             i = bisect_right(b, x) - 1
-            members.extend(r[i] for r in rank_lists)
-        key = tuple(sorted(set(members)))
+            members.extend(map(itemgetter(i), rank_lists))
+        key = tuple(sorted(members))
         sets[key] = sets.get(key, 0) + (y - x) * unit
 
 
-def rank_sets(model, pipelines):
-    """{sorted rank tuple: elements} of every coalesced gradient all-reduce.
+def _replicated(sets, stages, elems, together):
+    """A TP-replicated parameter (norm, row-parallel bias) held by `stages`, one per pipeline:
+    every TP rank of them joins (one contributes per stage), as planner.layout cuts it."""
+    if elems and together:
+        key = tuple(sorted(r for st in stages for r in st.ranks))
+        sets[key] = sets.get(key, 0) + elems
 
-    `pipelines` is a list of lists of StageLayout (stage order). Sets of one rank are included
-    (they cost nothing but the distributed optimizer shards over them too).
+
+def rank_sets(model, pipelines, distributed_optimizer=False):
+    """{sorted rank tuple: elements} of every coalesced gradient collective.
+
+    `pipelines` is a list of lists of StageLayout (stage order). Mirrors planner.layout's
+    gradient_segments and the runtime's buckets (megatron_hexi.grad_sync.reduced_together): a
+    segment joins a collective over its holders when several stages contribute to it, or, with
+    the distributed optimizer, when several ranks hold it. Sets of one rank are included (they
+    cost nothing but the distributed optimizer shards over them too); TP-replicated parameters
+    that need no collective are left out.
     """
     m = model
     h, d, hpg = m.hidden_size, m.head_dim, m.heads_per_group
-    per_group = (hpg * d + 2 * d) * h + hpg * d * h
-    per_ffn = ((2 if m.swiglu else 1) + 1) * h
+    bias = bool(m.add_bias_linear)
+    norm = h * (2 if m.normalization == "LayerNorm" else 1)      # weight (+ bias) per norm
+    fc1 = 2 if m.swiglu else 1
+    per_group = (hpg * d + 2 * d) * (h + bias) + hpg * d * h     # QKV (+ bias) + projection
+    per_ffn = fc1 * (h + bias) + h                                # fc1 (+ bias) + fc2
+    per_layer_replicated = 2 * norm + (2 * h if bias else 0)     # norms (+ proj, fc2 biases)
     sets = {}
     K = len(pipelines)
+
+    def together(stages):
+        return K > 1 or (distributed_optimizer and sum(len(st.ranks) for st in stages) > 1)
+
     cuts = sorted({x for pipe in pipelines for st in pipe for x in st.layers})
+    pos = [0] * K
     for lo, hi in zip(cuts, cuts[1:]):
         n = hi - lo
         holding = []
-        for pipe in pipelines:
-            for st in pipe:
-                if st.layers[0] <= lo < st.layers[1]:
-                    holding.append(st)
-                    break
+        for pi, pipe in enumerate(pipelines):     # stages in layer order: walk a pointer
+            j = pos[pi]
+            while pipe[j].layers[1] <= lo:
+                j += 1
+            pos[pi] = j
+            holding.append(pipe[j])
         _add_axis(sets, [(st.query_groups, st.ranks) for st in holding], n * per_group)
         _add_axis(sets, [(st.ffn, st.ranks) for st in holding], n * per_ffn)
-        if K > 1:
-            key = tuple(sorted({r for st in holding for r in st.ranks}))
-            sets[key] = sets.get(key, 0) + n * 2 * h
+        _replicated(sets, holding, n * per_layer_replicated, together(holding))
     firsts = [pipe[0] for pipe in pipelines]
     lasts = [pipe[-1] for pipe in pipelines]
     if m.untie_embeddings_and_output_weights:
@@ -94,9 +124,7 @@ def rank_sets(model, pipelines):
         holders = [(st.vocab, st.ranks) for st in firsts]
         holders += [(st.vocab, st.ranks) for pipe, st in zip(pipelines, lasts) if len(pipe) > 1]
         _add_axis(sets, holders, h)
-    if K > 1:
-        key = tuple(sorted({r for st in lasts for r in st.ranks}))
-        sets[key] = sets.get(key, 0) + h
+    _replicated(sets, lasts, norm, together(lasts))
     return sets
 
 

@@ -8,27 +8,114 @@ the transfer back (the last stage's backward follows its own forward). Every sta
 forward/backward time, so warm-up, steady state and cool-down come out of the simulation.
 
 For many micro-batches the schedule becomes periodic (a max-plus linear system), so beyond
-SIMULATED_MICROBATCHES_PER_STAGE x p micro-batches the time is extrapolated linearly from the
-last simulated period; tests check it against the full simulation.
+SIMULATED_MICROBATCHES_PER_STAGE x p micro-batches the time is extrapolated linearly with the
+exact periodic rate (`steady_period`); tests check it against the full simulation.
 """
+
+import numpy as np
 
 # Micro-batches simulated per stage before extrapolating (beyond the transient; tests check it).
 SIMULATED_MICROBATCHES_PER_STAGE = 4
 SIMULATED_MICROBATCHES_MIN = 24
 
 
+_ORDERS = {}
+_TIMES = {}           # pipeline_time memo: identical pipelines (same stage times) simulated once
+_MEMO_MAX = 200_000
+
+
 def _order(k, p, m):
-    """Operation sequence of stage k: list of (is_forward, micro-batch)."""
-    warm = min(p - k - 1, m)
-    ops = [(True, j) for j in range(warm)]
-    for j in range(m - warm):
-        ops.append((True, warm + j))
-        ops.append((False, j))
-    ops.extend((False, j) for j in range(m - warm, m))
-    return ops
+    """Operation sequence of stage k: tuple of (is_forward, micro-batch)."""
+    key = (min(p - k - 1, m), m)
+    got = _ORDERS.get(key)
+    if got is None:
+        warm = key[0]
+        ops = [(True, j) for j in range(warm)]
+        for j in range(m - warm):
+            ops.append((True, warm + j))
+            ops.append((False, j))
+        ops.extend((False, j) for j in range(m - warm, m))
+        if len(_ORDERS) > _MEMO_MAX:
+            _ORDERS.clear()
+        got = _ORDERS[key] = tuple(ops)
+    return got
 
 
 def simulate_1f1b(fwd, bwd, xfer_f, xfer_b, m):
+    """Exact event simulation; returns the time the last operation ends.
+
+    fwd[k], bwd[k]: seconds per micro-batch on stage k (incl. its TP and all-gather time);
+    xfer_f[k], xfer_b[k]: transfer seconds across boundary k (between stage k and k+1).
+
+    Runs the operations in one precomputed dependency order per (p, m) (`_plan`): each end time
+    is max(dependency end + transfer, previous operation on the stage) + duration, the same
+    max-plus recurrence as `simulate_1f1b_sweep`, bit for bit, without its readiness checks.
+    """
+    p = len(fwd)
+    if m <= 0 or p == 0:
+        return 0.0
+    plan = _plan(p, m)
+    durs = list(fwd) + list(bwd)
+    xs = [0.0] + list(xfer_f) + list(xfer_b)
+    end = [0.0] * (2 * p * m + 1)          # the last slot stays 0.0: "no dependency"
+    for o, dep, xi, prev, di in plan:
+        a = end[dep] + xs[xi]
+        b = end[prev]
+        end[o] = (a if a > b else b) + durs[di]
+    return max(end)
+
+
+_PLANS = {}
+
+
+def _plan(p, m):
+    """(op, dependency, transfer index, previous op on the stage, duration index) for every
+    operation, in an order where dependencies come first: the start order of the same schedule
+    with unit durations and no transfers (a dependency ends no later than its dependant starts,
+    and every op takes one unit, so dependencies start strictly earlier)."""
+    key = (p, m)
+    got = _PLANS.get(key)
+    if got is not None:
+        return got
+    none = 2 * p * m
+    starts = _start_times(p, m)
+    ops = []
+    for k in range(p):
+        prev = none
+        for is_f, j in _order(k, p, m):
+            if is_f:
+                o = k * m + j
+                dep, xi = ((k - 1) * m + j, k) if k else (none, 0)
+                di = k
+            else:
+                o = p * m + k * m + j
+                if k == p - 1:
+                    dep, xi = (k * m + j, 0)
+                else:
+                    dep, xi = (p * m + (k + 1) * m + j, p + k)
+                di = p + k
+            ops.append((starts[o], k, o, dep, xi, prev, di))
+            prev = o
+    ops.sort()
+    if len(_PLANS) > 256:
+        _PLANS.clear()
+    got = _PLANS[key] = tuple(x[2:] for x in ops)
+    return got
+
+
+def _start_times(p, m):
+    """Start of every op (index as in `_plan`) with unit durations and no transfers."""
+    starts = {}
+    _simulate_sweep([1.0] * p, [1.0] * p, [0.0] * (p - 1), [0.0] * (p - 1), m, starts)
+    return starts
+
+
+def simulate_1f1b_sweep(fwd, bwd, xfer_f, xfer_b, m):
+    """Reference event simulation by readiness sweeps (the definition `simulate_1f1b` follows)."""
+    return _simulate_sweep(fwd, bwd, xfer_f, xfer_b, m)
+
+
+def _simulate_sweep(fwd, bwd, xfer_f, xfer_b, m, starts=None):
     """Exact event simulation; returns the time the last backward of stage 0 ends.
 
     fwd[k], bwd[k]: seconds per micro-batch on stage k (incl. its TP and all-gather time);
@@ -61,6 +148,8 @@ def simulate_1f1b(fwd, bwd, xfer_f, xfer_b, m):
                         ready = prev + xfer_f[k - 1]
                     start = free[k] if free[k] > ready else ready
                     free[k] = fe[j] = start + fwd[k]
+                    if starts is not None:
+                        starts[k * m + j] = start
                 else:
                     if k == p - 1:
                         ready = fe[j]
@@ -71,6 +160,8 @@ def simulate_1f1b(fwd, bwd, xfer_f, xfer_b, m):
                         ready = nxt + xfer_b[k]
                     start = free[k] if free[k] > ready else ready
                     free[k] = be[j] = start + bwd[k]
+                    if starts is not None:
+                        starts[p * m + k * m + j] = start
                 i += 1
                 remaining -= 1
                 progressed = True
@@ -82,23 +173,69 @@ def simulate_1f1b(fwd, bwd, xfer_f, xfer_b, m):
 
 def pipeline_time(fwd, bwd, xfer_f, xfer_b, m):
     """1F1B time of m micro-batches: simulated, extrapolated beyond the periodic regime."""
+    key = (tuple(fwd), tuple(bwd), tuple(xfer_f), tuple(xfer_b), m)
+    got = _TIMES.get(key)
+    if got is not None:
+        return got
     p = len(fwd)
     cap = max(SIMULATED_MICROBATCHES_MIN, SIMULATED_MICROBATCHES_PER_STAGE * p)
     if m <= cap:
-        return simulate_1f1b(fwd, bwd, xfer_f, xfer_b, m)
-    t1 = simulate_1f1b(fwd, bwd, xfer_f, xfer_b, cap - p)
-    t2 = simulate_1f1b(fwd, bwd, xfer_f, xfer_b, cap)
-    return t2 + (m - cap) * (t2 - t1) / p
+        got = simulate_1f1b(fwd, bwd, xfer_f, xfer_b, m)
+    else:
+        a, rate = linear_fit(fwd, bwd, xfer_f, xfer_b)
+        got = a + m * rate
+    if len(_TIMES) > _MEMO_MAX:
+        _TIMES.clear()
+    _TIMES[key] = got
+    return got
+
+
+def steady_period(fwd, bwd, xfer_f, xfer_b):
+    """Seconds per micro-batch of the periodic 1F1B regime: the largest mean over windows of
+    consecutive stages a..z of (their forward + backward times + the transfers both ways across
+    the boundaries inside the window) / (z - a + 1).
+
+    Each window is a cycle of the schedule's dependency graph: B(z, j) -> ... -> B(a, j) ->
+    F(a, j + warm-up(a) + 1) -> ... -> F(z, j + warm-up(a) + 1) -> B(z, j + z - a + 1), so it
+    spans z - a + 1 micro-batches; the largest cycle mean is the growth rate of the max-plus
+    system. A slow link between two stages therefore slows the steady state, not only the
+    pipeline fill.
+    """
+    p = len(fwd)
+    if p > 16:                 # O(p^2) windows at once
+        w = np.asarray(fwd, float) + np.asarray(bwd, float)
+        x = np.asarray(xfer_f, float) + np.asarray(xfer_b, float)
+        s = np.concatenate(([0.0], np.cumsum(w)))
+        c = np.concatenate(([0.0], np.cumsum(x)))          # c[z] - c[a]: boundaries a..z-1
+        a, z = np.triu_indices(p)
+        return float(((s[z + 1] - s[a] + c[z] - c[a]) / (z - a + 1)).max())
+    best = 0.0
+    for a in range(p):
+        acc = 0.0
+        for z in range(a, p):
+            acc += fwd[z] + bwd[z]
+            if z > a:
+                acc += xfer_f[z - 1] + xfer_b[z - 1]
+            mean = acc / (z - a + 1)
+            if mean > best:
+                best = mean
+    return best
 
 
 def linear_fit(fwd, bwd, xfer_f, xfer_b):
     """(fixed, per_microbatch) with time(m) ~ fixed + m * per_microbatch for large m.
 
-    Used by the batch allocation to balance pipelines before the exact schedule is simulated.
+    per_microbatch is the exact periodic rate (`steady_period`); fixed comes from simulating
+    max(SIMULATED_MICROBATCHES_MIN, SIMULATED_MICROBATCHES_PER_STAGE x p) micro-batches. (A
+    two-point difference of simulations instead can be off by 10 % when slow links lengthen the
+    transient.) Used for m beyond that count and by the batch allocation.
     """
+    key = (tuple(fwd), tuple(bwd), tuple(xfer_f), tuple(xfer_b), "fit")
+    got = _TIMES.get(key)
+    if got is not None:
+        return got
     p = len(fwd)
     cap = max(SIMULATED_MICROBATCHES_MIN, SIMULATED_MICROBATCHES_PER_STAGE * p)
-    t1 = simulate_1f1b(fwd, bwd, xfer_f, xfer_b, cap - p)
-    t2 = simulate_1f1b(fwd, bwd, xfer_f, xfer_b, cap)
-    rate = (t2 - t1) / p
-    return t2 - cap * rate, rate
+    rate = steady_period(fwd, bwd, xfer_f, xfer_b)
+    got = _TIMES[key] = (simulate_1f1b(fwd, bwd, xfer_f, xfer_b, cap) - cap * rate, rate)
+    return got

@@ -11,6 +11,8 @@ Strategies (all scored by the same simulator):
   hexi's search space; refused above a size limit.
 The outer loop covers micro-batch size and recompute. Deterministic for a seed.
 """
+import gc
+import heapq
 import itertools
 import math
 import sys
@@ -71,13 +73,24 @@ def allocate(drafts, total):
     inv = sum(1 / d.rate for d in drafts)
     T = (total + sum(d.fixed / d.rate for d in drafts)) / inv
     ms = [max(1, int((T - d.fixed) / d.rate)) for d in drafts]
-    while sum(ms) > total:
-        i = max((i for i in range(K) if ms[i] > 1), key=lambda i: drafts[i].fixed
-                + drafts[i].rate * ms[i])
-        ms[i] -= 1
-    while sum(ms) < total:
-        i = min(range(K), key=lambda i: (drafts[i].fixed + drafts[i].rate * (ms[i] + 1), i))
-        ms[i] += 1
+    excess = sum(ms) - total
+    if excess > 0:      # take from the latest finishers (ties: lowest index), heap: O(K log K)
+        heap = [(-(d.fixed + d.rate * m), i) for i, (d, m) in enumerate(zip(drafts, ms)) if m > 1]
+        heapq.heapify(heap)
+        while excess > 0:
+            _, i = heapq.heappop(heap)
+            ms[i] -= 1
+            excess -= 1
+            if ms[i] > 1:
+                heapq.heappush(heap, (-(drafts[i].fixed + drafts[i].rate * ms[i]), i))
+    elif excess < 0:    # give to the earliest finishers after one more
+        heap = [(d.fixed + d.rate * (m + 1), i) for i, (d, m) in enumerate(zip(drafts, ms))]
+        heapq.heapify(heap)
+        while excess < 0:
+            _, i = heapq.heappop(heap)
+            ms[i] += 1
+            excess += 1
+            heapq.heappush(heap, (drafts[i].fixed + drafts[i].rate * (ms[i] + 1), i))
     return ms
 
 
@@ -92,22 +105,23 @@ def rebalance(drafts, ms, max_moves=None):
         return cache[key]
 
     ms = list(ms)
-    for _ in range(max_moves or 2 * len(ms) + 4):
-        times = [t(i, m) for i, m in enumerate(ms)]
-        slow = max(range(len(ms)), key=lambda i: times[i])
-        if ms[slow] <= 1:
+    K = len(ms)
+    times = [t(i, m) for i, m in enumerate(ms)]
+    nxt = [t(i, m + 1) for i, m in enumerate(ms)]
+    for _ in range(max_moves or 2 * K + 4):
+        slow = max(range(K), key=times.__getitem__)
+        if ms[slow] <= 1 or K < 2:
             break
-        dst = min((i for i in range(len(ms)) if i != slow), key=lambda i: t(i, ms[i] + 1),
-                  default=None)
-        if dst is None:
-            break
-        new_max = max(max(times[i] for i in range(len(ms)) if i not in (slow, dst)) if len(ms) > 2
-                      else 0.0, t(slow, ms[slow] - 1), t(dst, ms[dst] + 1))
+        dst = min((i for i in range(K) if i != slow), key=nxt.__getitem__)
+        others = max((times[i] for i in range(K) if i != slow and i != dst), default=0.0)
+        new_max = max(others, t(slow, ms[slow] - 1), nxt[dst])
         if new_max >= times[slow] - 1e-12:
             break
         ms[slow] -= 1
         ms[dst] += 1
-    return ms, max(t(i, m) for i, m in enumerate(ms))
+        for i in (slow, dst):
+            times[i], nxt[i] = t(i, ms[i]), t(i, ms[i] + 1)
+    return ms, max(times)
 
 
 class _Candidate:
@@ -177,9 +191,11 @@ class Searcher:
             c *= 2
         return out
 
-    def _pipeline(self, ctx, part, m_est, exhaustive, cache):
+    def _pipeline(self, ctx, part, m_est, exhaustive, cache, polish=False):
         """Best draft for a part; solved once per interchangeable signature, then re-mapped."""
-        key = (tuple(sorted(u.key for u in part)), m_est, exhaustive)
+        if len(part) > self.model.num_layers:      # every unit hosts at least one stage
+            return None
+        key = (tuple(sorted(u.key for u in part)), m_est, exhaustive, polish)
         if key in cache:
             sol = cache[key]
             if sol is None:
@@ -189,11 +205,11 @@ class Searcher:
                 pool.setdefault(u.key, []).append(u)
             units = [pool[k].pop(0) for k in sol[0]]
             return build_pipeline(ctx, units, sol[1], m_est).fit()
-        d = best_pipeline(ctx, part, m_est, exhaustive)
+        d = best_pipeline(ctx, part, m_est, exhaustive, polish)
         cache[key] = None if d is None else (tuple(u.key for u in d.units), d.ks)
         return d
 
-    def evaluate(self, ctx, parts, mbs, exhaustive, cache):
+    def evaluate(self, ctx, parts, mbs, exhaustive, cache, polish=False):
         """Candidate for a partition (pipelines laid out, micro-batches allocated) or None."""
         U = self.gbs // mbs
         K = len(parts)
@@ -204,7 +220,7 @@ class Searcher:
         drafts = []
         for p, f in zip(parts, flops):
             m_est = 2 ** round(math.log2(max(1.0, U * f / tot)))
-            d = self._pipeline(ctx, p, m_est, exhaustive, cache)
+            d = self._pipeline(ctx, p, m_est, exhaustive, cache, polish)
             if d is None:
                 return None
             drafts.append(d)
@@ -218,8 +234,8 @@ class Searcher:
     def proxy(self, cand):
         """Pipelines' time + serial gradient sync: ranks candidates before the exact score."""
         if not hasattr(cand, "sync"):
-            cand.sync = sync_time(rank_sets(self.model, cand.layouts(self.model)), self.topo,
-                                  self.dist_opt)[0]
+            cand.sync = sync_time(rank_sets(self.model, cand.layouts(self.model), self.dist_opt),
+                                  self.topo, self.dist_opt)[0]
         return cand.pipe_time + cand.sync
 
     def score(self, cand):
@@ -244,6 +260,8 @@ class Searcher:
                     U = self.gbs // mbs
                     for K in _k_grid(n, U):
                         if c > 1 and n > SMALL_UNIT_GRAPH and K != c:
+                            continue
+                        if K * self.model.num_layers < n:   # a pipeline would get > L units
                             continue
                         ctx = self.context(mbs, rc, K)
                         cache = ctx.pipelines
@@ -277,6 +295,10 @@ class Searcher:
                     refined = self._refine(cand)
                     if refined is not None:
                         finals.append(refined)
+                for cand in list(finals):       # polish the finalists' pipelines
+                    polished = self.evaluate(cand.ctx, cand.parts, mbs, False, cand.cache, True)
+                    if polished is not None:
+                        finals.append(polished)
                 for cand in finals:
                     if best is None or self.score(cand) < self.score(best):
                         best = cand
@@ -299,7 +321,9 @@ class Searcher:
                             max_trials=16 if big else 64)
         if res is None or parts is cand.parts:
             return None
-        return res[2]
+        got = res[2]
+        got.ctx, got.parts, got.cache = ctx, parts, cache
+        return got
 
     def exhaustive(self):
         levels = []
@@ -368,6 +392,8 @@ class Searcher:
         for t in _divisors(N):
             if t > m.num_query_groups:
                 continue
+            shards = (tuple(even_split(m.num_query_groups, t)),
+                      tuple(even_split(m.ffn_hidden_size, t)), tuple(even_split(m.vocab_size, t)))
             for p in _divisors(N // t):
                 d = N // (t * p)
                 if p > L or self.gbs % d:
@@ -388,10 +414,7 @@ class Searcher:
                                 first += layers[pp]
                             pipes.append({"micro_batch_size": mbs,
                                           "num_microbatches": per // mbs, "stages": stages})
-                        lay = [[StageLayout(tuple(s["ranks"]), tuple(s["layers"]),
-                                            tuple(even_split(m.num_query_groups, t)),
-                                            tuple(even_split(m.ffn_hidden_size, t)),
-                                            tuple(even_split(m.vocab_size, t)))
+                        lay = [[StageLayout(tuple(s["ranks"]), tuple(s["layers"]), *shards)
                                 for s in pp_["stages"]] for pp_ in pipes]
                         e = simulate_layout(m, self.cluster, lay, [(mbs, per // mbs)] * d, rc,
                                             self.dist_opt, "even", self.topo)
@@ -499,7 +522,15 @@ def search_plan(cluster, model, global_batch_size, strategy="hexi", micro_batch_
     """The best plan under `strategy`, validated and with `estimate` filled; SpecError if none."""
     s = Searcher(cluster, model, global_batch_size, micro_batch_size, recompute, seed,
                  use_distributed_optimizer, progress)
-    return s.run(strategy)
+    # The search allocates millions of small tuples and no reference cycles to speak of: the
+    # cyclic collector's generation scans would cost up to a fifth of the time on large clusters.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return s.run(strategy)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 __all__ = ["search_plan", "Searcher", "allocate", "rebalance", "STRATEGIES"]

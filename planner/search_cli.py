@@ -28,10 +28,15 @@ def format_estimate(plan, est):
 def cmd_simulate(args):
     plan = load_plan(args.plan)
     est = simulate(plan)
+    from planner.costmodel import Topology
+    from planner.profile import cost_sources
+    sources = cost_sources(Topology(plan.cluster), plan.model)
     if args.json:
-        print(json.dumps(est.to_dict(), indent=1))
+        print(json.dumps({**est.to_dict(), "cost_source": sources}, indent=1))
     else:
         print(format_estimate(plan, est))
+        for group, line in sources.items():
+            print(f"cost source      {group}: {line}")
 
 
 def cmd_plan(args):

@@ -9,6 +9,7 @@ split (pipeline j takes chunk j of every machine, so gradient all-reduces stay i
 are the other seeds. `refine` then moves and swaps units between pipelines while the cost model
 says the plan gets faster.
 """
+import heapq
 import os
 
 import pymetis
@@ -90,12 +91,14 @@ def greedy_partition(topo, units, K):
     """Longest-processing-time split: biggest unit first, to the part with the least compute."""
     if K > len(units):
         return None
-    order = sorted(units, key=lambda u: (-_weights(topo, u)[0], u.node, u.ranks))
-    parts, load = [[] for _ in range(K)], [0] * K
+    w = {u: _weights(topo, u)[0] for u in units}
+    order = sorted(units, key=lambda u: (-w[u], u.node, u.ranks))
+    parts = [[] for _ in range(K)]
+    heap = [(0, i) for i in range(K)]           # (load, part): least loaded, lowest index first
     for u in order:
-        j = min(range(K), key=lambda i: (load[i], i))
+        load, j = heapq.heappop(heap)
         parts[j].append(u)
-        load[j] += _weights(topo, u)[0]
+        heapq.heappush(heap, (load + w[u], j))
     return [sorted(p, key=lambda u: u.ranks) for p in parts]
 
 

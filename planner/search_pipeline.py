@@ -6,13 +6,12 @@ ordered with a top-tau greedy search that favours fast links between consecutive
 go to stages by a dynamic programme that minimises the pipeline's 1F1B time under every stage's
 memory limit. All times and bytes come from planner.costmodel.
 """
+import heapq
 import itertools
 from dataclasses import dataclass
 
-import numpy as np
-
 from planner import costmodel as cm
-from planner.schedule import linear_fit, pipeline_time
+from planner.schedule import linear_fit, pipeline_time, steady_period
 
 _FITS = {}     # schedule fits by stage times: identical pipelines are simulated once
 
@@ -21,6 +20,11 @@ PER_UNIT_REFINE_MAX_UNITS = 16
 
 # Beam width of the stage-ordering search (HexiScale's tau). Stated choice: 4 partial orders.
 TOP_TAU = 4
+
+# Pipelines on few machines also try every order of whole machines (up to this many distinct
+# orders), re-tuning stage counts on the best BLOCK_ORDERS_REFINED of them.
+BLOCK_ORDERS_MAX = 120
+BLOCK_ORDERS_REFINED = 2
 
 
 @dataclass(frozen=True)
@@ -90,19 +94,23 @@ class Context:
         self.state_bytes = state_bytes_per_param
         self._stage = {}
         self._boundary = {}
+        self._unit_stage = {}
+        self._unit_boundary = {}
+        self._pipes = {}           # build_pipeline templates by (unit kinds, node pattern, ks, m)
 
     def stage(self, ranks, first, last, position, num_stages):
         """StageDraft for a TP group at a position (costs, extras before boundaries, nmax)."""
         m, topo = self.model, self.topo
-        key = (ranks, first, last, num_stages - position)
+        # keyed by the cost signature: identical machines (same group) share one computation
+        key = (topo.sig(ranks), first, last, num_stages - position)
         got = self._stage.get(key)
         if got is not None:
-            return StageDraft(got.ranks, got.shards, got.cf, got.cb, got.ef, got.eb, got.nmax)
+            return StageDraft(tuple(ranks), got.shards, got.cf, got.cb, got.ef, got.eb, got.nmax)
         devs = [topo.device_of(r) for r in ranks]
         speeds = [d.flops for d in devs]
-        shards = {"query_groups": cm.proportional_split(m.num_query_groups, speeds),
-                  "ffn": cm.proportional_split(m.ffn_hidden_size, speeds),
-                  "vocab": cm.proportional_split(m.vocab_size, speeds)}
+        shards = {"query_groups": tuple(cm.proportional_split(m.num_query_groups, speeds)),
+                  "ffn": tuple(cm.proportional_split(m.ffn_hidden_size, speeds)),
+                  "vocab": tuple(cm.proportional_split(m.vocab_size, speeds))}
         link = topo.slowest(ranks)
         cf, tf, cb, tb = cm.layer_times(m, self.mbs, devs, shards["query_groups"], shards["ffn"],
                                         link, self.recompute)
@@ -131,8 +139,25 @@ class Context:
         self._stage[key] = st
         return StageDraft(st.ranks, st.shards, st.cf, st.cb, st.ef, st.eb, st.nmax)
 
+    def unit_stage(self, unit, ranks, first, last, position, num_stages):
+        """`stage` for a TP group inside one unit: keyed by the unit's kind (one machine type
+        and size), so the cost signature need not be recomputed from the ranks."""
+        key = (unit.key, len(ranks), first, last, num_stages - position)
+        got = self._unit_stage.get(key)
+        if got is None:
+            got = self._unit_stage[key] = self.stage(ranks, first, last, position, num_stages)
+        return StageDraft(ranks, got.shards, got.cf, got.cb, got.ef, got.eb, got.nmax)
+
+    def unit_boundary(self, ua, a, ub, b):
+        """`boundary` between TP groups inside units ua and ub (same machine or not)."""
+        key = (ua.key, len(a), ub.key, len(b), ua.node == ub.node)
+        got = self._unit_boundary.get(key)
+        if got is None:
+            got = self._unit_boundary[key] = self.boundary(a, b)
+        return got
+
     def boundary(self, a, b):
-        key = (a, b)
+        key = self.topo.sig(a, b)
         got = self._boundary.get(key)
         if got is None:
             got = cm.boundary_times(self.model, self.mbs, a, b, self.topo)
@@ -148,67 +173,186 @@ class Context:
 def assign_layers(L, c, e, nmax, m):
     """Layer counts n_k minimising (m-1) * max_k t_k + sum_k t_k with t_k = n_k c_k + e_k.
 
-    Subject to 1 <= n_k <= nmax_k and sum n_k = L. Every candidate bottleneck B (one of the
-    values n c_k + e_k) is tried: stages take at most their cap under B, and the layers go to the
-    cheapest stages first (optimal for the sum under linear costs). Returns a list or None.
+    Subject to 1 <= n_k <= nmax_k and sum n_k = L. For a bound B on every t_k, the least sum
+    comes from giving the layers to the cheapest stages first, each up to its cap under B; the
+    optimum is at one of the values B = n c_k + e_k. Those are swept in increasing order (a heap
+    of each stage's next value) from the smallest feasible B, and the sweep stops once
+    (m-1) * B + (the least sum with no bound) cannot beat the best found: exact, and usually a
+    few steps. Returns a list or None.
     """
     p = len(c)
-    c, e, nmax = np.asarray(c, float), np.asarray(e, float), np.minimum(np.asarray(nmax), L - p + 1)
-    if p > L or (nmax < 1).any() or nmax.sum() < L:
+    if p > L:
         return None
-    cand = np.unique(np.concatenate([np.arange(1, nmax[k] + 1) * c[k] + e[k] for k in range(p)]))
-    lo = np.max(c + e)
-    cand = cand[cand >= lo - 1e-15]
-    caps = np.minimum(nmax[None, :], np.floor((cand[:, None] - e[None, :]) / c[None, :] + 1e-9))
-    ok = (caps >= 1).all(axis=1) & (caps.sum(axis=1) >= L)
-    if not ok.any():
+    hi = L - p + 1
+    nmax = [min(int(x), hi) for x in nmax]
+    if min(nmax) < 1 or sum(nmax) < L:
         return None
-    caps, cand = caps[ok], cand[ok]
-    order = np.argsort(c, kind="stable")
-    extra = caps[:, order] - 1
-    before = np.cumsum(extra, axis=1) - extra
-    fill = np.clip((L - p) - before, 0, extra)
-    n_sorted = 1 + fill
-    t = n_sorted * c[order][None, :] + e[order][None, :]
-    J = (m - 1) * t.max(axis=1) + t.sum(axis=1)
-    best = int(np.argmin(J))
-    n = np.empty(p, dtype=int)
-    n[order] = n_sorted[best].astype(int)
-    return [int(x) for x in n]
+    order = sorted(range(p), key=c.__getitem__)          # cheapest first (stable)
+
+    def fill(cp):
+        left, n, T, S = L - p, [1] * p, 0.0, 0.0
+        for k in order:
+            x = cp[k] - 1
+            if x > left:
+                x = left
+            left -= x
+            n[k] += x
+            t = n[k] * c[k] + e[k]
+            S += t
+            if t > T:
+                T = t
+        return n, (m - 1) * T + S, S
+
+    unbounded = fill(nmax)
+    if m <= 1:
+        return unbounded[0]
+    lo = max(ck + ek for ck, ek in zip(c, e))
+    caps = [min(nmax[k], max(1, int((lo - e[k]) / c[k] + 1e-9))) for k in range(p)]
+    heap = [((caps[k] + 1) * c[k] + e[k], k) for k in range(p) if caps[k] < nmax[k]]
+    heapq.heapify(heap)
+    total = sum(caps)
+
+    def advance(v):            # raise the bound to v: every stage whose next value is <= v
+        nonlocal total
+        lim = v + abs(v) * 1e-12 + 1e-15
+        while heap and heap[0][0] <= lim:
+            _, k = heapq.heappop(heap)
+            caps[k] += 1
+            total += 1
+            if caps[k] < nmax[k]:
+                heapq.heappush(heap, ((caps[k] + 1) * c[k] + e[k], k))
+
+    advance(lo)
+    while total < L:                                      # smallest feasible bound
+        if not heap:
+            return None
+        advance(heap[0][0])
+    best_n, best, _ = fill(caps)
+    s_inf = unbounded[2]
+    while heap:
+        v = heap[0][0]
+        if (m - 1) * v + s_inf >= best:
+            break
+        advance(v)
+        n, J, _ = fill(caps)
+        if J < best:
+            best_n, best = n, J
+    return best_n
+
+
+_MISSING = object()
 
 
 def build_pipeline(ctx, units, ks, m_est):
-    """PipelineDraft for units in this order hosting ks[i] stages each, or None if it cannot fit."""
-    tp_groups = []
+    """PipelineDraft for units in this order hosting ks[i] stages each, or None if it cannot fit.
+
+    Solved once per (unit kinds in order, which units share a machine, stage counts, m): pipelines
+    on identical machines get the same layout, re-mapped to their own ranks.
+    """
+    tpl = _template(ctx, units, ks, m_est)
+    if tpl is None:
+        return None
+    groups = _tp_groups(units, ks)
+    stages = [StageDraft(g, r[0], r[1], r[2], r[3], r[4], r[5], x)
+              for g, r, x in zip(groups, tpl.rows, tpl.layers)]
+    return PipelineDraft(stages, tpl.xf, tpl.xb, units=tuple(units), ks=tuple(ks))
+
+
+class _Template:
+    """A laid-out pipeline without ranks: per stage [shards, cf, cb, ef, eb, nmax], the layer
+    counts, the boundary transfers and phase 2's objective."""
+    __slots__ = ("rows", "layers", "xf", "xb", "obj")
+
+    def __init__(self, rows, layers, xf, xb, obj):
+        self.rows, self.layers, self.xf, self.xb, self.obj = rows, layers, xf, xb, obj
+
+
+def _template(ctx, units, ks, m_est):
+    """The memoised PipelineDraft (ranks of whichever units built it first; `obj` set) or None."""
+    if sum(ks) > ctx.model.num_layers:
+        return None
+    seen = {}
+    pattern = tuple(seen.setdefault(u.node, len(seen)) for u in units)
+    key = (tuple(u.key for u in units), pattern, tuple(ks), m_est)
+    tpl = ctx._pipes.get(key, _MISSING)
+    if tpl is _MISSING:
+        tpl = ctx._pipes[key] = _build_pipeline(ctx, units, ks, m_est)
+    return tpl
+
+
+class _Choice:
+    """A scored (order, stage counts) pair; the draft is re-mapped only for the winner."""
+    __slots__ = ("units", "ks")
+
+    def __init__(self, units, ks):
+        self.units, self.ks = tuple(units), tuple(ks)
+
+
+def _score(ctx, order, ks, m_est):
+    """(objective, _Choice) or None: what the search compares, without building the draft."""
+    tpl = _template(ctx, order, ks, m_est)
+    return None if tpl is None else (tpl.obj, _Choice(order, ks))
+
+
+def _tp_groups(units, ks):
+    out = []
     for u, k in zip(units, ks):
         t = len(u.ranks) // k
-        tp_groups.extend(tuple(u.ranks[i * t:(i + 1) * t]) for i in range(k))
-    p = len(tp_groups)
+        out.extend(u.ranks[i * t:(i + 1) * t] for i in range(k))
+    return out
+
+
+def _build_pipeline(ctx, units, ks, m_est):
+    """_Template for units in this order hosting ks[i] stages each, or None."""
+    p = sum(ks)
     L = ctx.model.num_layers
     if p > L:
         return None
-    stages = [ctx.stage(g, i == 0, i == p - 1, i, p) for i, g in enumerate(tp_groups)]
-    xf, xb = [], []
-    for i in range(p - 1):
-        (tf, gf), (tb, gb) = ctx.boundary(stages[i].ranks, stages[i + 1].ranks)
-        xf.append(tf)
-        xb.append(tb)
-        stages[i + 1].ef += gf
-        stages[i].eb += gb
-    c = [s.cf + s.cb for s in stages]
-    e = [s.ef + s.eb for s in stages]
-    n = assign_layers(L, c, e, [s.nmax for s in stages], m_est)
+    stage_cache, boundary_cache = ctx._unit_stage, ctx._unit_boundary
+    rows, xf, xb = [], [], []
+    i = 0
+    prev = None                    # (unit, TP size, index in unit) of the previous stage
+    for u, k in zip(units, ks):
+        t = len(u.ranks) // k
+        for j in range(k):
+            first, last = i == 0, i == p - 1
+            st = stage_cache.get((u.key, t, first, last, p - i))
+            if st is None:
+                st = ctx.unit_stage(u, u.ranks[j * t:(j + 1) * t], first, last, i, p)
+            row = [st.shards, st.cf, st.cb, st.ef, st.eb, st.nmax]
+            if prev is not None:
+                pu, pt, pj = prev
+                bd = boundary_cache.get((pu.key, pt, u.key, t, pu.node == u.node))
+                if bd is None:
+                    bd = ctx.unit_boundary(pu, pu.ranks[pj * pt:(pj + 1) * pt], u,
+                                           u.ranks[j * t:(j + 1) * t])
+                (tf, gf), (tb, gb) = bd
+                xf.append(tf)
+                xb.append(tb)
+                row[3] += gf
+                rows[-1][4] += gb
+            rows.append(row)
+            prev = (u, t, j)
+            i += 1
+    n = assign_layers(L, [r[1] + r[2] for r in rows], [r[3] + r[4] for r in rows],
+                      [r[5] for r in rows], m_est)
     if n is None:
         return None
-    for s, x in zip(stages, n):
-        s.layers = x
-    return PipelineDraft(stages, xf, xb, units=tuple(units), ks=tuple(ks))
+    f = [x * r[1] + r[3] for x, r in zip(n, rows)]
+    b = [x * r[2] + r[4] for x, r in zip(n, rows)]
+    return _Template(rows, n, xf, xb, _objective_times(f, b, xf, xb, m_est))
 
 
 def _objective(draft, m_est):
+    """Phase 2's estimate of the 1F1B time of m_est micro-batches: the first micro-batch through
+    every stage and link, then m_est - 1 periods of the steady state (which slow links lengthen,
+    `steady_period`)."""
     f, b = draft.fwd_bwd()
-    comm = sum(draft.xf) + sum(draft.xb)
-    return (m_est - 1) * max(x + y for x, y in zip(f, b)) + sum(f) + sum(b) + comm
+    return _objective_times(f, b, draft.xf, draft.xb, m_est)
+
+
+def _objective_times(f, b, xf, xb, m_est):
+    return (m_est - 1) * steady_period(f, b, xf, xb) + sum(f) + sum(b) + sum(xf) + sum(xb)
 
 
 def order_units(ctx, units, tau=TOP_TAU):
@@ -237,12 +381,13 @@ def order_units(ctx, units, tau=TOP_TAU):
     return [[units[i] for i in path] for path, _ in beam]
 
 
-def best_pipeline(ctx, units, m_est, exhaustive=False):
+def best_pipeline(ctx, units, m_est, exhaustive=False, polish=False):
     """The best PipelineDraft for these units (None if nothing fits), fitted for the schedule.
 
     Heuristic: candidate orders = top-tau orders, their reverses, and units by memory (largest
     first: early stages hold more micro-batches); stage counts chosen per GPU type by coordinate
-    descent. Exhaustive: every distinct order x every per-unit stage count.
+    descent. Polish (the search's finalists): also every order of whole machines, when few
+    (`_block_orders`). Exhaustive: every distinct order x every per-unit stage count.
     """
     if exhaustive:
         orders, seen = [], set()
@@ -267,23 +412,69 @@ def best_pipeline(ctx, units, m_est, exhaustive=False):
         opts = [unit_options(len(u.ranks), ctx.model) for u in order]
         if exhaustive:
             for ks in itertools.product(*opts):
-                d = build_pipeline(ctx, order, ks, m_est)
-                if d is not None:
-                    obj = _objective(d, m_est)
-                    if best is None or obj < best[0]:
-                        best = (obj, d)
+                got = _score(ctx, order, ks, m_est)
+                if got is not None and (best is None or got[0] < best[0]):
+                    best = got
             continue
         if n_order == 0 or n_order == len(uniq) - 1:     # best top-tau order, memory order
             got = _coordinate_descent(ctx, order, opts, m_est)
         elif best is not None:                           # other orders: the chosen stage counts
             sel = {u.key: k for u, k in zip(best[1].units, best[1].ks)}
-            d = build_pipeline(ctx, order, tuple(sel[u.key] for u in order), m_est)
-            got = None if d is None else (_objective(d, m_est), d)
+            got = _score(ctx, order, tuple(sel[u.key] for u in order), m_est)
         else:
             got = _coordinate_descent(ctx, order, opts, m_est)
         if got is not None and (best is None or got[0] < best[0]):
             best = got
-    return None if best is None else best[1].fit()
+    if polish and not exhaustive and best is not None:
+        best = _block_orders(ctx, units, m_est, best, seen)
+    if best is None:
+        return None
+    return build_pipeline(ctx, best[1].units, best[1].ks, m_est).fit()
+
+
+def _block_orders(ctx, units, m_est, best, tried):
+    """Every order of whole machines (a machine's units kept together), when there are at most
+    BLOCK_ORDERS_MAX distinct ones: each scored with the chosen stage counts per unit kind, the
+    BLOCK_ORDERS_REFINED best then re-tuned by coordinate descent."""
+    blocks = {}
+    for u in sorted(units, key=lambda u: u.ranks):
+        blocks.setdefault(u.node, []).append(u)
+    blocks = list(blocks.values())
+    if len(blocks) < 2:
+        return best
+    kinds = [tuple(u.key for u in b) for b in blocks]
+    count, n = 1, len(blocks)
+    for i in range(2, n + 1):
+        count *= i
+        if count > 40 * BLOCK_ORDERS_MAX:
+            return best
+    perms, seen = [], set()
+    for perm in itertools.permutations(range(n)):
+        sig = tuple(kinds[i] for i in perm)
+        if sig in seen:
+            continue
+        seen.add(sig)
+        perms.append([u for i in perm for u in blocks[i]])
+        if len(perms) > BLOCK_ORDERS_MAX:
+            return best
+    # each order scored with the stage counts chosen so far and with the fewest stages per unit
+    sels = [{u.key: k for u, k in zip(best[1].units, best[1].ks)},
+            {u.key: unit_options(len(u.ranks), ctx.model)[0] for u in units}]
+    scored = []
+    for i, order in enumerate(perms):
+        if tuple(u.key for u in order) in tried:
+            continue
+        objs = [got[0] for got in (_score(ctx, order, tuple(sel[u.key] for u in order), m_est)
+                                   for sel in sels) if got is not None]
+        if objs:
+            scored.append((min(objs), i, order))
+    scored.sort(key=lambda x: (x[0], x[1]))
+    for _, _, order in scored[:BLOCK_ORDERS_REFINED]:
+        opts = [unit_options(len(u.ranks), ctx.model) for u in order]
+        got = _coordinate_descent(ctx, order, opts, m_est)
+        if got is not None and got[0] < best[0]:
+            best = got
+    return best
 
 
 def _coordinate_descent(ctx, order, opts, m_est):
@@ -305,8 +496,7 @@ def _coordinate_descent(ctx, order, opts, m_est):
     def score(sel):
         ks = tuple(sel[u.key] for u in order)
         if ks not in cache:
-            d = build_pipeline(ctx, order, ks, m_est)
-            cache[ks] = None if d is None else (_objective(d, m_est), d)
+            cache[ks] = _score(ctx, order, ks, m_est)
         return cache[ks]
 
     for sel in starts:
@@ -332,8 +522,20 @@ def _coordinate_descent(ctx, order, opts, m_est):
                         continue
                     trial = tuple(ks[:i] + [x] + ks[i + 1:])
                     if trial not in cache:
-                        d = build_pipeline(ctx, order, trial, m_est)
-                        cache[trial] = None if d is None else (_objective(d, m_est), d)
+                        cache[trial] = _score(ctx, order, trial, m_est)
+                    got = cache[trial]
+                    if got is not None and got[0] < cur[0] - 1e-12:
+                        cur, ks = got, list(trial)
+            # and swaps: which machine of a type hosts more stages (a two-coordinate move)
+            for i in range(len(order)):
+                for j in range(i + 1, len(order)):
+                    if order[i].key != order[j].key or ks[i] == ks[j]:
+                        continue
+                    trial = list(ks)
+                    trial[i], trial[j] = ks[j], ks[i]
+                    trial = tuple(trial)
+                    if trial not in cache:
+                        cache[trial] = _score(ctx, order, trial, m_est)
                     got = cache[trial]
                     if got is not None and got[0] < cur[0] - 1e-12:
                         cur, ks = got, list(trial)

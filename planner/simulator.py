@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from planner import costmodel as cm
 from planner.gradsync import StageLayout, optimizer_shares, rank_sets, sync_time
+from planner.profile import step_overhead
 from planner.schedule import pipeline_time
 
 
@@ -82,64 +83,64 @@ def simulate_layout(model, cluster, layouts, batches, recompute, distributed_opt
     m = model
     topo = topo or cm.Topology(cluster)
     K = len(layouts)
-    ptimes, reports, nonopt, params_of, capacity = [], [], {}, {}, {}
+    cache = _cache(topo, m)
+    ptimes, reports, ranks_all, mems_all = [], [], [], []
     for pi, (stages, (mbs, nmb)) in enumerate(zip(layouts, batches)):
-        p = len(stages)
-        fwd, bwd, xf, xb, p2p = [], [], [], [], [0.0] * p
-        for k, st in enumerate(stages):
-            devs = [topo.device_of(r) for r in st.ranks]
-            first, last = st.layers[0] == 0, st.layers[1] == m.num_layers
-            link = topo.slowest(st.ranks)
-            c = cm.stage_cost(m, mbs, devs, {"query_groups": st.query_groups, "ffn": st.ffn,
-                                             "vocab": st.vocab},
-                              st.layers[1] - st.layers[0], first, last, link, recompute)
-            fwd.append(c.fwd)
-            bwd.append(c.bwd)
-            reports.append(StageReport(pi, k, st.ranks, c.fwd, c.bwd, c.compute, c.tp_comm, 0.0))
-            for i, r in enumerate(st.ranks):
-                mem = cm.rank_memory(m, mbs, st.query_groups[i], st.ffn[i], st.vocab[i],
-                                     st.layers[1] - st.layers[0], first, last, k, p, nmb,
-                                     recompute, optimizer_fraction=0.0)
-                nonopt[r] = mem
-                params_of[r] = mem.weights / cm.WEIGHT_BYTES_PER_PARAM
-                capacity[r] = topo.device_of(r).memory_bytes
-        base = len(reports) - p
-        for k in range(p - 1):
-            (tf, gf), (tb, gb) = cm.boundary_times(m, mbs, stages[k].ranks, stages[k + 1].ranks,
-                                                   topo)
-            xf.append(tf)
-            xb.append(tb)
-            fwd[k + 1] += gf
-            bwd[k] += gb
-            reports[base + k + 1].fwd += gf
-            reports[base + k].bwd += gb
-            reports[base + k + 1].p2p_in = tf + gf + tb + gb
-        ptimes.append(pipeline_time(fwd, bwd, xf, xb, nmb))
+        # identical pipelines (same machine kinds, layers and shards) are evaluated once
+        key = (topo.sig(*[st.ranks for st in stages]),
+               tuple((st.layers, st.query_groups, st.ffn, st.vocab) for st in stages),
+               mbs, nmb, recompute)
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = _pipeline_eval(m, topo, stages, mbs, nmb, recompute)
+        ptime, stage_rows, mems = got
+        ptimes.append(ptime)
+        for k, (st, row) in enumerate(zip(stages, stage_rows)):
+            reports.append(StageReport(pi, k, st.ranks, *row))
+            ranks_all.extend(st.ranks)
+        mems_all.extend(mems)
+    nonopt = dict(zip(ranks_all, mems_all))          # rank -> MemoryUse without optimizer state
+    node_of, devices = topo.node_of, topo.devices
 
-    sets = rank_sets(m, layouts)
+    sets = rank_sets(m, layouts, distributed_optimizer)
     sync, worst_sync = sync_time(sets, topo, distributed_optimizer)
+    fraction = None
     if distributed_optimizer and K > 1:
+        params_of = {r: mem.weights / cm.WEIGHT_BYTES_PER_PARAM for r, mem in nonopt.items()}
         weights = None
         if optimizer_shard == "memory":
-            weights = {r: capacity[r] - nonopt[r].total for r in nonopt}
+            weights = {r: devices[node_of[r]].memory_bytes - mem.total
+                       for r, mem in nonopt.items()}
         owned = optimizer_shares(sets, weights)
         fraction = {r: min(1.0, owned.get(r, 0.0) / params_of[r]) for r in nonopt}
-    else:
-        fraction = {r: 1.0 for r in nonopt}
     opt_time, peak, cap, terms = 0.0, [], [], []
-    fits, worst_mem = True, None
+    fits, worst_mem, used_peak = True, None, 0.0
+    # ranks with the same memory, optimizer share and machine kind are computed once (and share
+    # their memory_terms_gb dict)
+    seen = {}
+    node_sig = [topo.node_sig(n) for n in range(len(topo.nodes))]
     for r in sorted(nonopt):
-        base = nonopt[r]
-        opt = params_of[r] * cm.OPTIMIZER_BYTES_PER_PARAM * fraction[r]
-        total = base.total + opt
-        opt_time = max(opt_time, cm.optimizer_step_time(params_of[r] * fraction[r],
-                                                        topo.device_of(r).mem_bw))
+        base, n = nonopt[r], node_of[r]
+        f = 1.0 if fraction is None else fraction[r]
+        key = (id(base), f, node_sig[n])
+        got = seen.get(key)
+        if got is None:
+            dev = devices[n]
+            params = base.weights / cm.WEIGHT_BYTES_PER_PARAM
+            opt = params * cm.OPTIMIZER_BYTES_PER_PARAM * f
+            total = base.total + opt
+            step = cm.optimizer_step_time(params * f, dev.mem_bw) + step_overhead(dev)
+            t = {k: v / 1e9 for k, v in base.terms().items()}
+            t["optimizer"] = opt / 1e9
+            got = seen[key] = (total, step, t, dev.memory_bytes, dev.peak_flops)
+        total, step, t, capacity, pk = got
+        if step > opt_time:
+            opt_time = step
+        used_peak += pk
         peak.append(total / 1e9)
-        cap.append(capacity[r] / 1e9)
-        t = {k: v / 1e9 for k, v in base.terms().items()}
-        t["optimizer"] = opt / 1e9
+        cap.append(capacity / 1e9)
         terms.append(t)
-        over = total - capacity[r]
+        over = total - capacity
         if over > 0:
             fits = False
             if worst_mem is None or over > worst_mem[0]:
@@ -148,12 +149,56 @@ def simulate_layout(model, cluster, layouts, batches, recompute, distributed_opt
     iteration = max(ptimes) + sync + opt_time
     samples = sum(mbs * nmb for mbs, nmb in batches)
     tokens = samples * m.seq_length
-    used_peak = sum(topo.device_of(r).peak_flops for r in nonopt)
     mfu = samples * cm.model_flops_per_sample(m) / (iteration * used_peak)
     bottleneck = _bottleneck(topo, reports, ptimes, batches, sync, worst_sync, opt_time,
                              iteration, worst_mem)
     return Estimate(iteration, tokens / iteration, mfu, peak, cap, terms, ptimes, sync, opt_time,
                     bottleneck, fits, reports)
+
+
+def _cache(topo, model):
+    """Per topology and model memo of pipeline evaluations (the search simulates many plans)."""
+    caches = topo.__dict__.setdefault("_simulator_cache", {})
+    got = caches.get(id(model))
+    if got is None or got[0] is not model:
+        got = caches[id(model)] = (model, {})
+    if len(got[1]) > 20_000:
+        got[1].clear()
+    return got[1]
+
+
+def _pipeline_eval(m, topo, stages, mbs, nmb, recompute):
+    """(1F1B seconds, per stage (fwd, bwd, compute, tp_comm, p2p_in), per rank MemoryUse
+    without optimizer state, ranks in stage order) of one pipeline."""
+    p = len(stages)
+    fwd, bwd, xf, xb, rows, mems = [], [], [], [], [], []
+    for k, st in enumerate(stages):
+        devs = [topo.device_of(r) for r in st.ranks]
+        first, last = st.layers[0] == 0, st.layers[1] == m.num_layers
+        link = topo.slowest(st.ranks)
+        c = cm.stage_cost(m, mbs, devs, {"query_groups": st.query_groups, "ffn": st.ffn,
+                                         "vocab": st.vocab},
+                          st.layers[1] - st.layers[0], first, last, link, recompute)
+        fwd.append(c.fwd)
+        bwd.append(c.bwd)
+        rows.append([c.fwd, c.bwd, c.compute, c.tp_comm, 0.0])
+        seen = {}
+        for i in range(len(st.ranks)):
+            args = (st.query_groups[i], st.ffn[i], st.vocab[i])
+            if args not in seen:
+                seen[args] = cm.rank_memory(m, mbs, *args, st.layers[1] - st.layers[0], first,
+                                            last, k, p, nmb, recompute, optimizer_fraction=0.0)
+            mems.append(seen[args])
+    for k in range(p - 1):
+        (tf, gf), (tb, gb) = cm.boundary_times(m, mbs, stages[k].ranks, stages[k + 1].ranks, topo)
+        xf.append(tf)
+        xb.append(tb)
+        fwd[k + 1] += gf
+        bwd[k] += gb
+        rows[k + 1][0] += gf
+        rows[k][1] += gb
+        rows[k + 1][4] = tf + gf + tb + gb
+    return pipeline_time(fwd, bwd, xf, xb, nmb), [tuple(r) for r in rows], mems
 
 
 def _bottleneck(topo, reports, ptimes, batches, sync, worst_sync, opt_time, iteration, worst_mem):

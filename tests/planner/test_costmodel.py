@@ -103,10 +103,12 @@ def test_params_and_memory():
     assert P == pytest.approx(6.738e9, rel=1e-3)
     assert mem.weights + mem.grads + mem.optimizer == pytest.approx(18 * P)
     sbh = 4096 * 4096
-    assert cm.layer_activation_bytes(L7, 1, 32, 11008, False) == 34 * sbh
-    assert cm.layer_activation_bytes(L7, 1, 16, 5504, False) == 22 * sbh      # 10 + 24/2
+    # unfused attention (FLASH_ATTENTION False): + 5as/h = 5 * 32 * 4096 / 4096 = 160
+    assert not cm.FLASH_ATTENTION
+    assert cm.layer_activation_bytes(L7, 1, 32, 11008, False) == (34 + 160) * sbh
+    assert cm.layer_activation_bytes(L7, 1, 16, 5504, False) == (22 + 80) * sbh  # 10 + 24/2 + 160/2
     assert cm.layer_activation_bytes(L7, 1, 16, 5504, True) == 2 * sbh
-    assert mem.activations == 1 * 32 * 34 * sbh                  # one stage: 1 in flight
+    assert mem.activations == 1 * 32 * (34 + 160) * sbh          # one stage: 1 in flight
     assert mem.logits == 4096 * 32000 * 4
     # stage 0 of 4 keeps 4 micro-batches, stage 3 one; fewer if fewer micro-batches
     assert cm.in_flight_microbatches(0, 4, 8) == 4
@@ -156,3 +158,37 @@ def test_extrapolation_matches_simulation():
         m = rng.randint(60, 200)
         assert pipeline_time(f, b, xf, xb, m) == pytest.approx(simulate_1f1b(f, b, xf, xb, m),
                                                                rel=1e-3)
+
+
+def test_compiled_1f1b_equals_sweep_simulation():
+    import random
+    from planner.schedule import simulate_1f1b_sweep
+    rng = random.Random(5)
+    for _ in range(200):
+        p, m = rng.randint(1, 9), rng.randint(1, 40)
+        f = [rng.uniform(0.1, 2) for _ in range(p)]
+        b = [x * rng.uniform(1, 3) for x in f]
+        xf = [rng.choice([0.0, rng.uniform(0, 2)]) for _ in range(p - 1)]
+        xb = [rng.uniform(0, 2) for _ in range(p - 1)]
+        assert simulate_1f1b(f, b, xf, xb, m) == simulate_1f1b_sweep(f, b, xf, xb, m)
+
+
+def test_steady_period_is_the_growth_rate_with_slow_links():
+    import random
+    from planner.schedule import steady_period
+    # two stages, slow link: the cycle f0+b0+f1+b1+xf+xb spans two micro-batches
+    assert steady_period([1.0, 1.0], [2.0, 2.0], [2.0], [2.0]) == pytest.approx(5.0)
+    rng = random.Random(3)
+    for _ in range(30):
+        p = rng.randint(1, 20)
+        f = [rng.uniform(0.1, 2) for _ in range(p)]
+        b = [x * rng.uniform(1, 3) for x in f]
+        xf = [rng.choice([0.0, rng.uniform(0, 3)]) for _ in range(p - 1)]
+        xb = [rng.uniform(0, 3) for _ in range(p - 1)]
+        m = 10 * p + 200
+        rate = (simulate_1f1b(f, b, xf, xb, 2 * m) - simulate_1f1b(f, b, xf, xb, m)) / m
+        assert steady_period(f, b, xf, xb) == pytest.approx(rate, rel=2e-3)
+        # extrapolation beyond the simulated count, with slow links
+        m2 = rng.randint(100, 300)
+        assert pipeline_time(f, b, xf, xb, m2) == pytest.approx(simulate_1f1b(f, b, xf, xb, m2),
+                                                                rel=1e-2)

@@ -18,7 +18,7 @@ from planner.simulator import simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = load_model(os.path.join(ROOT, "examples/models/small-1b.yaml"))
-SMALL8 = dataclasses.replace(SMALL, num_layers=8)      # fewer stages: keeps 50 searches quick
+SMALL8 = dataclasses.replace(SMALL, num_layers=8)      # fewer stages: where size does not matter
 
 
 def _check(plan):
@@ -45,7 +45,7 @@ def test_random_clusters_plans_valid_and_fit(seed):
 def test_examples_hexi_not_worse_than_uniform():
     for path in sorted(glob.glob(os.path.join(ROOT, "examples/clusters/*.yaml"))):
         cluster = load_cluster(path)
-        model = load_model("tiny") if cluster.num_gpus <= 4 else SMALL
+        model = load_model("tiny") if cluster.num_gpus <= 4 else SMALL8
         h = search_plan(cluster, model, 64, strategy="hexi", micro_batch_size=1)
         u = search_plan(cluster, model, 64, strategy="uniform", micro_batch_size=1)
         _check(h)
@@ -53,7 +53,9 @@ def test_examples_hexi_not_worse_than_uniform():
         assert h.estimate["tokens_per_s"] >= u.estimate["tokens_per_s"] * (1 - 1e-9), path
 
 
-@pytest.mark.parametrize("seed", [100, 101, 102, 105, 108, 111])
+# a subset of tools/bench/search_quality.py's clusters (that bench covers 20): 1005 and 1012 need
+# different stage counts on machines of one type, 1005 and 1018 an order of whole machines
+@pytest.mark.parametrize("seed", [100, 101, 102, 105, 108, 111, 1005, 1012, 1018])
 def test_hexi_close_to_exhaustive(seed):
     cluster = random_cluster(seed, max_gpus=16)
     h = search_plan(cluster, SMALL, 32, strategy="hexi")
@@ -66,8 +68,8 @@ def test_hexi_close_to_exhaustive(seed):
 
 def test_deterministic_for_a_seed():
     cluster = random_cluster(7)
-    a = search_plan(cluster, SMALL, 32, micro_batch_size=1, recompute="off", seed=3)
-    b = search_plan(cluster, SMALL, 32, micro_batch_size=1, recompute="off", seed=3)
+    a = search_plan(cluster, SMALL8, 32, micro_batch_size=1, recompute="off", seed=3)
+    b = search_plan(cluster, SMALL8, 32, micro_batch_size=1, recompute="off", seed=3)
     assert a.to_dict() == b.to_dict()
 
 

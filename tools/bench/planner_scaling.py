@@ -2,13 +2,16 @@
 
 Clusters of 8-GPU machines with 4 GPU types in equal shares (A100 NVLink, A100-PCIe, RTX 4090,
 RTX 3090), 100 Gbit/s between machines; llama2-7b, global batch = 2 x GPUs, micro-batch 1,
-recompute auto. Each size runs in its own process so that peak memory is its own.
+recompute auto. Each size runs in its own process so that peak memory is its own. `seconds` is
+wall time, `cpu s` the process's CPU time and `load` the 1-minute load average before the run
+(other jobs on the machine inflate wall time, not CPU time).
 Targets: <= 10 s at 1024 GPUs, <= 120 s at 8192, near-linear growth.
 
     python tools/bench/planner_scaling.py [--sizes 64 256 1024 4096 8192]
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -18,10 +21,10 @@ from planner.models import load_model
 from planner.random_clusters import scaled_cluster
 from planner.search import search_plan
 n, model = int(sys.argv[1]), sys.argv[2]
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 plan = search_plan(scaled_cluster(n, types=4), load_model(model), 2 * n, micro_batch_size=1)
-dt = time.perf_counter() - t
-print(json.dumps({"gpus": n, "seconds": dt, "pipelines": len(plan.pipelines),
+dt, cpu = time.perf_counter() - t, time.process_time() - c
+print(json.dumps({"gpus": n, "seconds": dt, "cpu": cpu, "pipelines": len(plan.pipelines),
                   "mfu": plan.estimate["mfu"],
                   "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
@@ -32,16 +35,18 @@ def main():
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096, 8192])
     ap.add_argument("--model", default="llama2-7b")
     args = ap.parse_args()
-    print(f"{'GPUs':>6} {'seconds':>8} {'peak MB':>8} {'pipelines':>9} {'MFU':>6}", flush=True)
+    print(f"{'GPUs':>6} {'seconds':>8} {'cpu s':>7} {'load':>5} {'peak MB':>8} {'pipelines':>9} "
+          f"{'MFU':>6}", flush=True)
     for n in args.sizes:
+        load = os.getloadavg()[0]
         out = subprocess.run([sys.executable, "-c", ONE, str(n), args.model], capture_output=True,
                              text=True)
         if out.returncode:
             print(f"{n:>6} failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{n:>6} {r['seconds']:>8.2f} {r['peak_mb']:>8.1f} {r['pipelines']:>9} "
-              f"{r['mfu']:>6.3f}", flush=True)
+        print(f"{n:>6} {r['seconds']:>8.2f} {r['cpu']:>7.2f} {load:>5.1f} {r['peak_mb']:>8.1f} "
+              f"{r['pipelines']:>9} {r['mfu']:>6.3f}", flush=True)
 
 
 if __name__ == "__main__":
