@@ -52,10 +52,13 @@ FLASH_ATTENTION = False
 # activation bytes per layer without sequence parallelism: s*b*h*(34 + 5*a*s/h). Split into the
 # part every TP rank stores (10: norms' inputs, QKV and fc1 inputs, dropout masks), the part split
 # over TP by attention heads (8 + 5as/h: Q, K, V, softmax terms, projection input) and the part split
-# by FFN columns (16: fc1 output and activation output).
+# by FFN columns. Their 16 sbh MLP term is a GeLU MLP with F = 4h: fc1 output and GeLU output,
+# 2 bf16 tensors of [s, b, F] = 4 bytes per FFN column per token. A SwiGLU MLP keeps fc1's gate and
+# up outputs, SiLU(gate) and the product that enters fc2: 8 bytes per FFN column per token (the
+# gap showed as 25% too little activation memory against the runtime's saved tensors).
 ACT_REPLICATED = 10
 ACT_ATTENTION_SHARDED = 8
-ACT_MLP_SHARDED = 16
+ACT_MLP_BYTES_PER_FFN_COLUMN = {False: 4, True: 8}     # by swiglu
 ACT_SCORES_PER_AS_OVER_H = 5
 
 # Vocabulary-parallel cross entropy: three small all-reduces of [s, b] fp32 in forward (max,
@@ -499,16 +502,18 @@ def total_params(m):
 def layer_activation_bytes(m, mbs, qg, ffn, recompute):
     """Bytes one layer keeps for backward per in-flight micro-batch on a rank (Korthikanti 2022).
 
-    s*b*h*(10 + 8*qg/g + 16*ffn/f) [+ 5*a*s^2*b*qg/g without flash attention]: the published
-    s*b*h*(34 + 5as/h) with the TP-sharded terms scaled by this rank's share (= 24/t, 5as/(ht) for
-    even shards). With full recompute only the layer input [s, b, h] bf16 is kept.
+    s*b*h*(10 + 8*qg/g) + s*b*ffn*(8 SwiGLU | 4 GeLU) [+ 5*a*s^2*b*qg/g without flash
+    attention]: the published s*b*h*(34 + 5as/h) (GeLU, F = 4h) with the TP-sharded terms scaled by
+    this rank's share and the MLP term per FFN column. With full recompute only the layer input
+    [s, b, h] bf16 is kept.
     """
     s, h, a = m.seq_length, m.hidden_size, m.num_attention_heads
     sbh = s * mbs * h
     if recompute:
         return sbh * BF16_BYTES
-    qf, ff = qg / m.num_query_groups, ffn / m.ffn_hidden_size
-    act = sbh * (ACT_REPLICATED + ACT_ATTENTION_SHARDED * qf + ACT_MLP_SHARDED * ff)
+    qf = qg / m.num_query_groups
+    act = sbh * (ACT_REPLICATED + ACT_ATTENTION_SHARDED * qf)
+    act += s * mbs * ffn * ACT_MLP_BYTES_PER_FFN_COLUMN[m.swiglu]
     if not FLASH_ATTENTION:
         act += ACT_SCORES_PER_AS_OVER_H * a * s * s * mbs * qf
     return act

@@ -105,10 +105,13 @@ def test_params_and_memory():
     sbh = 4096 * 4096
     # unfused attention (FLASH_ATTENTION False): + 5as/h = 5 * 32 * 4096 / 4096 = 160
     assert not cm.FLASH_ATTENTION
-    assert cm.layer_activation_bytes(L7, 1, 32, 11008, False) == (34 + 160) * sbh
-    assert cm.layer_activation_bytes(L7, 1, 16, 5504, False) == (22 + 80) * sbh  # 10 + 24/2 + 160/2
+    # SwiGLU MLP: 8 bytes per FFN column per token (gate, up, SiLU(gate), product, bf16)
+    sbf = 4096 * 11008
+    assert cm.layer_activation_bytes(L7, 1, 32, 11008, False) == (18 + 160) * sbh + 8 * sbf
+    # TP 2: 10 + 8/2 + 160/2, and half the FFN columns
+    assert cm.layer_activation_bytes(L7, 1, 16, 5504, False) == (14 + 80) * sbh + 4 * sbf
     assert cm.layer_activation_bytes(L7, 1, 16, 5504, True) == 2 * sbh
-    assert mem.activations == 1 * 32 * (34 + 160) * sbh          # one stage: 1 in flight
+    assert mem.activations == 1 * 32 * ((18 + 160) * sbh + 8 * sbf)   # one stage: 1 in flight
     assert mem.logits == 4096 * 32000 * 4
     # stage 0 of 4 keeps 4 micro-batches, stage 3 one; fewer if fewer micro-batches
     assert cm.in_flight_microbatches(0, 4, 8) == 4
