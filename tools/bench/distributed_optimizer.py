@@ -9,7 +9,6 @@ predicted MFU. A cluster where only the sharded plan fits shows "no fit" on the 
 """
 import argparse
 import os
-import time
 
 from planner.cluster import load_cluster
 from planner.errors import SpecError
@@ -41,7 +40,6 @@ def main():
             model = load_model(mname)
             plans = []
             for sharded in (False, True):
-                start = time.perf_counter()
                 try:
                     plans.append(search_plan(cluster, model, args.gbs, micro_batch_size=1,
                                              use_distributed_optimizer=sharded))
@@ -51,6 +49,28 @@ def main():
             change = (f"{plans[1].estimate['mfu'] - plans[0].estimate['mfu']:+.3f}"
                       if all(plans) else "-")
             print(f"| {name} | {mname} | {cells[0]} | {cells[1]} | {change} |", flush=True)
+    fast_networks()
+
+
+FAST_CLUSTERS = [("4x8 RTX-4090", "RTX-4090", 8, 4), ("4x8 RTX-3090", "RTX-3090", 8, 4),
+                 ("2x8 A100-40GB", "A100-SXM-40GB", 8, 2)]
+
+
+def fast_networks(gbs=512):
+    """Where data parallelism pays (200 Gbit/s, large batch), sharding opens more pipelines."""
+    from planner.cluster import load_cluster_dict
+    print(f"\n200 Gbit/s between machines, PCIe 4 inside, global batch {gbs}, micro-batch 1")
+    print("| cluster | model | without | with --use-distributed-optimizer | MFU change |")
+    print("|---|---|---|---|---|")
+    for label, gpu, per_node, count in FAST_CLUSTERS:
+        cluster = load_cluster_dict({"name": label, "nodes": [
+            {"name": "m", "gpu": gpu, "gpus_per_node": per_node, "count": count,
+             "intra_node": "pcie4", "nic": "200 Gbit/s"}]})
+        for mname in MODELS:
+            plans = [search_plan(cluster, load_model(mname), gbs, micro_batch_size=1,
+                                 use_distributed_optimizer=sharded) for sharded in (False, True)]
+            print(f"| {label} | {mname} | {describe(plans[0])} | {describe(plans[1])} | "
+                  f"{plans[1].estimate['mfu'] - plans[0].estimate['mfu']:+.3f} |", flush=True)
 
 
 if __name__ == "__main__":
