@@ -10,13 +10,8 @@ OUT=${HEXI_QUICKSTART_DIR:-runs/quickstart}
 mkdir -p "$OUT"
 
 echo "== plan: tiny GPT on examples/clusters/mini-hetero.yaml (2x A100, 1x RTX 4090, 1x RTX 3090)"
-if $PY -c "import planner.search_cli" 2>/dev/null; then
-  .venv/bin/hexi-plan plan --cluster examples/clusters/mini-hetero.yaml --model tiny \
-      --global-batch-size 8 -o "$OUT/plan.json"
-else
-  .venv/bin/hexi-plan manual --cluster examples/clusters/mini-hetero.yaml --model tiny \
-      --global-batch-size 8 --pipelines examples/pipelines/hetero-4rank.json -o "$OUT/plan.json"
-fi
+.venv/bin/hexi-plan plan --cluster examples/clusters/mini-hetero.yaml --model tiny \
+    --global-batch-size 8 -o "$OUT/plan.json"
 .venv/bin/hexi-plan show "$OUT/plan.json"
 WORLD=$($PY -c "import json,sys; print(len(json.load(open(sys.argv[1]))['ranks']))" "$OUT/plan.json")
 
