@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from planner.catalog import get_gpu
 from planner.errors import SpecError
-from planner.flops import iteration_model_flops
+from planner.costmodel import model_flops_per_sample
 from planner.layout import gradient_segments
 from planner.plan import load_plan
 
@@ -230,7 +230,7 @@ def run(args, plan, device):
     first = _resume_iteration(trainer, args)
     peak = sum((get_gpu("CPU") if device.type == "cpu" else get_gpu(r.gpu)).peak_flops
                for r in plan.ranks)
-    flops = iteration_model_flops(plan.model, plan.global_batch_size)
+    flops = model_flops_per_sample(plan.model) * plan.global_batch_size
     tokens_per_iter = plan.global_batch_size * plan.model.seq_length
     history = []
     metrics_file = tensorboard = None
