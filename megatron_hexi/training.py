@@ -136,19 +136,21 @@ class Trainer:
             grad_norm = self.exact_grad_norm()
         self.scheduler.step(increment=1)
         step_time = time.perf_counter() - start
-        # One small all-reduce: loss sum (last stages, TP rank 0) and each rank's times.
+        # One small all-reduce: loss sum (last stages, TP rank 0), each rank's times and memory.
         world = self.plan.world_size
-        stats = torch.zeros(1 + 2 * world, dtype=torch.float64)
+        stats = torch.zeros(1 + 3 * world, dtype=torch.float64)
         if v.holds_output and v.tp_rank == 0:
             stats[0] = float(sum(s["lm loss"][0] for s in store))
         stats[1 + self.rank] = pipeline_time
         stats[1 + world + self.rank] = step_time
+        stats[1 + 2 * world + self.rank] = peak_memory_gb(self.device)
         dist.all_reduce(stats)
         loss = stats[0].item() / self.global_tokens
         per_rank_pipe = stats[1:1 + world].tolist()
         pipelines = [max(per_rank_pipe[r] for r in p.ranks) for p in self.plan.pipelines]
         return {"lm_loss": loss, "grad_norm": float(grad_norm), "success": bool(success),
-                "step_time_s": max(stats[1 + world:].tolist()), "pipelines": pipelines,
+                "step_time_s": max(stats[1 + world:1 + 2 * world].tolist()),
+                "peak_memory_gb": stats[1 + 2 * world:].tolist(), "pipelines": pipelines,
                 "tokens": self.global_tokens, "lr": self.optimizer.param_groups[0]["lr"]}
 
     @torch.no_grad()
@@ -247,10 +249,6 @@ def run(args, plan, device):
         m["iteration"] = it + 1
         m["tokens_per_s"] = tokens_per_iter / m["step_time_s"]
         m["mfu"] = flops / (m["step_time_s"] * peak)
-        mem = torch.tensor([0.0] * plan.world_size, dtype=torch.float64)
-        mem[trainer.rank] = peak_memory_gb(device)
-        dist.all_reduce(mem)
-        m["peak_memory_gb"] = mem.tolist()
         history.append(m)
         if dist.get_rank() == 0:
             if (it + 1) % args.log_interval == 0:
