@@ -113,7 +113,10 @@ def device_for(gpu_name, profile=None, procs_per_node=1):
     if data.get("device", gpu.name) != gpu.name:
         raise SpecError(f"profile {profile}: is for {data['device']!r}, node holds {gpu.name}")
     from planner import profile as measured
-    return Device(gpu.name, gpu.peak_flops, float(data["matmul_tflops"]) * 1e12,
+    achieved = float(data["matmul_tflops"]) * 1e12
+    # a measured GEMM rate above the catalog peak means that peak is not this device's (the CPU
+    # row is nominal): MFU is then taken against the measured rate, so it never exceeds 1
+    return Device(gpu.name, max(gpu.peak_flops, achieved), achieved,
                   float(data.get("memory_gb", gpu.memory_gb)) * 1e9,
                   measured.optimizer_mem_bw(data, float(data.get("memory_bandwidth_gbs",
                                                                  gpu.mem_bw_gbs)) * 1e9),
@@ -446,7 +449,11 @@ def stage_cost(m, mbs, devices, shards, n_layers, first, last, tp_link, recomput
     fwd, bwd = n_layers * (cf + tf), n_layers * (cb + tb)
     compute, tp = n_layers * (cf + cb), n_layers * (tf + tb)
     if first:
-        ef, eb = embedding_times(m, mbs, len(devices), tp_link)
+        if any(d.profile is not None for d in devices):
+            from planner.profile import embedding_times as measured_embedding
+            ef, eb = measured_embedding(m, mbs, devices, tp_link)
+        else:
+            ef, eb = embedding_times(m, mbs, len(devices), tp_link)
         fwd, bwd, tp = fwd + ef, bwd + eb, tp + ef + eb
     if last:
         hf, hb = head_times(m, mbs, devices, shards["vocab"], tp_link)

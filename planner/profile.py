@@ -10,7 +10,11 @@ A node group's `profile: path.json` (planner/costmodel.device_for) may be
   the measured embedding and LM-head + loss times (by vocabulary share), the runtime's measured
   per-micro-batch and per-step overheads, the optimizer step (fixed + per parameter), and the
   measured all-reduce curve for TP groups inside the profiled node (other links inside the node use
-  the ring-model fit of the measured curves). For another model it falls back to `matmul_tflops`.
+  the ring-model fit of the measured curves). A TP group as wide as the profile's in-situ runs
+  (`tp_layer`, inside the profiled node) takes its all-reduce cost from those runs instead: the
+  layer over a real group minus the compute predicted for its shard, which includes what the
+  all-reduces lose to the compute beside them (and what compute loses to polling collectives). For another model it falls back to
+  `matmul_tflops`.
 
 CPU contention (stated model): a node of a CPU profile runs `gpus_per_node` processes of `threads`
 threads on `cpu_cores` cores. With k processes the compute slows by the measured `contention`
@@ -119,6 +123,14 @@ class DeviceProfile:
         cont = data.get("contention") or {}
         self.contention_procs = cont.get("procs")
         self.contention_slowdown = float(cont.get("slowdown", 1.0))
+        rows = sorted(data.get("tp_layer") or [], key=lambda r: r["mbs"])
+        self.tp_procs = rows[0]["tp"] if rows else None
+        self.tp_mbs = [r["mbs"] for r in rows]
+        # TP comm = the in-situ layer time beyond this model's own compute estimate for the shard
+        # (grid time x contention), so that compute + comm gives back the measured TP layer
+        slow = self.contention(self.tp_procs) if rows else 1.0
+        self.tp_comm_rows = {k: [max(r[k] - self.layer(k, 1.0 / r["tp"], r["mbs"]) * slow, 0.0)
+                                 for r in rows] for k in ("fwd_s", "bwd_s", "bwd_recompute_s")}
 
     def share(self, qf, ff):
         """FLOP-weighted share of a layer held by a rank with these query-group / FFN fractions."""
@@ -144,6 +156,17 @@ class DeviceProfile:
         if procs > fit_cores:
             at *= procs / fit_cores
         return at
+
+    def in_situ_tp(self, m, n, link):
+        """Whether TP comm of model m on an n-way group over `link` comes from the in-situ TP
+        layer runs (measured for this model, this width, inside the profiled node)."""
+        return bool(self.tp_mbs) and n == self.tp_procs and link == self.link and self.matches(m)
+
+    def tp_comm(self, field, mbs):
+        """Per-layer seconds the TP all-reduces add to a layer pass ("fwd_s", "bwd_s",
+        "bwd_recompute_s"), measured in situ: the layer over a real group minus the compute this
+        model predicts for its even shard."""
+        return _interp(self.tp_mbs, self.tp_comm_rows[field], mbs)
 
     def allreduce(self, nbytes, n, link):
         """Seconds of an all-reduce of nbytes over n ranks: measured curve inside the node."""
@@ -210,12 +233,22 @@ def layer_times(m, mbs, devices, qg, ffn, tp_link, recompute):
             bw = fw * (3 if recompute else 2)
         cf, cb = max(cf, fw), max(cb, bw)
     t = len(devices)
-    nbytes = m.seq_length * mbs * m.hidden_size
     prof = next((d.profile.profile for d in devices if d.profile is not None), None)
-    ar = prof.allreduce(nbytes * prof.act_bytes, t, tuple(tp_link)) if prof else 0.0
-    tf = 2 * ar
-    tb = (4 if recompute else 2) * ar
-    return cf, tf, cb, tb
+    if t > 1 and prof.in_situ_tp(m, t, tuple(tp_link)):
+        tb = prof.tp_comm("bwd_recompute_s" if recompute else "bwd_s", mbs)
+        return cf, prof.tp_comm("fwd_s", mbs), cb, tb
+    ar = tp_allreduce(prof, m, mbs, t, tp_link)
+    return cf, 2 * ar, cb, (4 if recompute else 2) * ar
+
+
+def tp_allreduce(prof, m, mbs, t, tp_link):
+    """Seconds of one TP all-reduce of an activation [s, b, h]: half a layer's in-situ forward
+    comm (two all-reduces) where measured for this group, else the all-reduce curve / fit."""
+    if t <= 1:
+        return 0.0
+    if prof.in_situ_tp(m, t, tuple(tp_link)):
+        return prof.tp_comm("fwd_s", mbs) / 2
+    return prof.allreduce(m.seq_length * mbs * m.hidden_size * prof.act_bytes, t, tuple(tp_link))
 
 
 def head_times(m, mbs, devices, vocab, tp_link):
@@ -235,8 +268,13 @@ def head_times(m, mbs, devices, vocab, tp_link):
     t = len(devices)
     prof = next((d.profile.profile for d in devices if d.profile is not None), None)
     small = prof.allreduce(m.seq_length * mbs * 4, t, tuple(tp_link))
-    big = prof.allreduce(m.seq_length * mbs * m.hidden_size * prof.act_bytes, t, tuple(tp_link))
-    return cf + 3 * small, cb + big
+    return cf + 3 * small, cb + tp_allreduce(prof, m, mbs, t, tp_link)
+
+
+def embedding_times(m, mbs, devices, tp_link):
+    """costmodel.embedding_times on a profiled device: the forward all-reduce of [s, b, h]."""
+    prof = next(d.profile.profile for d in devices if d.profile is not None)
+    return tp_allreduce(prof, m, mbs, len(devices), tp_link), 0.0
 
 
 def stage_extra(m, mbs, devices, vocab, first):
@@ -286,6 +324,8 @@ def cost_sources(topo, model):
                 if pd.profile.curves["allreduce"]:
                     parts.append(f"measured {pd.profile.comm_procs}-process comm curves inside "
                                  "the node")
+                if pd.profile.tp_mbs:
+                    parts.append(f"in-situ {pd.profile.tp_procs}-way TP layer comm")
                 if pd.slowdown != 1.0:
                     parts.append(f"contention x{pd.slowdown:.2f} for {node.gpus_per_node} "
                                  "processes")

@@ -17,6 +17,12 @@ the planner (planner/profile.py). Format "hexi-device-profile/1":
 - `comm`: all-reduce, all-gather and p2p time vs bytes on `procs` local processes (gloo on CPU,
   NCCL on CUDA), with a ring-model (bandwidth, latency) fit per collective;
 - `contention`: compute slowdown when `procs` processes run the same layer at once (CPU: they
-  share cores and memory bandwidth).
+  share cores and memory bandwidth): `together_s` (all at once) over `alone_s` (the grid);
+- `tp_layer`: per-layer times of an even `tp`-way middle stage run over a real group of the
+  `procs` comm processes, per micro-batch size, with its all-reduces (`fwd_s`, `bwd_s`,
+  `bwd_recompute_s`) and the same shard computed on every process at once (`compute_*`). The
+  planner charges a TP group of that width what the layer takes beyond its compute estimate.
+
+Times are the fastest of runs spread over the profile (measure.py says why).
 """
 FORMAT = "hexi-device-profile/1"

@@ -63,7 +63,7 @@ def _init_single_rank(device):
 
 def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2, 4),
             comm_procs=0, threads=None, max_seconds=120.0, device_name=None, reps=None,
-            runtime=True, progress_stream=sys.stderr):
+            runtime=True, progress_stream=sys.stderr, rounds=3):
     """Measure and return the profile dict (see megatron_hexi.profile)."""
     import torch
 
@@ -89,43 +89,47 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
     seed_rng(1234, 0)
     widths = measure.sizes_for(model, tp_widths)
     mbss = sorted(set(micro_batch_sizes))
-    # budget shares: compute grid 55 %, ends 15 %, optimizer + runtime 10 %, comm 20 %
-    n_units = len(widths) * len(mbss) * 2 + 3 + (1 if comm_procs > 1 else 0)
+    # budget shares: compute grid (layers and ends) 55 %, optimizer + runtime 10 %, comm 20 %+
+    n_units = len(widths) * len(mbss) * rounds + 3 + (1 if comm_procs > 1 else 0)
     bar = Progress(n_units, max_seconds, progress_stream)
-    complete = True
     out = {"format": FORMAT, "device": name, "dtype": str(dtype).replace("torch.", ""),
            "threads": threads, "cpu_cores": os.cpu_count(),
            "host": platform.node(), "torch": torch.__version__,
            "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "model": {k: v for k, v in model.__dict__.items()},
            "layer": [], "embedding": [], "head": []}
+    measure.warm_up(model, device, dtype, min(3.0, 0.03 * max_seconds))
     out["matmul_tflops"] = measure.matmul_tflops(model, max(mbss), device, dtype,
                                                  seconds=min(0.5, max_seconds * 0.02))
     bar.step(f"matmul {out['matmul_tflops'] * 1e3:.1f} GFLOP/s")
-    cost = None
-    for t in widths:
-        for b in mbss:
-            if bar.left() < max_seconds * 0.45 and out["layer"]:
-                complete = False
+    early = None
+    if runtime:
+        from megatron_hexi.profile.runtime_overhead import step_points
+        early = step_points(model, device, reps or 4)[0]
+    # The grid is measured in rounds, each visiting every point, so that a slow spell of the
+    # machine hits one round of a point rather than all of its runs (measure.py: statistic).
+    points = [(t, b) for t in widths for b in mbss]
+    got = {}
+    for rnd in range(rounds):
+        for t, b in points:
+            if bar.left() < max_seconds * 0.45 and got:
                 break
-            r = reps or (measure.est_reps(bar.left() - 0.45 * max_seconds,
-                                          n_units - bar.done, cost) if cost else 5)
-            t0 = time.monotonic()
-            e = measure.layer_entry(model, t, b, device, dtype, r)
-            out["layer"].append(e)
-            bar.step(f"layer tp{t} mbs{b}: fwd {e['fwd_s'] * 1e3:.2f} ms bwd "
+            e = measure.layer_entry(model, t, b, device, dtype, reps or 4)
+            ends = measure.end_entries(model, t, b, device, dtype, reps or 4)
+            got.setdefault((t, b), []).append((e, ends))
+            bar.step(f"round {rnd + 1} layer tp{t} mbs{b}: fwd {e['fwd_s'] * 1e3:.2f} ms bwd "
                      f"{e['bwd_s'] * 1e3:.2f} ms")
-            ends = measure.end_entries(model, t, b, device, dtype, r)
-            out["embedding"].append(ends["embedding"])
-            out["head"].append(ends["head"])
-            bar.step(f"embedding+head tp{t} mbs{b}")
-            cost = (time.monotonic() - t0) / r / 2
+    complete = len(got) == len(points)
+    for (t, b), runs in got.items():
+        out["layer"].append(measure.fastest([e for e, _ in runs]))
+        for kind in ("embedding", "head"):
+            out[kind].append(measure.middle([ends[kind] for _, ends in runs]))
     opt = measure.optimizer_entry(model, device, dtype, reps or 5)
     out["optimizer"] = opt
     bar.step(f"optimizer {opt['s_per_param'] * 1e9:.2f} ns/param + {opt['fixed_s'] * 1e3:.2f} ms")
     if runtime and bar.left() > 0.2 * max_seconds:
         from megatron_hexi.profile.runtime_overhead import measure_runtime
-        out["runtime"] = measure_runtime(model, device, reps or 4, opt)
+        out["runtime"] = measure_runtime(model, device, reps or 4, opt, early)
         bar.step(f"runtime {out['runtime']['per_microbatch_s'] * 1e3:.2f} ms/micro-batch + "
                  f"{out['runtime']['per_step_s'] * 1e3:.2f} ms/step")
     else:
@@ -135,13 +139,14 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
         dist.destroy_process_group()
     if comm_procs > 1:
         left = max(bar.left(), 5.0)
-        layer_job = (model, 1, max(mbss), reps or 5) if device.type == "cpu" else None
+        ref = next((e for e in out["layer"] if e["mbs"] == max(mbss)), None)
+        layer_job = (model, mbss, reps or 5, out["dtype"],
+                     ref["tp"] if ref and device.type == "cpu" else 0)
         c = comm.measure(comm_procs, threads, device.type, left * 0.8, layer_job=layer_job)
-        if "concurrent_layer_s" in c:
-            ref = next(e for e in out["layer"] if e["tp"] == 1 and e["mbs"] == max(mbss))
-            alone = ref["fwd_s"] + ref["bwd_s"]
-            out["contention"] = {"procs": comm_procs, "slowdown": c.pop("concurrent_layer_s")
-                                 / alone}
+        if "contention" in c:
+            out["contention"] = contention(c.pop("contention"), ref, out.get("runtime"), c)
+        if "tp_layer" in c:
+            out["tp_layer"] = c.pop("tp_layer")
         out["comm"] = c
         fit = c["fit"]["allreduce"]
         bar.step(f"comm {comm_procs} procs: all-reduce {fit['bandwidth_gbs']:.2f} GB/s, "
@@ -152,6 +157,25 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
     out["source"] = (f"hexi-profile on {out['host']} ({name}, {threads} thread(s), "
                      f"{out['dtype']}), {out['date']}")
     return out
+
+
+def contention(cont, ref, runtime, comm_result):
+    """The profile's `contention` entry. Preferred: the runtime's own data-parallel step on
+    `procs` processes, less its gradient all-reduce (the measured curve, fp32 gradients), over the
+    one-rank step with the same micro-batches; else the layer probe (all at once vs alone)."""
+    from planner.profile import _loglog
+    cont["alone_s"] = ref["fwd_s"] + ref["bwd_s"]
+    probe = cont["together_s"] / cont["alone_s"]
+    train = cont.pop("training", None)
+    one = next((p["step_s"] for p in (runtime or {}).get("points", [])
+                if train and p["microbatches"] == train["microbatches"]), None)
+    curve = [(p["bytes"], p["s"]) for p in comm_result.get("allreduce", [])]
+    if one and len(curve) >= 2:
+        sync = _loglog(curve, 4 * train["params"])
+        train.update({"one_rank_step_s": one, "grad_allreduce_s": sync})
+        return {"slowdown": max((train["step_s"] - sync) / one, 1.0), "probe_slowdown": probe,
+                "training": train, **cont}
+    return {"slowdown": probe, **cont}
 
 
 def build_parser():

@@ -3,8 +3,9 @@
 Each process sets the profile's thread count, joins a gloo (CPU) or NCCL (CUDA) group, times
 all-reduce, all-gather (into a list, as the runtime's boundary gather does) and p2p send/recv
 (half a ping-pong) for growing sizes, then (optionally) times one reference layer with all
-processes computing at once: that ratio is the contention the planner applies when a node runs
-that many processes. Rank 0 writes the results to a JSON file.
+processes computing at once (that ratio is the contention the planner applies when a node runs
+that many processes), and times TP layers over the real group (see _layer_runs). Rank 0 writes
+the results to a JSON file.
 """
 import json
 import os
@@ -85,17 +86,7 @@ def _worker(rank, procs, port, out_path, sizes, reps, threads, device_type, dead
                 dist.send(x, 0)
         res["p2p"].append({"bytes": 4 * n, "s": _time(pingpong, r, device) / 2})
     if layer_job is not None:
-        from megatron_hexi.profile.measure import Stage, shard_view
-        from megatron_hexi.model import seed_rng
-        seed_rng(1234, 0)
-        Stage.tp_group = singles[rank]
-        model, t, mbs, lreps = layer_job
-        st = Stage(model, shard_view(model, t, 2), mbs, device, torch.float32)
-        dist.barrier()
-        f, b = st.time(lreps)
-        tt = torch.tensor([f + b], dtype=torch.float64)
-        dist.all_reduce(tt)
-        res["concurrent_layer_s"] = tt.item() / procs / 2
+        res.update(_layer_runs(rank, procs, singles[rank], device, *layer_job))
     if rank == 0:
         with open(out_path, "w") as fh:
             json.dump(res, fh)
@@ -103,9 +94,82 @@ def _worker(rank, procs, port, out_path, sizes, reps, threads, device_type, dead
     dist.destroy_process_group()
 
 
+def _max_over_ranks(values):
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _layer_runs(rank, procs, single, device, model, mbss, reps, dtype_name, contention):
+    """Layer timings that only exist with `procs` processes running at once.
+
+    - contention (CPU; `contention` is the TP width of the reference shard): a layer stage of
+      that shard timed on every rank at once, in three rounds; against the same stage timed
+      alone in the compute grid it is the slowdown of `procs` processes sharing the cores. (A
+      rank that waits in a gloo collective polls, so "alone" is not measured here with the others
+      waiting: that would slow the one that runs.) Then the runtime itself: `procs` one-stage
+      pipelines training at once, whose step against the one-rank step (hexi-profile's runtime
+      runs) gives the slowdown as training meets it, collectives and all;
+    - in-situ TP (when the model splits evenly `procs` ways): for each micro-batch size, a
+      two-layer middle stage over a real `procs`-way TP group (the runtime's layers with their
+      all-reduces) and, alternately, the same shard as a one-rank stage on every process at once.
+      The planner takes the TP layer's time beyond its own compute estimate as the TP comm:
+      gloo on shared cores, or NCCL beside the kernels, costs more than an idle all-reduce curve.
+    Times are per layer, the fastest run (measure.py says why); a group waits for its slowest
+    rank, so each is the max over ranks.
+    """
+    from megatron_hexi.model import seed_rng
+    from megatron_hexi.profile.measure import Stage, shard_view, splits_evenly, tp_view
+
+    seed_rng(1234, 0)
+    dtype = getattr(torch, dtype_name)
+    layers = 2
+    out = {}
+    if contention:
+        ref = Stage(model, shard_view(model, contention, layers), max(mbss), device, dtype,
+                    group=single)
+        together = []
+        for _ in range(3):
+            dist.barrier()
+            together.append(sum(ref.time(reps)))
+        t = torch.tensor([min(together)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out["contention"] = {"procs": procs, "tp": contention, "mbs": max(mbss),
+                             "together_s": t.item() / layers}
+        from megatron_hexi.profile.runtime_overhead import data_parallel_step
+        out["contention"]["training"] = data_parallel_step(model, device, reps, procs)
+    if splits_evenly(model, procs):
+        runs = {}
+        for b in mbss:
+            for rc in (False, True):
+                runs[(b, "tp", rc)] = Stage(model, tp_view(model, procs, rank, layers), b, device,
+                                            dtype, recompute=rc, group=dist.group.WORLD)
+                runs[(b, "shard", rc)] = Stage(model, shard_view(model, procs, layers), b,
+                                               device, dtype, recompute=rc, group=single)
+        got = {k: [] for k in runs}
+        per_round = max(2, reps // 2)
+        for i in range(2 + 3 * per_round):   # 2 warm-up passes, then 3 rounds over all points,
+            for k, st in runs.items():       # so that a slow spell hits one round of each
+                dist.barrier()
+                r = st.run()
+                if i >= 2:
+                    got[k].append(r)
+        best = {k: [min(r[j] for r in v) / layers for j in (0, 1)] for k, v in got.items()}
+        rows = []
+        for b in mbss:
+            vals = _max_over_ranks(best[(b, "tp", False)] + best[(b, "tp", True)][1:]
+                                   + best[(b, "shard", False)] + best[(b, "shard", True)][1:])
+            rows.append({"tp": procs, "mbs": b, "fwd_s": vals[0], "bwd_s": vals[1],
+                         "bwd_recompute_s": vals[2], "compute_fwd_s": vals[3],
+                         "compute_bwd_s": vals[4], "compute_bwd_recompute_s": vals[5]})
+        out["tp_layer"] = rows
+    return out
+
+
 def measure(procs, threads, device_type, max_seconds, reps=10, layer_job=None,
             max_bytes=1 << 26):
-    """Run the job; returns {"procs", "backend", curves, fits[, "concurrent_layer_s"]}."""
+    """Run the job; returns {"procs", "backend", curves, fits[, "contention", "tp_layer"]}
+    (`layer_job`: the _layer_runs arguments after the device)."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -140,6 +204,7 @@ def measure(procs, threads, device_type, max_seconds, reps=10, layer_job=None,
     out = {"procs": procs, "backend": "nccl" if device_type == "cuda" else "gloo",
            "allreduce": res["allreduce"], "allgather": res["allgather"], "p2p": res["p2p"],
            "fit": fits}
-    if "concurrent_layer_s" in res:
-        out["concurrent_layer_s"] = res["concurrent_layer_s"]
+    for key in ("contention", "tp_layer"):
+        if key in res:
+            out[key] = res[key]
     return out

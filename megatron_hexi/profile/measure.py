@@ -2,9 +2,13 @@
 
 Every stage is built by megatron_hexi.model.stage_config / build_stage_model (a single rank, so
 TP shards are built at their local size and no collective runs): what is timed is what a rank of
-that shard computes in training. Times are medians of repeated runs after warm-up.
+that shard computes in training.
+
+Statistic: the fastest of repeated runs after warm-up (and, in hexi-profile, the fastest of
+several rounds spread over the run). A shared machine has slow spells of seconds, in which every
+run is 30-50 % slower (measured on a 2-core VM); a median taken inside one spell keeps the whole
+slowdown, the minimum over spread-out runs does not. What is predicted is the undisturbed cost.
 """
-import math
 import statistics
 import time
 import types
@@ -28,8 +32,9 @@ def sync(device):
 
 
 def shard_view(model, t, layers, first=False, last=False):
-    """A RankView stand-in for TP rank 0 of an even t-way stage (only the fields the model
-    builders read). Query groups and FFN columns are 1/t of the model's (at least one)."""
+    """A RankView stand-in for TP rank 0 of an even t-way stage, built as a one-rank stage (only
+    the fields the model builders read). Query groups and FFN columns are 1/t of the model's (at
+    least one)."""
     g, hpg = model.num_query_groups, model.num_attention_heads // model.num_query_groups
     q = max(1, g // t)
     f = max(1, model.ffn_hidden_size // t)
@@ -39,15 +44,31 @@ def shard_view(model, t, layers, first=False, last=False):
         vocab=(v, 0) if (first or last) else None, holds_embedding=first, holds_output=last)
 
 
+def splits_evenly(model, t):
+    """Whether a t-way TP group can hold equal shards of this model (what tp_view builds)."""
+    return model.num_query_groups % t == 0 and model.ffn_hidden_size % t == 0
+
+
+def tp_view(model, t, rank, layers):
+    """A RankView stand-in for TP rank `rank` of an even t-way middle stage run over a real
+    t-process group: the layers run their all-reduces, as in training."""
+    g, hpg = model.num_query_groups, model.num_attention_heads // model.num_query_groups
+    q, f = g // t, model.ffn_hidden_size // t
+    return types.SimpleNamespace(
+        tp_size=t, layers=(0, layers), query_groups=(q, rank * q), heads=(q * hpg, rank * q * hpg),
+        ffn=(f, rank * f), vocab=None, holds_embedding=False, holds_output=False)
+
+
 class Stage:
     """One single-rank stage: build, then time forward / backward per micro-batch."""
 
     tp_group = None     # a one-rank process group (set by the caller once the group exists)
 
-    def __init__(self, model, view, mbs, device, dtype, recompute=False):
+    def __init__(self, model, view, mbs, device, dtype, recompute=False, group=None):
         plan = types.SimpleNamespace(model=model)
         self.cfg = stage_config(plan, view, params_dtype=dtype, recompute=recompute)
-        self.net = build_stage_model(plan, view, Stage.tp_group or _world(), self.cfg, device)
+        group = group or Stage.tp_group or _world()
+        self.net = build_stage_model(plan, view, group, self.cfg, device)
         with torch.no_grad():
             for p in self.net.parameters():
                 p.normal_(0.0, 0.02) if p.ndim > 1 else p.fill_(1.0)
@@ -81,23 +102,31 @@ class Stage:
         else:
             out.backward(self.grad)
 
+    def run(self):
+        """(forward s, backward s) of one micro-batch."""
+        self.net.zero_grad(set_to_none=False)
+        sync(self.device)
+        t0 = time.perf_counter()
+        out = self.forward()
+        sync(self.device)
+        t1 = time.perf_counter()
+        self.backward(out)
+        sync(self.device)
+        return t1 - t0, time.perf_counter() - t1
+
     def time(self, reps, warmup=2):
-        """(median forward s, median backward s) per micro-batch."""
-        fw, bw = [], []
-        for i in range(warmup + reps):
-            self.net.zero_grad(set_to_none=False)
-            sync(self.device)
-            t0 = time.perf_counter()
-            out = self.forward()
-            sync(self.device)
-            t1 = time.perf_counter()
-            self.backward(out)
-            sync(self.device)
-            t2 = time.perf_counter()
-            if i >= warmup:
-                fw.append(t1 - t0)
-                bw.append(t2 - t1)
-        return statistics.median(fw), statistics.median(bw)
+        """(fastest forward s, fastest backward s) of a micro-batch over `reps` runs."""
+        runs = [self.run() for _ in range(warmup + reps)][warmup:]
+        return min(r[0] for r in runs), min(r[1] for r in runs)
+
+
+def warm_up(model, device, dtype, seconds):
+    """Run a stage for `seconds` before anything is timed: a process's first passes are slower
+    (allocator growth, lazy initialisation, clock ramp-up) and would inflate the first point."""
+    st = Stage(model, shard_view(model, 1, 1), 1, device, dtype)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        st.run()
 
 
 def layer_entry(model, t, mbs, device, dtype, reps, layers=2):
@@ -109,16 +138,26 @@ def layer_entry(model, t, mbs, device, dtype, reps, layers=2):
             "fwd_s": f / layers, "bwd_s": b / layers, "bwd_recompute_s": brc / layers}
 
 
-def end_entries(model, t, mbs, device, dtype, reps):
+def end_entries(model, t, mbs, device, dtype, reps, warmup=2):
     """Embedding stage and head stage costs: a one-layer first / last stage minus a one-layer
-    middle stage (same stage machinery, so per-stage overheads cancel)."""
-    lf, lb = Stage(model, shard_view(model, t, 1), mbs, device, dtype).time(reps)
-    out = {}
+    middle stage (same stage machinery, so per-stage overheads cancel). The three stages run in
+    turn and each difference is taken within one round, so a slow spell of the machine hits both
+    sides of it; the median over rounds is kept."""
+    stages = {"middle": Stage(model, shard_view(model, t, 1), mbs, device, dtype)}
     for kind, first, last in (("embedding", True, False), ("head", False, True)):
-        view = shard_view(model, t, 1, first=first, last=last)
-        f, b = Stage(model, view, mbs, device, dtype).time(reps)
-        out[kind] = {"tp": t, "vocab": view.vocab[0], "mbs": mbs,
-                     "fwd_s": max(f - lf, 0.0), "bwd_s": max(b - lb, 0.0)}
+        stages[kind] = Stage(model, shard_view(model, t, 1, first=first, last=last), mbs,
+                             device, dtype)
+    diffs = {"embedding": [], "head": []}
+    for i in range(warmup + reps):
+        times = {k: st.run() for k, st in stages.items()}
+        if i >= warmup:
+            for kind in diffs:
+                diffs[kind].append([a - b for a, b in zip(times[kind], times["middle"])])
+    out = {}
+    for kind, d in diffs.items():
+        out[kind] = {"tp": t, "vocab": stages[kind].view.vocab[0], "mbs": mbs,
+                     "fwd_s": max(statistics.median(x[0] for x in d), 0.0),
+                     "bwd_s": max(statistics.median(x[1] for x in d), 0.0)}
     return out
 
 
@@ -172,11 +211,30 @@ def optimizer_entry(model, device, dtype, reps, layer_counts=(1, 3)):
             sync(device)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
-        points.append((sum(p.numel() for p in params), statistics.median(times)))
+        points.append((sum(p.numel() for p in params), min(times)))
     (n1, t1), (n2, t2) = points
     per = max((t2 - t1) / (n2 - n1), 1e-15)
     return {"fixed_s": max(t1 - per * n1, 0.0), "s_per_param": per,
             "points": [{"params": n, "s": t} for n, t in points]}
+
+
+def fastest(entries):
+    """One grid entry from several rounds' entries of the same point: the fastest of each time."""
+    out = dict(entries[0])
+    for k, v in out.items():
+        if k.endswith("_s"):
+            out[k] = min(e[k] for e in entries)
+    return out
+
+
+def middle(entries):
+    """One embedding/head entry from several rounds': the median of each time (they are
+    differences of two stages, taken within a round, so a spell is mostly divided out)."""
+    out = dict(entries[0])
+    for k, v in out.items():
+        if k.endswith("_s"):
+            out[k] = statistics.median(e[k] for e in entries)
+    return out
 
 
 def sizes_for(model, tp_widths):
@@ -187,8 +245,3 @@ def sizes_for(model, tp_widths):
             out.append(t)
     return out or [1]
 
-
-def est_reps(seconds_left, units_left, unit_cost, lo=3, hi=15):
-    if unit_cost <= 0 or units_left <= 0:
-        return hi
-    return int(min(hi, max(lo, math.floor(seconds_left / units_left / unit_cost))))

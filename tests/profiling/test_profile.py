@@ -47,6 +47,18 @@ def test_profile_contents(tiny_profile):
     assert comm["procs"] == 2 and comm["backend"] == "gloo"
     for kind in ("allreduce", "allgather", "p2p"):
         assert comm[kind] and all(p["s"] > 0 for p in comm[kind])
+    # in-situ TP layers over the real 2-process group, one row per micro-batch size
+    assert [(r["tp"], r["mbs"]) for r in data["tp_layer"]] == [(2, 1), (2, 2)]
+    for r in data["tp_layer"]:
+        for k in ("fwd_s", "bwd_s", "bwd_recompute_s"):
+            assert r[k] > 0 and r["compute_" + k] > 0
+    # contention from the runtime's own 2-rank data-parallel step against the one-rank step
+    cont = data["contention"]
+    train = cont["training"]
+    assert cont["procs"] == 2 and cont["slowdown"] >= 1.0 and cont["probe_slowdown"] > 0
+    assert train["step_s"] > 0 and train["one_rank_step_s"] > 0 and train["params"] > 0
+    assert cont["slowdown"] == pytest.approx(
+        max((train["step_s"] - train["grad_allreduce_s"]) / train["one_rank_step_s"], 1.0))
 
 
 def _cluster(profile):
@@ -76,6 +88,56 @@ def test_planner_uses_profile(tiny_profile, tmp_path):
     prof = DeviceProfile(json.loads(path.read_text()), str(path))
     top = max(e["mbs"] for e in prof.data["layer"])
     assert prof.layer("fwd_s", 1.0, 2 * top) > prof.layer("fwd_s", 1.0, top) > 0
+
+
+def _synthetic_profile(tmp_path, slowdown=1.5):
+    """A detailed profile of `tiny` with round numbers: every layer pass costs 10 ms x shard x
+    micro-batch, and the in-situ 2-way TP layer 8 ms (fwd) / 14 ms (bwd) / 20 ms (recompute bwd)
+    per micro-batch sample."""
+    model = load_model("tiny")
+    layer = [{"tp": t, "query_groups": 4 // t, "ffn": 256 // t, "mbs": b,
+              "fwd_s": 0.010 * b / t, "bwd_s": 0.020 * b / t, "bwd_recompute_s": 0.030 * b / t}
+             for t in (1, 2) for b in (1, 2)]
+    tp_layer = [{"tp": 2, "mbs": b, "fwd_s": 0.008 * b, "bwd_s": 0.014 * b,
+                 "bwd_recompute_s": 0.020 * b, "compute_fwd_s": 0.005 * b,
+                 "compute_bwd_s": 0.01 * b, "compute_bwd_recompute_s": 0.015 * b}
+                for b in (1, 2)]
+    curve = [{"bytes": 1 << k, "s": 1e-4 * (1 + (1 << k) / 1e8)} for k in (10, 14, 18, 22)]
+    data = {"format": "hexi-device-profile/1", "device": "CPU", "dtype": "float32",
+            "threads": 1, "cpu_cores": 2, "matmul_tflops": 0.1, "model": model.__dict__,
+            "layer": layer, "embedding": [], "head": [], "tp_layer": tp_layer,
+            "contention": {"procs": 2, "slowdown": slowdown},
+            "comm": {"procs": 2, "allreduce": curve, "allgather": curve, "p2p": curve,
+                     "fit": {"allreduce": {"bandwidth_gbs": 0.1, "latency_us": 50}}}}
+    path = tmp_path / "synthetic.json"
+    path.write_text(json.dumps(data))
+    return path, model
+
+
+def test_in_situ_tp_comm(tmp_path):
+    """A TP group as wide as the profile's in-situ runs pays what the measured TP layer takes
+    beyond the model's own compute estimate (grid x contention); other widths use the curve."""
+    import types
+    from planner.profile import DeviceProfile, ProfiledDevice, layer_times
+    path, model = _synthetic_profile(tmp_path)
+    prof = DeviceProfile(json.loads(path.read_text()), str(path))
+    dev = types.SimpleNamespace(profile=ProfiledDevice(prof, prof.contention(2)), flops=1e11)
+    assert prof.contention(2) == pytest.approx(1.5)
+    # forward: 8 ms measured, compute estimate 10 ms x 1/2 x 1.5 = 7.5 ms -> 0.5 ms of comm
+    cf, tf, cb, tb = layer_times(model, 1, [dev, dev], [2, 2], [128, 128], prof.link, False)
+    assert cf == pytest.approx(0.0075) and tf == pytest.approx(0.0005)
+    assert cb == pytest.approx(0.015) and tb == pytest.approx(0.0)      # 14 ms < 15 ms: none
+    _, _, cbr, tbr = layer_times(model, 2, [dev, dev], [2, 2], [128, 128], prof.link, True)
+    assert cbr == pytest.approx(0.045) and tbr == pytest.approx(0.0)    # 40 ms < 45 ms
+    assert cf + tf == pytest.approx(0.008)          # compute + comm give back the TP layer
+    # a group on another link (not inside the profiled node): the all-reduce curve / fit
+    other = (prof.link[0] / 10, prof.link[1])
+    _, tf_other, _, _ = layer_times(model, 1, [dev, dev], [2, 2], [128, 128], other, False)
+    nbytes = model.seq_length * model.hidden_size * 4
+    assert tf_other == pytest.approx(2 * prof.allreduce(nbytes, 2, other))
+    # a 4-way group: not the profiled width, so the measured curve's ring fit
+    _, tf4, _, _ = layer_times(model, 1, [dev] * 4, [1] * 4, [64] * 4, prof.link, False)
+    assert tf4 == pytest.approx(2 * prof.allreduce(nbytes, 4, prof.link)) and tf4 > 0
 
 
 def test_simulate_cli_reports_sources(tiny_profile, tmp_path, hexi_plan):

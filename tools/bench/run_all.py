@@ -31,7 +31,7 @@ def commands(quick):
         "runtime_overhead": [py, str(BENCH / "runtime_overhead.py")]
         + (["--iters", "5", "--warmup", "2", "--rounds", "1"] if quick else []),
         "fidelity": [py, "-W", "ignore", str(BENCH / "fidelity.py")]
-        + (["--steps", "4", "--warmup", "2", "--max-profile-seconds", "60"] if quick else []),
+        + (["--steps", "4", "--warmup", "2", "--rounds", "1", "--max-profile-seconds", "60"] if quick else []),
         "search_quality": [py, str(BENCH / "search_quality.py")]
         + (["--clusters", "5", "--max-gpus", "8", "--uniform-extra", "3"] if quick else []),
         "planner_scaling": [py, str(BENCH / "planner_scaling.py")]
