@@ -94,7 +94,7 @@ import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.tensor([dist.get_rank() + 1.0])
 dist.all_reduce(t)
-line = f"rank {dist.get_rank()} of {dist.get_world_size()} sum {t.item():g} {os.environ['HEXI_HARNESS_FLAG']}\n"
+line = f"rank {dist.get_rank()} of {dist.get_world_size()} sum {t.item():g} {os.environ['HEXI_HARNESS_FLAG']}\\n"
 os.write(1, line.encode())   # one write per line: both ranks share the pipe (print may split it)
 dist.destroy_process_group()
 """
