@@ -46,7 +46,7 @@ def data_parallel_step(model, device, reps, procs, k=4):
     """Fastest step of `procs` one-stage pipelines training at once (k micro-batches of 1 each),
     run inside a `procs`-process group: against the one-rank step with the same micro-batches it
     gives the slowdown of the runtime itself when `procs` ranks share the node."""
-    step, params = _steps(model, device, 1, k, 3 * reps + 2, pipelines=procs)
+    step, params = _steps(model, device, 1, k, 2 * reps + 2, pipelines=procs)
     return {"procs": procs, "microbatches": k, "step_s": step, "params": params}
 
 

@@ -210,7 +210,7 @@ def main(argv=None):
     ap.add_argument("--max-profile-seconds", type=float, default=120)
     ap.add_argument("--steps", type=int, default=8, help="timed steps per plan")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=2,
+    ap.add_argument("--rounds", type=int, default=3,
                     help="launches per plan, in rounds over all plans (fastest step of all)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--plans", nargs="+", default=None, help="subset of plan names")
