@@ -13,8 +13,8 @@ A node group's `profile: path.json` (planner/costmodel.device_for) may be
   the ring-model fit of the measured curves). A TP group as wide as the profile's in-situ runs
   (`tp_layer`, inside the profiled node) takes its all-reduce cost from those runs instead: the
   layer over a real group minus the compute predicted for its shard, which includes what the
-  all-reduces lose to the compute beside them (and what compute loses to polling collectives). For another model it falls back to
-  `matmul_tflops`.
+  all-reduces lose to the compute beside them (and what compute loses to polling collectives).
+  For another model it falls back to `matmul_tflops`.
 
 CPU contention (stated model): a node of a CPU profile runs `gpus_per_node` processes of `threads`
 threads on `cpu_cores` cores. With k processes the compute slows by the measured `contention`

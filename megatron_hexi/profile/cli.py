@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import sys
 import time
 
@@ -121,9 +122,9 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
                      f"{e['bwd_s'] * 1e3:.2f} ms")
     complete = len(got) == len(points)
     for (t, b), runs in got.items():
-        out["layer"].append(measure.fastest([e for e, _ in runs]))
+        out["layer"].append(measure.combine([e for e, _ in runs], min))
         for kind in ("embedding", "head"):
-            out[kind].append(measure.middle([ends[kind] for _, ends in runs]))
+            out[kind].append(measure.combine([ends[kind] for _, ends in runs], statistics.median))
     opt = measure.optimizer_entry(model, device, dtype, reps or 5)
     out["optimizer"] = opt
     bar.step(f"optimizer {opt['s_per_param'] * 1e9:.2f} ns/param + {opt['fixed_s'] * 1e3:.2f} ms")

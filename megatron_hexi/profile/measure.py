@@ -218,22 +218,14 @@ def optimizer_entry(model, device, dtype, reps, layer_counts=(1, 3)):
             "points": [{"params": n, "s": t} for n, t in points]}
 
 
-def fastest(entries):
-    """One grid entry from several rounds' entries of the same point: the fastest of each time."""
+def combine(entries, statistic):
+    """One grid entry from several rounds' entries of the same point: `statistic` (min for the
+    layer times; median for the embedding/head differences, which are taken within a round, so a
+    spell is mostly divided out) of each time."""
     out = dict(entries[0])
-    for k, v in out.items():
+    for k in out:
         if k.endswith("_s"):
-            out[k] = min(e[k] for e in entries)
-    return out
-
-
-def middle(entries):
-    """One embedding/head entry from several rounds': the median of each time (they are
-    differences of two stages, taken within a round, so a spell is mostly divided out)."""
-    out = dict(entries[0])
-    for k, v in out.items():
-        if k.endswith("_s"):
-            out[k] = statistics.median(e[k] for e in entries)
+            out[k] = statistic(e[k] for e in entries)
     return out
 
 

@@ -11,9 +11,10 @@
    the profile's contention model), predict the iteration time with the simulator (also with the
    catalog figures, no profile), then train it with the runtime (tests/harness.run_distributed,
    gloo, one process per rank, OMP_NUM_THREADS=1), --rounds times in rounds over all plans, and
-   take the fastest step_time_s after warm-up (the median is printed beside it). The profile times are the fastest runs too: a
-   shared machine has slow spells of seconds (30-50 % slower on a 2-core VM) that no cost model
-   predicts; the fastest step is the undisturbed cost, the figure the planner predicts.
+   take the fastest step_time_s after warm-up (the median is printed beside it). The profile
+   times are the fastest runs too: a shared machine has slow spells (30-50 % slower on a 2-core
+   VM) that no cost model predicts; the fastest step is the undisturbed cost, the figure the
+   planner predicts.
 3. Print predicted vs measured, per-plan error, mean and max |error| (targets 10 % / 20 %), save a
    PNG (predicted vs measured), and compare per-rank memory: the model's parameters, gradients,
    optimizer state and activations against what the runtime holds (parameter/grad/Adam-state
