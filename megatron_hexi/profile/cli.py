@@ -91,7 +91,7 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
     widths = measure.sizes_for(model, tp_widths)
     mbss = sorted(set(micro_batch_sizes))
     # budget shares: compute grid (layers and ends) 55 %, optimizer + runtime 10 %, comm 20 %+
-    n_units = len(widths) * len(mbss) * rounds + 3 + (1 if comm_procs > 1 else 0)
+    n_units = len(widths) * len(mbss) * rounds + 3 + (2 if comm_procs > 1 else 0)
     bar = Progress(n_units, max_seconds, progress_stream)
     out = {"format": FORMAT, "device": name, "dtype": str(dtype).replace("torch.", ""),
            "threads": threads, "cpu_cores": os.cpu_count(),
@@ -99,6 +99,16 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
            "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "model": {k: v for k, v in model.__dict__.items()},
            "layer": [], "embedding": [], "head": []}
+    job = None
+    if comm_procs > 1:
+        # started first, so that its processes sleep through the grid (comm.py says why)
+        job = comm.CommJob(comm_procs, threads, device.type, reps or 5, wait_s=max_seconds + 300,
+                           layer_job=(model, mbss, reps or 5, out["dtype"],
+                                      widths[0] if device.type == "cpu" else 0))
+        ready = job.wait_ready(max(60.0, max_seconds))
+        bar.step(f"comm job of {comm_procs} started" + (
+            f"; data-parallel step {ready['early_step_s'] * 1e3:.1f} ms"
+            if ready["early_step_s"] else ""))
     measure.warm_up(model, device, dtype, min(3.0, 0.03 * max_seconds))
     out["matmul_tflops"] = measure.matmul_tflops(model, max(mbss), device, dtype,
                                                  seconds=min(0.5, max_seconds * 0.02))
@@ -138,14 +148,14 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
     if started:
         import torch.distributed as dist
         dist.destroy_process_group()
-    if comm_procs > 1:
-        left = max(bar.left(), 5.0)
-        ref = next((e for e in out["layer"] if e["mbs"] == max(mbss)), None)
-        layer_job = (model, mbss, reps or 5, out["dtype"],
-                     ref["tp"] if ref and device.type == "cpu" else 0)
-        c = comm.measure(comm_procs, threads, device.type, left * 0.8, layer_job=layer_job)
-        if "contention" in c:
-            out["contention"] = contention(c.pop("contention"), ref, out.get("runtime"), c)
+    if job is not None:
+        c = job.finish(max(bar.left(), 5.0) * 0.8)
+        ref = next((e for e in out["layer"] if e["mbs"] == max(mbss) and e["tp"] == widths[0]),
+                   None)
+        cont = contention(c.pop("contention"), ref, out.get("runtime"), c) \
+            if "contention" in c else None
+        if cont is not None:
+            out["contention"] = cont
         if "tp_layer" in c:
             out["tp_layer"] = c.pop("tp_layer")
         out["comm"] = c
@@ -165,8 +175,10 @@ def contention(cont, ref, runtime, comm_result):
     `procs` processes, less its gradient all-reduce (the measured curve, fp32 gradients), over the
     one-rank step with the same micro-batches; else the layer probe (all at once vs alone)."""
     from planner.profile import _loglog
-    cont["alone_s"] = ref["fwd_s"] + ref["bwd_s"]
-    probe = cont["together_s"] / cont["alone_s"]
+    probe = None
+    if ref is not None:          # the grid point the probe compares with was measured
+        cont["alone_s"] = ref["fwd_s"] + ref["bwd_s"]
+        probe = cont["together_s"] / cont["alone_s"]
     train = cont.pop("training", None)
     one = next((p["step_s"] for p in (runtime or {}).get("points", [])
                 if train and p["microbatches"] == train["microbatches"]), None)
@@ -176,6 +188,8 @@ def contention(cont, ref, runtime, comm_result):
         train.update({"one_rank_step_s": one, "grad_allreduce_s": sync})
         return {"slowdown": max((train["step_s"] - sync) / one, 1.0), "probe_slowdown": probe,
                 "training": train, **cont}
+    if probe is None:
+        return None              # nothing to compare with: the profile has no contention entry
     return {"slowdown": probe, **cont}
 
 

@@ -6,6 +6,11 @@ all-reduce, all-gather (into a list, as the runtime's boundary gather does) and 
 processes computing at once (that ratio is the contention the planner applies when a node runs
 that many processes), and times TP layers over the real group (see _layer_runs). Rank 0 writes
 the results to a JSON file.
+
+hexi-profile starts the job before its compute grid (`CommJob`): the processes start, train one
+data-parallel burst, then sleep (no collective is polling) until the grid is done. A burst at the
+start and bursts at the end sample the machine over the whole profile, as the runs it predicts
+are sampled over time; the start-up cost is paid while the parent would wait anyway.
 """
 import json
 import os
@@ -46,7 +51,8 @@ def fit_ring(points, lat_coef, byte_coef):
     return {"bandwidth_gbs": byte_coef * big["bytes"] / rest / 1e9, "latency_us": lat * 1e6}
 
 
-def _worker(rank, procs, port, out_path, sizes, reps, threads, device_type, deadline, layer_job):
+def _worker(rank, procs, port, files, sizes, reps, threads, device_type, wait_s, layer_job):
+    parent = os.getppid()
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(procs)})
     torch.set_num_threads(threads)
@@ -59,6 +65,14 @@ def _worker(rank, procs, port, out_path, sizes, reps, threads, device_type, dead
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                             world_size=procs)
     singles = [dist.new_group([r]) for r in range(procs)]
+    early = None
+    if layer_job is not None and layer_job[-1]:
+        from megatron_hexi.profile.runtime_overhead import data_parallel_step
+        early = data_parallel_step(layer_job[0], device, layer_job[2], procs)
+    dist.barrier()
+    if rank == 0:
+        _write(files["ready"], {"early_step_s": early["step_s"] if early else None})
+    deadline = _wait_for(files["go"], wait_s, lambda: os.getppid() == parent)["deadline"]
     res = {"allreduce": [], "allgather": [], "p2p": []}
     for nbytes in sizes:
         # every rank must stop at the same size: rank 0's clock decides (at least 3 sizes)
@@ -86,10 +100,9 @@ def _worker(rank, procs, port, out_path, sizes, reps, threads, device_type, dead
                 dist.send(x, 0)
         res["p2p"].append({"bytes": 4 * n, "s": _time(pingpong, r, device) / 2})
     if layer_job is not None:
-        res.update(_layer_runs(rank, procs, singles[rank], device, *layer_job))
+        res.update(_layer_runs(rank, procs, singles[rank], device, *layer_job, early=early))
     if rank == 0:
-        with open(out_path, "w") as fh:
-            json.dump(res, fh)
+        _write(files["result"], res)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -100,7 +113,29 @@ def _max_over_ranks(values):
     return t.tolist()
 
 
-def _layer_runs(rank, procs, single, device, model, mbss, reps, dtype_name, contention):
+def _write(path, obj):
+    """Write JSON so that a reader never sees half of it."""
+    with open(path + ".part", "w") as fh:
+        json.dump(obj, fh)
+    os.replace(path + ".part", path)
+
+
+def _wait_for(path, seconds, alive=None):
+    """Sleep-poll for `path` (a sleeping process does not slow the one that measures) and return
+    its JSON; raise after `seconds`, or when `alive()` says the other side is gone."""
+    end = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if alive is not None and not alive():
+            raise RuntimeError(f"hexi-profile: the other side stopped before writing {path}")
+        if time.monotonic() > end:
+            raise TimeoutError(f"hexi-profile: waited {seconds:.0f} s for {path}")
+        time.sleep(0.05)
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _layer_runs(rank, procs, single, device, model, mbss, reps, dtype_name, contention,
+                early=None):
     """Layer timings that only exist with `procs` processes running at once.
 
     - contention (CPU; `contention` is the TP width of the reference shard): a layer stage of
@@ -108,9 +143,9 @@ def _layer_runs(rank, procs, single, device, model, mbss, reps, dtype_name, cont
       alone in the compute grid it is the slowdown of `procs` processes sharing the cores. (A
       rank that waits in a gloo collective polls, so "alone" is not measured here with the others
       waiting: that would slow the one that runs.) Then the runtime itself: `procs` one-stage
-      pipelines training at once (two bursts, before and after the TP runs, the faster kept),
-      whose step against the one-rank step (hexi-profile's runtime runs) gives the slowdown as
-      training meets it, collectives and all;
+      pipelines training at once (bursts at the job's start (`early`), before and after the TP
+      runs, the fastest kept), whose step against the one-rank step (hexi-profile's runtime
+      runs) gives the slowdown as training meets it, collectives and all;
     - in-situ TP (when the model splits evenly `procs` ways): for each micro-batch size, a
       two-layer middle stage over a real `procs`-way TP group (the runtime's layers with their
       all-reduces) and, alternately, the same shard as a one-rank stage on every process at once.
@@ -164,52 +199,101 @@ def _layer_runs(rank, procs, single, device, model, mbss, reps, dtype_name, cont
                          "bwd_recompute_s": vals[2], "compute_fwd_s": vals[3],
                          "compute_bwd_s": vals[4], "compute_bwd_recompute_s": vals[5]})
         out["tp_layer"] = rows
-    if contention:                   # and once after: the faster burst is kept
+    if contention:                   # and once after: the fastest burst is kept
         again = data_parallel_step(model, device, reps, procs)
-        train["step_s"] = min(train["step_s"], again["step_s"])
+        bursts = ([early["step_s"]] if early else []) + [train["step_s"], again["step_s"]]
+        train.update({"step_s": min(bursts), "bursts_s": bursts})
         out["contention"]["training"] = train
     return out
 
 
-def measure(procs, threads, device_type, max_seconds, reps=10, layer_job=None,
-            max_bytes=1 << 26):
-    """Run the job; returns {"procs", "backend", curves, fits[, "contention", "tp_layer"]}
-    (`layer_job`: the _layer_runs arguments after the device)."""
-    import tempfile
+class CommJob:
+    """The `procs`-process job, started early and released later (see the module docstring).
 
-    import torch.multiprocessing as mp
+        job = CommJob(procs, threads, "cpu", layer_job=...)   # spawns; first burst
+        job.wait_ready()      # the processes sleep from here on: measure alone now
+        result = job.finish(max_seconds)
 
-    sizes, s = [], 1 << 10
-    while s <= max_bytes:
-        sizes.append(s)
-        s *= 4
-    import socket
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="hexi-profile-") as tmp:
-        path = os.path.join(tmp, "comm.json")
+    `layer_job`: the _layer_runs arguments after the device; its last one (the contention
+    reference's TP width, 0 for none) also decides the early burst.
+    """
+
+    def __init__(self, procs, threads, device_type, reps=10, layer_job=None, max_bytes=1 << 26,
+                 wait_s=900.0):
+        import socket
+        import tempfile
+
+        import torch.multiprocessing as mp
+
+        self.procs, self.device_type = procs, device_type
+        sizes, s = [], 1 << 10
+        while s <= max_bytes:
+            sizes.append(s)
+            s *= 4
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        self._tmp = tempfile.TemporaryDirectory(prefix="hexi-profile-")
+        self.files = {k: os.path.join(self._tmp.name, k + ".json")
+                      for k in ("ready", "go", "result")}
         env_threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = str(threads)
         try:
-            mp.start_processes(_worker, args=(procs, port, path, sizes, reps, threads,
-                                              device_type, time.time() + max_seconds, layer_job),
-                               nprocs=procs, join=True, start_method="spawn")
+            # daemon: the processes end with hexi-profile, whatever stops it
+            self._ctx = mp.start_processes(
+                _worker, args=(procs, port, self.files, sizes, reps, threads, device_type,
+                               wait_s, layer_job),
+                nprocs=procs, join=False, daemon=True, start_method="spawn")
         finally:
             if env_threads is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
             else:
                 os.environ["OMP_NUM_THREADS"] = env_threads
-        with open(path) as fh:
-            res = json.load(fh)
-    n = procs
-    fits = {"allreduce": fit_ring(res["allreduce"], 2 * (n - 1), 2 * (n - 1) / n),
-            "allgather": fit_ring(res["allgather"], n - 1, (n - 1) / n),
-            "p2p": fit_ring(res["p2p"], 1, 1)}
-    out = {"procs": procs, "backend": "nccl" if device_type == "cuda" else "gloo",
-           "allreduce": res["allreduce"], "allgather": res["allgather"], "p2p": res["p2p"],
-           "fit": fits}
-    for key in ("contention", "tp_layer"):
-        if key in res:
-            out[key] = res[key]
-    return out
+        self.ready = None
+
+    def _alive(self):
+        return not self._ctx.join(timeout=0)     # raises, with the cause, if a process failed
+
+    def wait_ready(self, seconds=300.0):
+        """Block until the processes have started (and trained their early burst)."""
+        self.ready = _wait_for(self.files["ready"], seconds, self._alive)
+        return self.ready
+
+    def finish(self, max_seconds):
+        """Let the processes measure (collective sizes stop at `max_seconds`), wait, return
+        {"procs", "backend", curves, fits[, "contention", "tp_layer"]}."""
+        if self.ready is None:
+            self.wait_ready()
+        _write(self.files["go"], {"deadline": time.time() + max_seconds})
+        try:
+            while not self._ctx.join(timeout=1.0):
+                pass
+            with open(self.files["result"]) as fh:
+                res = json.load(fh)
+        finally:
+            self.close()
+        n = self.procs
+        fits = {"allreduce": fit_ring(res["allreduce"], 2 * (n - 1), 2 * (n - 1) / n),
+                "allgather": fit_ring(res["allgather"], n - 1, (n - 1) / n),
+                "p2p": fit_ring(res["p2p"], 1, 1)}
+        out = {"procs": n, "backend": "nccl" if self.device_type == "cuda" else "gloo",
+               "allreduce": res["allreduce"], "allgather": res["allgather"], "p2p": res["p2p"],
+               "fit": fits}
+        for key in ("contention", "tp_layer"):
+            if key in res:
+                out[key] = res[key]
+        return out
+
+    def close(self):
+        """Stop the processes if they still run, and remove the job's files."""
+        for p in self._ctx.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        self._tmp.cleanup()
+
+
+def measure(procs, threads, device_type, max_seconds, reps=10, layer_job=None,
+            max_bytes=1 << 26):
+    """The whole job at once (no grid to wait for)."""
+    return CommJob(procs, threads, device_type, reps, layer_job, max_bytes).finish(max_seconds)

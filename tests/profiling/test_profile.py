@@ -57,8 +57,26 @@ def test_profile_contents(tiny_profile):
     train = cont["training"]
     assert cont["procs"] == 2 and cont["slowdown"] >= 1.0 and cont["probe_slowdown"] > 0
     assert train["step_s"] > 0 and train["one_rank_step_s"] > 0 and train["params"] > 0
+    # bursts at the comm job's start (before the grid), before and after its TP runs: fastest kept
+    assert len(train["bursts_s"]) == 3 and train["step_s"] == min(train["bursts_s"])
     assert cont["slowdown"] == pytest.approx(
         max((train["step_s"] - train["grad_allreduce_s"]) / train["one_rank_step_s"], 1.0))
+
+
+def test_comm_job_failure_is_reported_not_waited_for():
+    """A comm-job process that fails while the profiler waits for it: the profiler raises with
+    the process's error at once (it does not sit out its wait)."""
+    import time
+
+    from torch.multiprocessing import ProcessRaisedException
+
+    from megatron_hexi.profile import comm
+    t0 = time.monotonic()
+    job = comm.CommJob(2, 1, "cpu", 3, layer_job=(None, [1], 3, "float32", 1))
+    with pytest.raises(ProcessRaisedException, match="num_layers"):
+        job.wait_ready(120)
+    job.close()
+    assert time.monotonic() - t0 < 60
 
 
 def _cluster(profile):
