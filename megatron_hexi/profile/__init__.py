@@ -16,8 +16,11 @@ the planner (planner/profile.py). Format "hexi-device-profile/1":
   loss, gradient finalize, stats), from timed single-rank Trainer steps;
 - `comm`: all-reduce, all-gather and p2p time vs bytes on `procs` local processes (gloo on CPU,
   NCCL on CUDA), with a ring-model (bandwidth, latency) fit per collective;
-- `contention`: compute slowdown when `procs` processes run the same layer at once (CPU: they
-  share cores and memory bandwidth): `together_s` (all at once) over `alone_s` (the grid);
+- `contention` (CPU; they share cores and memory bandwidth): `slowdown`, the compute slowdown
+  when `procs` processes train at once: the runtime's own `procs`-rank data-parallel step (the
+  fastest of bursts at the profile's start and end, `training.bursts_s`) less its gradient
+  all-reduce, over the one-rank step with the same micro-batches; `probe_slowdown`, the same
+  layer run by all processes at once (`together_s`) over the grid's (`alone_s`);
 - `tp_layer`: per-layer times of an even `tp`-way middle stage run over a real group of the
   `procs` comm processes, per micro-batch size, with its all-reduces (`fwd_s`, `bwd_s`,
   `bwd_recompute_s`) and the same shard computed on every process at once (`compute_*`). The

@@ -69,7 +69,7 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
     import torch
 
     from megatron_hexi.model import seed_rng
-    from megatron_hexi.profile import comm, measure
+    from megatron_hexi.profile import comm, measure, runtime_overhead
     from planner.catalog import match_device_name
 
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
@@ -91,7 +91,8 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
     widths = measure.sizes_for(model, tp_widths)
     mbss = sorted(set(micro_batch_sizes))
     # budget shares: compute grid (layers and ends) 55 %, optimizer + runtime 10 %, comm 20 %+
-    n_units = len(widths) * len(mbss) * rounds + 3 + (2 if comm_procs > 1 else 0)
+    n_units = (len(widths) * len(mbss) * rounds + 3 + (2 if comm_procs > 1 else 0)
+               + (rounds + 1 if runtime else 0))
     bar = Progress(n_units, max_seconds, progress_stream)
     out = {"format": FORMAT, "device": name, "dtype": str(dtype).replace("torch.", ""),
            "threads": threads, "cpu_cores": os.cpu_count(),
@@ -113,10 +114,18 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
     out["matmul_tflops"] = measure.matmul_tflops(model, max(mbss), device, dtype,
                                                  seconds=min(0.5, max_seconds * 0.02))
     bar.step(f"matmul {out['matmul_tflops'] * 1e3:.1f} GFLOP/s")
-    early = None
+    # One-rank Trainer steps (the runtime's overheads, runtime_overhead.py) in bursts spread over
+    # the profile: before the grid, after each grid round but the last, after the optimizer.
+    bursts, params = [], None
+
+    def burst(when):
+        nonlocal params
+        pts, params = runtime_overhead.step_points(model, device, reps or 4)
+        bursts.append(pts)
+        bar.step(f"one-rank Trainer steps {when}: " + ", ".join(
+            f"{k} micro-batch(es) {t * 1e3:.1f} ms" for k, t in sorted(pts.items())))
     if runtime:
-        from megatron_hexi.profile.runtime_overhead import step_points
-        early = step_points(model, device, reps or 4)[0]
+        burst("before the grid")
     # The grid is measured in rounds, each visiting every point, so that a slow spell of the
     # machine hits one round of a point rather than all of its runs (measure.py: statistic).
     points = [(t, b) for t in widths for b in mbss]
@@ -130,6 +139,8 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
             got.setdefault((t, b), []).append((e, ends))
             bar.step(f"round {rnd + 1} layer tp{t} mbs{b}: fwd {e['fwd_s'] * 1e3:.2f} ms bwd "
                      f"{e['bwd_s'] * 1e3:.2f} ms")
+        if runtime and rnd < rounds - 1 and bar.left() > max_seconds * 0.45:
+            burst(f"after round {rnd + 1}")
     complete = len(got) == len(points)
     for (t, b), runs in got.items():
         out["layer"].append(measure.combine([e for e, _ in runs], min))
@@ -139,12 +150,8 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
     out["optimizer"] = opt
     bar.step(f"optimizer {opt['s_per_param'] * 1e9:.2f} ns/param + {opt['fixed_s'] * 1e3:.2f} ms")
     if runtime and bar.left() > 0.2 * max_seconds:
-        from megatron_hexi.profile.runtime_overhead import measure_runtime
-        out["runtime"] = measure_runtime(model, device, reps or 4, opt, early)
-        bar.step(f"runtime {out['runtime']['per_microbatch_s'] * 1e3:.2f} ms/micro-batch + "
-                 f"{out['runtime']['per_step_s'] * 1e3:.2f} ms/step")
-    else:
-        bar.step("runtime overheads skipped")
+        burst("after the optimizer")
+    one_rank = {k: min(b[k] for b in bursts) for k in bursts[0]} if bursts else None
     if started:
         import torch.distributed as dist
         dist.destroy_process_group()
@@ -152,16 +159,26 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
         c = job.finish(max(bar.left(), 5.0) * 0.8)
         ref = next((e for e in out["layer"] if e["mbs"] == max(mbss) and e["tp"] == widths[0]),
                    None)
-        cont = contention(c.pop("contention"), ref, out.get("runtime"), c) \
-            if "contention" in c else None
+        cont = contention(c.pop("contention"), ref, one_rank, c) if "contention" in c else None
         if cont is not None:
             out["contention"] = cont
+            train = cont.get("training") or {}
+            if "one_rank_step_s" in train:      # contention() says why this bounds the point
+                one_rank[train["microbatches"]] = train["one_rank_step_s"]
         if "tp_layer" in c:
             out["tp_layer"] = c.pop("tp_layer")
         out["comm"] = c
         fit = c["fit"]["allreduce"]
         bar.step(f"comm {comm_procs} procs: all-reduce {fit['bandwidth_gbs']:.2f} GB/s, "
                  f"{fit['latency_us']:.0f} us" if fit else "comm: too few points")
+    if one_rank:
+        predicted = runtime_overhead.predicted_steps(out, model, device.type, list(one_rank))
+        out["runtime"] = runtime_overhead.overheads(one_rank, predicted, params)
+        out["runtime"]["bursts"] = [{str(k): t for k, t in sorted(b.items())} for b in bursts]
+        bar.step(f"runtime {out['runtime']['per_microbatch_s'] * 1e3:.2f} ms/micro-batch + "
+                 f"{out['runtime']['per_step_s'] * 1e3:.2f} ms/step")
+    else:
+        bar.step("runtime overheads skipped")
     bar.close()
     out["complete"] = complete
     out["seconds"] = round(bar.elapsed(), 2)
@@ -170,23 +187,28 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
     return out
 
 
-def contention(cont, ref, runtime, comm_result):
+def contention(cont, ref, one_rank, comm_result):
     """The profile's `contention` entry. Preferred: the runtime's own data-parallel step on
     `procs` processes, less its gradient all-reduce (the measured curve, fp32 gradients), over the
-    one-rank step with the same micro-batches; else the layer probe (all at once vs alone)."""
+    one-rank step with the same micro-batches (`one_rank`: {micro-batches: fastest step}); else
+    the layer probe (all at once vs alone). Processes that share a node never run faster than
+    one alone, so a data-parallel step (less its all-reduce) below the one-rank step shows that
+    every one-rank burst met a slow spell: it then stands for the one-rank step as well
+    (`training.one_rank_step_s`, and hexi-profile's runtime overheads)."""
     from planner.profile import _loglog
     probe = None
     if ref is not None:          # the grid point the probe compares with was measured
         cont["alone_s"] = ref["fwd_s"] + ref["bwd_s"]
         probe = cont["together_s"] / cont["alone_s"]
     train = cont.pop("training", None)
-    one = next((p["step_s"] for p in (runtime or {}).get("points", [])
-                if train and p["microbatches"] == train["microbatches"]), None)
+    one = (one_rank or {}).get(train["microbatches"]) if train else None
     curve = [(p["bytes"], p["s"]) for p in comm_result.get("allreduce", [])]
     if one and len(curve) >= 2:
         sync = _loglog(curve, 4 * train["params"])
-        train.update({"one_rank_step_s": one, "grad_allreduce_s": sync})
-        return {"slowdown": max((train["step_s"] - sync) / one, 1.0), "probe_slowdown": probe,
+        alone = min(one, train["step_s"] - sync)
+        train.update({"one_rank_step_s": alone, "one_rank_measured_s": one,
+                      "grad_allreduce_s": sync})
+        return {"slowdown": (train["step_s"] - sync) / alone, "probe_slowdown": probe,
                 "training": train, **cont}
     if probe is None:
         return None              # nothing to compare with: the profile has no contention entry

@@ -1,14 +1,37 @@
 """The runtime's own overheads, from timed steps of a single-rank Trainer on the profiled model.
 
-A one-rank plan (all layers, micro-batch 1) is trained with 1 and with k micro-batches. The step
-time minus the compute the profile predicts for it (layers + embedding + head per micro-batch,
-optimizer step) leaves what the runtime adds: per micro-batch (1F1B schedule bookkeeping, data,
-loss, Python) and per step (zero_grad, token all-reduce and gradient finalize, grad norm, stats
-all-reduce, scheduler).
+A one-rank plan (all layers, micro-batch 1) is trained with 1 and with k micro-batches. What the
+steps take beyond what the planner predicts for the same plans from the rest of the profile
+(layers, embedding, head, optimizer step) is what the runtime adds: per micro-batch (1F1B schedule
+bookkeeping, data, loss, Python) and per step (zero_grad, token all-reduce and gradient finalize,
+grad norm, stats all-reduce, scheduler). Asking the planner itself, rather than re-adding stage
+times here, makes the planner reproduce these one-rank steps.
 """
+import json
+import os
 import tempfile
 
-from megatron_hexi.profile import measure
+
+def _node_gpu(device_type):
+    """The catalog entry the one-node plans name (the plan format needs one; on CUDA any GPU
+    with room for the model will do: the Trainer runs on the local device)."""
+    return "CPU" if device_type == "cpu" else "A100-SXM-80GB"
+
+
+def _cluster(device_type, procs, profile_path=None):
+    from planner.cluster import load_cluster_dict
+    node = {"name": "local", "gpu": _node_gpu(device_type), "gpus_per_node": procs,
+            "intra_node": "host", "nic": "10 Gbit/s"}
+    if profile_path:
+        node["profile"] = profile_path
+    return load_cluster_dict({"name": f"profile-{procs}", "nodes": [node]})
+
+
+def _one_stage_plans(cluster, model, mbs, nmb, pipelines):
+    from planner.plan import build_plan
+    return build_plan(cluster, model, mbs * nmb * pipelines, [
+        {"micro_batch_size": mbs, "num_microbatches": nmb,
+         "stages": [{"ranks": [r], "layers": [0, model.num_layers]}]} for r in range(pipelines)])
 
 
 def _steps(model, device, mbs, nmb, iters, pipelines=1):
@@ -16,14 +39,8 @@ def _steps(model, device, mbs, nmb, iters, pipelines=1):
     current process group), and the parameters of one rank."""
     from megatron_hexi.arguments import parse_args
     from megatron_hexi.training import Trainer
-    from planner.cluster import load_cluster_dict
-    from planner.plan import build_plan, save_plan
-    cluster = load_cluster_dict({"name": f"profile-{pipelines}", "nodes": [
-        {"name": "local", "gpu": "CPU" if device.type == "cpu" else "A100-SXM-80GB",
-         "gpus_per_node": pipelines, "intra_node": "host", "nic": "10 Gbit/s"}]})
-    plan = build_plan(cluster, model, mbs * nmb * pipelines, [
-        {"micro_batch_size": mbs, "num_microbatches": nmb,
-         "stages": [{"ranks": [r], "layers": [0, model.num_layers]}]} for r in range(pipelines)])
+    from planner.plan import load_plan, save_plan
+    plan = _one_stage_plans(_cluster(device.type, pipelines), model, mbs, nmb, pipelines)
     import torch.distributed as dist
     with tempfile.TemporaryDirectory(prefix="hexi-profile-") as tmp:
         path = f"{tmp}/plan.json"      # every rank writes the same plan to its own directory
@@ -32,7 +49,6 @@ def _steps(model, device, mbs, nmb, iters, pipelines=1):
                            str(iters), "--lr", "1e-4", "--lr-decay-style", "constant",
                            "--attention-dropout", "0", "--hidden-dropout", "0",
                            "--log-interval", "100000"])
-        from planner.plan import load_plan
         plan = load_plan(path)
         trainer = Trainer(args, plan, device)
         times = [trainer.train_step(i)["step_time_s"] for i in range(iters)]
@@ -51,33 +67,40 @@ def data_parallel_step(model, device, reps, procs, k=4):
 
 
 def step_points(model, device, reps, k=4):
-    """{micro-batches: fastest one-rank step} for 1 and k micro-batches of 1, and the params."""
+    """{micro-batches: fastest one-rank step} for 1 and k micro-batches of 1, and the params.
+    hexi-profile takes several such bursts spread over the profile and keeps the fastest of each
+    point: a slow spell of the machine during one burst does not stick."""
     t1, params = _steps(model, device, 1, 1, reps + 2)
     tk, _ = _steps(model, device, 1, k, reps + 2)
     return {1: t1, k: tk}, params
 
 
-def measure_runtime(model, device, reps, optimizer, earlier=None):
-    """{"per_microbatch_s", "per_step_s", "points"}: overheads beyond the profiled compute and
-    the profiled optimizer step (`optimizer`: fixed_s + s_per_param x params). `earlier`: step
-    points measured before (hexi-profile takes them once before the grid and once after, and
-    keeps the faster of each, so a slow spell during one burst does not stick)."""
-    import torch
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    f1, b1 = measure.Stage(model, measure.shard_view(model, 1, model.num_layers, True, False), 1,
-                           device, dtype).time(reps)
-    f2, b2 = measure.Stage(model, measure.shard_view(model, 1, 1, False, True), 1,
-                           device, dtype).time(reps)
-    # a whole model's compute ~ (first stage with all layers) + (head stage minus its one layer)
-    lf, lb = measure.Stage(model, measure.shard_view(model, 1, 1), 1, device, dtype).time(reps)
-    compute = f1 + b1 + max(f2 - lf, 0) + max(b2 - lb, 0)
-    points, params = step_points(model, device, reps)
-    if earlier:
-        points = {n: min(t, earlier[n]) for n, t in points.items()}
+def predicted_steps(profile, model, device_type, microbatches):
+    """{k: the planner's step time for the one-rank plan of k micro-batches of 1}, from this
+    profile without its runtime overheads (pure planner code; no torch)."""
+    from planner.profile import _profile_of
+    from planner.simulator import simulate
+    bare = {key: v for key, v in profile.items() if key not in ("runtime", "contention")}
+    bare["device"] = _node_gpu(device_type)     # the figures are the profile's own
+    with tempfile.TemporaryDirectory(prefix="hexi-profile-") as tmp:
+        path = os.path.join(tmp, "profile.json")
+        with open(path, "w") as fh:
+            json.dump(bare, fh)
+        cluster = _cluster(device_type, 1, path)
+        out = {k: simulate(_one_stage_plans(cluster, model, 1, k, 1)).iteration_time_s
+               for k in microbatches}
+        _profile_of.cache_clear()
+    return out
+
+
+def overheads(points, predicted, params):
+    """The profile's `runtime` entry: {"per_microbatch_s", "per_step_s", ...} from measured
+    one-rank steps `points` {k: s} and the planner's `predicted` {k: s} for the same plans. Both
+    terms are clamped at zero: where the planner predicts more than ran, it stays conservative."""
     (n1, t1), (k, tk) = sorted(points.items())
-    per_mb = max((tk - t1) / (k - 1) - compute, 0.0)
-    opt = optimizer["fixed_s"] + optimizer["s_per_param"] * params
-    return {"per_microbatch_s": per_mb, "per_step_s": max(t1 - compute - per_mb - opt, 0.0),
-            "points": [{"microbatches": n, "step_s": t} for n, t in sorted(points.items())],
-            "compute_per_microbatch_s": compute,
-            "optimizer_s": opt, "params": params}
+    r1, rk = t1 - predicted[n1], tk - predicted[k]
+    per_mb = max((rk - r1) / (k - n1), 0.0)
+    return {"per_microbatch_s": per_mb, "per_step_s": max(r1 - per_mb * n1, 0.0),
+            "points": [{"microbatches": n, "step_s": t, "predicted_s": predicted[n]}
+                       for n, t in sorted(points.items())],
+            "params": params}

@@ -59,8 +59,44 @@ def test_profile_contents(tiny_profile):
     assert train["step_s"] > 0 and train["one_rank_step_s"] > 0 and train["params"] > 0
     # bursts at the comm job's start (before the grid), before and after its TP runs: fastest kept
     assert len(train["bursts_s"]) == 3 and train["step_s"] == min(train["bursts_s"])
+    assert train["one_rank_step_s"] <= train["one_rank_measured_s"]
+    # runtime overheads: one-rank Trainer bursts spread over the profile, against the planner's
+    # own prediction for the same plans
+    rt = data["runtime"]
+    assert len(rt["bursts"]) >= 2 and rt["per_microbatch_s"] >= 0 and rt["per_step_s"] >= 0
+    assert [p["microbatches"] for p in rt["points"]] == [1, 4]
+    assert all(p["step_s"] > 0 and p["predicted_s"] > 0 for p in rt["points"])
     assert cont["slowdown"] == pytest.approx(
         max((train["step_s"] - train["grad_allreduce_s"]) / train["one_rank_step_s"], 1.0))
+
+
+def test_runtime_overheads_and_contention_arithmetic():
+    """What the one-rank steps take beyond the planner's prediction splits into per micro-batch
+    and per step (never negative); a data-parallel step (less its all-reduce) faster than every
+    one-rank burst stands for the one-rank step."""
+    from megatron_hexi.profile.cli import contention
+    from megatron_hexi.profile.runtime_overhead import overheads
+    got = overheads({1: 0.011, 4: 0.035}, {1: 0.009, 4: 0.030}, 100)
+    assert got["per_microbatch_s"] == pytest.approx(0.001)
+    assert got["per_step_s"] == pytest.approx(0.001)
+    assert got["points"][1] == {"microbatches": 4, "step_s": 0.035, "predicted_s": 0.030}
+    low = overheads({1: 0.008, 4: 0.026}, {1: 0.009, 4: 0.030}, 100)
+    assert low["per_microbatch_s"] == 0.0 and low["per_step_s"] == 0.0
+    curve = {"allreduce": [{"bytes": 1000, "s": 0.001}, {"bytes": 4000, "s": 0.004}]}
+
+    def entry(step_s, one):
+        cont = {"procs": 2, "together_s": 0.012, "training": {
+            "procs": 2, "microbatches": 4, "step_s": step_s, "params": 1000}}
+        return contention(cont, {"fwd_s": 0.004, "bwd_s": 0.006}, {1: 0.1, 4: one}, curve)
+    slow = entry(0.30, 0.20)          # all-reduce of 4000 B: 4 ms
+    assert slow["slowdown"] == pytest.approx(0.296 / 0.20)
+    assert slow["probe_slowdown"] == pytest.approx(1.2)
+    fast = entry(0.30, 0.35)
+    assert fast["slowdown"] == pytest.approx(1.0)
+    assert fast["training"]["one_rank_step_s"] == pytest.approx(0.296)
+    assert fast["training"]["one_rank_measured_s"] == 0.35
+    # no runtime steps and no grid point to compare with: no contention entry at all
+    assert contention({"procs": 2, "together_s": 0.01}, None, None, curve) is None
 
 
 def test_comm_job_failure_is_reported_not_waited_for():
