@@ -13,12 +13,13 @@ the planner (planner/profile.py). Format "hexi-device-profile/1":
 - `optimizer`: the runtime's optimizer step (megatron-core wrapper, exact grad norm, AdamW), fit
   as `fixed_s + s_per_param x params`;
 - `runtime`: the runtime's own per-micro-batch and per-step overheads (1F1B schedule, data,
-  loss, gradient finalize, stats), from timed single-rank Trainer steps;
+  loss, gradient finalize, stats): what timed single-rank Trainer steps (`points`, the fastest
+  of `bursts` spread over the profile) take beyond the planner's prediction for the same plans;
 - `comm`: all-reduce, all-gather and p2p time vs bytes on `procs` local processes (gloo on CPU,
   NCCL on CUDA), with a ring-model (bandwidth, latency) fit per collective;
 - `contention` (CPU; they share cores and memory bandwidth): `slowdown`, the compute slowdown
   when `procs` processes train at once: the runtime's own `procs`-rank data-parallel step (the
-  fastest of bursts at the profile's start and end, `training.bursts_s`) less its gradient
+  fastest of bursts spread over the profile, `training.bursts_s`) less its gradient
   all-reduce, over the one-rank step with the same micro-batches; `probe_slowdown`, the same
   layer run by all processes at once (`together_s`) over the grid's (`alone_s`);
 - `tp_layer`: per-layer times of an even `tp`-way middle stage run over a real group of the

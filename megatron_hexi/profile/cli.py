@@ -108,24 +108,26 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
                                       widths[0] if device.type == "cpu" else 0))
         ready = job.wait_ready(max(60.0, max_seconds))
         bar.step(f"comm job of {comm_procs} started" + (
-            f"; data-parallel step {ready['early_step_s'] * 1e3:.1f} ms"
-            if ready["early_step_s"] else ""))
+            f"; data-parallel step {ready['step_s'] * 1e3:.1f} ms" if ready["step_s"] else ""))
     measure.warm_up(model, device, dtype, min(3.0, 0.03 * max_seconds))
     out["matmul_tflops"] = measure.matmul_tflops(model, max(mbss), device, dtype,
                                                  seconds=min(0.5, max_seconds * 0.02))
     bar.step(f"matmul {out['matmul_tflops'] * 1e3:.1f} GFLOP/s")
     # One-rank Trainer steps (the runtime's overheads, runtime_overhead.py) in bursts spread over
-    # the profile: before the grid, after each grid round but the last, after the optimizer.
+    # the profile: before the grid, after each grid round but the last, after the optimizer; each
+    # next to a data-parallel burst of the comm job (its first one ran as it started).
     bursts, params = [], None
 
-    def burst(when):
+    def burst(when, data_parallel=True):
         nonlocal params
+        dp = job.burst() if job is not None and data_parallel else None
         pts, params = runtime_overhead.step_points(model, device, reps or 4)
         bursts.append(pts)
         bar.step(f"one-rank Trainer steps {when}: " + ", ".join(
-            f"{k} micro-batch(es) {t * 1e3:.1f} ms" for k, t in sorted(pts.items())))
+            f"{k} micro-batch(es) {t * 1e3:.1f} ms" for k, t in sorted(pts.items()))
+            + (f"; data-parallel {dp * 1e3:.1f} ms" if dp else ""))
     if runtime:
-        burst("before the grid")
+        burst("before the grid", data_parallel=False)
     # The grid is measured in rounds, each visiting every point, so that a slow spell of the
     # machine hits one round of a point rather than all of its runs (measure.py: statistic).
     points = [(t, b) for t in widths for b in mbss]

@@ -8,9 +8,10 @@ that many processes), and times TP layers over the real group (see _layer_runs).
 the results to a JSON file.
 
 hexi-profile starts the job before its compute grid (`CommJob`): the processes start, train one
-data-parallel burst, then sleep (no collective is polling) until the grid is done. A burst at the
-start and bursts at the end sample the machine over the whole profile, as the runs it predicts
-are sampled over time; the start-up cost is paid while the parent would wait anyway.
+data-parallel burst, then sleep (no collective is polling) while the parent measures alone. The
+parent asks for more bursts between its grid rounds, each next to one of its one-rank bursts, and
+the job trains two more at the end: contention is sampled over the whole profile, as the runs it
+predicts are sampled over time. The start-up cost is paid while the parent would wait anyway.
 """
 import json
 import os
@@ -65,14 +66,25 @@ def _worker(rank, procs, port, files, sizes, reps, threads, device_type, wait_s,
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                             world_size=procs)
     singles = [dist.new_group([r]) for r in range(procs)]
-    early = None
-    if layer_job is not None and layer_job[-1]:
-        from megatron_hexi.profile.runtime_overhead import data_parallel_step
-        early = data_parallel_step(layer_job[0], device, layer_job[2], procs)
-    dist.barrier()
-    if rank == 0:
-        _write(files["ready"], {"early_step_s": early["step_s"] if early else None})
-    deadline = _wait_for(files["go"], wait_s, lambda: os.getppid() == parent)["deadline"]
+    bursts = []                  # data-parallel Trainer steps, on the parent's requests
+
+    def burst(n):
+        if layer_job is not None and layer_job[-1]:
+            from megatron_hexi.profile.runtime_overhead import data_parallel_step
+            bursts.append(data_parallel_step(layer_job[0], device, layer_job[2], procs))
+        dist.barrier()
+        if rank == 0:
+            _write(files["done"].format(n),
+                   {"step_s": bursts[-1]["step_s"] if bursts else None})
+    burst(0)
+    n = 0
+    while True:                  # sleep until the parent asks for a burst or the measurements
+        n += 1
+        cmd = _wait_for(files["cmd"].format(n), wait_s, lambda: os.getppid() == parent)
+        if cmd["op"] != "burst":
+            break
+        burst(n)
+    deadline = cmd["deadline"]
     res = {"allreduce": [], "allgather": [], "p2p": []}
     for nbytes in sizes:
         # every rank must stop at the same size: rank 0's clock decides (at least 3 sizes)
@@ -100,7 +112,7 @@ def _worker(rank, procs, port, files, sizes, reps, threads, device_type, wait_s,
                 dist.send(x, 0)
         res["p2p"].append({"bytes": 4 * n, "s": _time(pingpong, r, device) / 2})
     if layer_job is not None:
-        res.update(_layer_runs(rank, procs, singles[rank], device, *layer_job, early=early))
+        res.update(_layer_runs(rank, procs, singles[rank], device, *layer_job, earlier=bursts))
     if rank == 0:
         _write(files["result"], res)
     dist.barrier()
@@ -135,7 +147,7 @@ def _wait_for(path, seconds, alive=None):
 
 
 def _layer_runs(rank, procs, single, device, model, mbss, reps, dtype_name, contention,
-                early=None):
+                earlier=()):
     """Layer timings that only exist with `procs` processes running at once.
 
     - contention (CPU; `contention` is the TP width of the reference shard): a layer stage of
@@ -143,9 +155,9 @@ def _layer_runs(rank, procs, single, device, model, mbss, reps, dtype_name, cont
       alone in the compute grid it is the slowdown of `procs` processes sharing the cores. (A
       rank that waits in a gloo collective polls, so "alone" is not measured here with the others
       waiting: that would slow the one that runs.) Then the runtime itself: `procs` one-stage
-      pipelines training at once (bursts at the job's start (`early`), before and after the TP
-      runs, the fastest kept), whose step against the one-rank step (hexi-profile's runtime
-      runs) gives the slowdown as training meets it, collectives and all;
+      pipelines training at once (bursts during the profile (`earlier`: CommJob.burst), before
+      and after the TP runs, the fastest kept), whose step against the one-rank step
+      (hexi-profile's runtime runs) gives the slowdown as training meets it, collectives and all;
     - in-situ TP (when the model splits evenly `procs` ways): for each micro-batch size, a
       two-layer middle stage over a real `procs`-way TP group (the runtime's layers with their
       all-reduces) and, alternately, the same shard as a one-rank stage on every process at once.
@@ -201,7 +213,7 @@ def _layer_runs(rank, procs, single, device, model, mbss, reps, dtype_name, cont
         out["tp_layer"] = rows
     if contention:                   # and once after: the fastest burst is kept
         again = data_parallel_step(model, device, reps, procs)
-        bursts = ([early["step_s"]] if early else []) + [train["step_s"], again["step_s"]]
+        bursts = [b["step_s"] for b in earlier] + [train["step_s"], again["step_s"]]
         train.update({"step_s": min(bursts), "bursts_s": bursts})
         out["contention"]["training"] = train
     return out
@@ -212,10 +224,11 @@ class CommJob:
 
         job = CommJob(procs, threads, "cpu", layer_job=...)   # spawns; first burst
         job.wait_ready()      # the processes sleep from here on: measure alone now
+        job.burst()           # another data-parallel burst, between the parent's measurements
         result = job.finish(max_seconds)
 
     `layer_job`: the _layer_runs arguments after the device; its last one (the contention
-    reference's TP width, 0 for none) also decides the early burst.
+    reference's TP width, 0 for none) also decides whether the processes train bursts.
     """
 
     def __init__(self, procs, threads, device_type, reps=10, layer_job=None, max_bytes=1 << 26,
@@ -234,8 +247,9 @@ class CommJob:
             sk.bind(("127.0.0.1", 0))
             port = sk.getsockname()[1]
         self._tmp = tempfile.TemporaryDirectory(prefix="hexi-profile-")
-        self.files = {k: os.path.join(self._tmp.name, k + ".json")
-                      for k in ("ready", "go", "result")}
+        self.files = {k: os.path.join(self._tmp.name, k + "{}.json") for k in ("cmd", "done")}
+        self.files["result"] = os.path.join(self._tmp.name, "result.json")
+        self.commands = 0
         env_threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = str(threads)
         try:
@@ -255,16 +269,29 @@ class CommJob:
         return not self._ctx.join(timeout=0)     # raises, with the cause, if a process failed
 
     def wait_ready(self, seconds=300.0):
-        """Block until the processes have started (and trained their early burst)."""
-        self.ready = _wait_for(self.files["ready"], seconds, self._alive)
+        """Block until the processes have started (and trained their first burst)."""
+        self.ready = _wait_for(self.files["done"].format(0), seconds, self._alive)
         return self.ready
+
+    def _command(self, **cmd):
+        self.commands += 1
+        _write(self.files["cmd"].format(self.commands), cmd)
+
+    def burst(self, seconds=300.0):
+        """One more data-parallel burst (the processes sleep again after it); its step, or
+        None when the job trains none."""
+        if self.ready is None:
+            self.wait_ready()
+        self._command(op="burst")
+        return _wait_for(self.files["done"].format(self.commands), seconds,
+                         self._alive)["step_s"]
 
     def finish(self, max_seconds):
         """Let the processes measure (collective sizes stop at `max_seconds`), wait, return
         {"procs", "backend", curves, fits[, "contention", "tp_layer"]}."""
         if self.ready is None:
             self.wait_ready()
-        _write(self.files["go"], {"deadline": time.time() + max_seconds})
+        self._command(op="measure", deadline=time.time() + max_seconds)
         try:
             while not self._ctx.join(timeout=1.0):
                 pass

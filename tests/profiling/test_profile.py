@@ -57,8 +57,8 @@ def test_profile_contents(tiny_profile):
     train = cont["training"]
     assert cont["procs"] == 2 and cont["slowdown"] >= 1.0 and cont["probe_slowdown"] > 0
     assert train["step_s"] > 0 and train["one_rank_step_s"] > 0 and train["params"] > 0
-    # bursts at the comm job's start (before the grid), before and after its TP runs: fastest kept
-    assert len(train["bursts_s"]) == 3 and train["step_s"] == min(train["bursts_s"])
+    # bursts at the comm job's start, between grid rounds, before and after its TP runs: fastest kept
+    assert len(train["bursts_s"]) >= 3 and train["step_s"] == min(train["bursts_s"])
     assert train["one_rank_step_s"] <= train["one_rank_measured_s"]
     # runtime overheads: one-rank Trainer bursts spread over the profile, against the planner's
     # own prediction for the same plans
