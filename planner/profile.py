@@ -19,7 +19,9 @@ A node group's `profile: path.json` (planner/costmodel.device_for) may be
 CPU contention (stated model): a node of a CPU profile runs `gpus_per_node` processes of `threads`
 threads on `cpu_cores` cores. With k processes the compute slows by the measured `contention`
 slowdown at the profiled process count (interpolated linearly from 1.0 at one process), and beyond
-the cores by a further k x threads / cores (time-slicing). GPU profiles get no contention.
+the cores by a further k x threads / cores (time-slicing). The simulator then counts a process
+that computes for part of the step as that part of a process (planner/simulator.py). GPU
+profiles get no contention.
 
 Pure Python (no torch): the planner must not import torch.
 """

@@ -4,8 +4,13 @@ iteration time = the slowest pipeline's 1F1B time (each stage's own forward/back
 transfers and all-gathers) + the serial weighted gradient sync across pipelines + the optimizer
 step (the slowest rank). MFU = model FLOPs without recompute / (iteration time x the sum of the
 used GPUs' catalog peaks). Memory is checked per rank against the device's capacity.
+
+CPU contention (profiled CPU nodes only): processes that share a node slow each other only while
+they compute. The pipelines are evaluated once at the node's full contention; each rank then
+gets the contention of 1 + the share of the step its node's other processes compute (their
+stages' forward + backward time over the iteration), and the pipelines are evaluated again.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner import costmodel as cm
 from planner.gradsync import StageLayout, optimizer_shares, rank_sets, sync_time
@@ -83,27 +88,16 @@ def simulate_layout(model, cluster, layouts, batches, recompute, distributed_opt
     m = model
     topo = topo or cm.Topology(cluster)
     K = len(layouts)
-    cache = _cache(topo, m)
-    ptimes, reports, ranks_all, mems_all = [], [], [], []
-    for pi, (stages, (mbs, nmb)) in enumerate(zip(layouts, batches)):
-        # identical pipelines (same machine kinds, layers and shards) are evaluated once
-        key = (topo.sig(*[st.ranks for st in stages]),
-               tuple((st.layers, st.query_groups, st.ffn, st.vocab) for st in stages),
-               mbs, nmb, recompute)
-        got = cache.get(key)
-        if got is None:
-            got = cache[key] = _pipeline_eval(m, topo, stages, mbs, nmb, recompute)
-        ptime, stage_rows, mems = got
-        ptimes.append(ptime)
-        for k, (st, row) in enumerate(zip(stages, stage_rows)):
-            reports.append(StageReport(pi, k, st.ranks, *row))
-            ranks_all.extend(st.ranks)
-        mems_all.extend(mems)
+    sets = rank_sets(m, layouts, distributed_optimizer)
+    sync, worst_sync = sync_time(sets, topo, distributed_optimizer)
+    ptimes, reports, ranks_all, mems_all = _pipelines(m, topo, layouts, batches, recompute)
+    slow = _shared_node_slowdowns(topo, reports, batches, max(ptimes) + sync)
+    if slow:
+        ptimes, reports, ranks_all, mems_all = _pipelines(m, topo, layouts, batches, recompute,
+                                                          slow)
     nonopt = dict(zip(ranks_all, mems_all))          # rank -> MemoryUse without optimizer state
     node_of, devices = topo.node_of, topo.devices
 
-    sets = rank_sets(m, layouts, distributed_optimizer)
-    sync, worst_sync = sync_time(sets, topo, distributed_optimizer)
     fraction = None
     if distributed_optimizer and K > 1:
         params_of = {r: mem.weights / cm.WEIGHT_BYTES_PER_PARAM for r, mem in nonopt.items()}
@@ -156,6 +150,61 @@ def simulate_layout(model, cluster, layouts, batches, recompute, distributed_opt
                     bottleneck, fits, reports)
 
 
+def _pipelines(m, topo, layouts, batches, recompute, slow=None):
+    """(1F1B time per pipeline, StageReports, ranks in stage order, their MemoryUse); `slow`:
+    {rank: compute slowdown} replacing the node's full contention for those ranks."""
+    cache = _cache(topo, m)
+    ptimes, reports, ranks_all, mems_all = [], [], [], []
+    for pi, (stages, (mbs, nmb)) in enumerate(zip(layouts, batches)):
+        ranks = [r for st in stages for r in st.ranks]
+        mine = tuple(slow.get(r) for r in ranks) if slow else ()
+        # identical pipelines (same machine kinds, layers and shards) are evaluated once
+        key = (topo.sig(*[st.ranks for st in stages]),
+               tuple((st.layers, st.query_groups, st.ffn, st.vocab) for st in stages),
+               mbs, nmb, recompute, mine)
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = _pipeline_eval(m, topo, stages, mbs, nmb, recompute, slow)
+        ptime, stage_rows, mems = got
+        ptimes.append(ptime)
+        for k, (st, row) in enumerate(zip(stages, stage_rows)):
+            reports.append(StageReport(pi, k, st.ranks, *row))
+            ranks_all.extend(st.ranks)
+        mems_all.extend(mems)
+    return ptimes, reports, ranks_all, mems_all
+
+
+def _shared_node_slowdowns(topo, reports, batches, period):
+    """{rank: slowdown} on profiled CPU nodes where the node's other processes compute for only
+    part of the `period` (module docstring); {} when no rank is affected."""
+    busy, on_node = {}, {}
+    for rep in reports:
+        share = min((rep.fwd + rep.bwd) * batches[rep.pipeline][1] / period, 1.0)
+        for r in rep.ranks:
+            busy[r] = share
+            on_node.setdefault(topo.node_of[r], []).append(r)
+    out = {}
+    for n, ranks in on_node.items():
+        pd = topo.devices[n].profile
+        if pd is None or pd.slowdown <= 1.0 or len(ranks) < 2:
+            continue
+        total = sum(busy[r] for r in ranks)
+        for r in ranks:
+            s = pd.profile.contention(1.0 + total - busy[r])
+            if s < pd.slowdown:
+                out[r] = s
+    return out
+
+
+def _device(topo, rank, slow):
+    """The rank's Device, with its own contention when `slow` gives one."""
+    dev = topo.device_of(rank)
+    s = slow.get(rank) if slow else None
+    if s is None:
+        return dev
+    return replace(dev, profile=type(dev.profile)(dev.profile.profile, s))
+
+
 def _cache(topo, model):
     """Per topology and model memo of pipeline evaluations (the search simulates many plans)."""
     caches = topo.__dict__.setdefault("_simulator_cache", {})
@@ -167,13 +216,13 @@ def _cache(topo, model):
     return got[1]
 
 
-def _pipeline_eval(m, topo, stages, mbs, nmb, recompute):
+def _pipeline_eval(m, topo, stages, mbs, nmb, recompute, slow=None):
     """(1F1B seconds, per stage (fwd, bwd, compute, tp_comm, p2p_in), per rank MemoryUse
     without optimizer state, ranks in stage order) of one pipeline."""
     p = len(stages)
     fwd, bwd, xf, xb, rows, mems = [], [], [], [], [], []
     for k, st in enumerate(stages):
-        devs = [topo.device_of(r) for r in st.ranks]
+        devs = [_device(topo, r, slow) for r in st.ranks]
         first, last = st.layers[0] == 0, st.layers[1] == m.num_layers
         link = topo.slowest(st.ranks)
         c = cm.stage_cost(m, mbs, devs, {"query_groups": st.query_groups, "ffn": st.ffn,

@@ -194,6 +194,34 @@ def test_in_situ_tp_comm(tmp_path):
     assert tf4 == pytest.approx(2 * prof.allreduce(nbytes, 4, prof.link)) and tf4 > 0
 
 
+def test_contention_only_while_the_others_compute(tmp_path):
+    """Processes sharing a profiled CPU node slow each other only while they compute: equal
+    data-parallel pipelines pay (nearly) the full contention, while a long pipeline beside a
+    short one pays little and the short one nearly all of it."""
+    model = load_model("tiny")
+    one_stage = {"ranks": [0], "layers": [0, model.num_layers]}
+
+    def pipelines(*nmbs):
+        return [{"micro_batch_size": 1, "num_microbatches": n,
+                 "stages": [dict(one_stage, ranks=[r])]} for r, n in enumerate(nmbs)]
+
+    def times(slowdown, *nmbs):
+        path, _ = _synthetic_profile(tmp_path / str(slowdown), slowdown)
+        cluster = load_cluster_dict({"name": "cpu-2", "nodes": [
+            {"name": "cpu", "gpu": "CPU", "gpus_per_node": 2, "intra_node": "host",
+             "nic": "10 Gbit/s", "profile": str(path)}]})
+        return simulate(build_plan(cluster, model, sum(nmbs), pipelines(*nmbs))).pipeline_time_s
+    for d in ("1.0", "1.5"):
+        (tmp_path / d).mkdir()
+    alone, shared = times(1.0, 4, 4), times(1.5, 4, 4)
+    for a, b in zip(alone, shared):
+        assert 1.35 < b / a <= 1.5
+    alone, shared = times(1.0, 6, 1), times(1.5, 6, 1)
+    long_ratio, short_ratio = shared[0] / alone[0], shared[1] / alone[1]
+    assert 1.0 < long_ratio < 1.15       # the short pipeline computes about 1/6 of the step
+    assert 1.4 < short_ratio <= 1.5
+
+
 def test_simulate_cli_reports_sources(tiny_profile, tmp_path, hexi_plan):
     from planner.plan import save_plan
     path, _ = tiny_profile
