@@ -318,9 +318,3 @@ class CommJob:
                 p.terminate()
                 p.join(5)
         self._tmp.cleanup()
-
-
-def measure(procs, threads, device_type, max_seconds, reps=10, layer_job=None,
-            max_bytes=1 << 26):
-    """The whole job at once (no grid to wait for)."""
-    return CommJob(procs, threads, device_type, reps, layer_job, max_bytes).finish(max_seconds)
