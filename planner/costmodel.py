@@ -419,9 +419,13 @@ def layer_times(m, mbs, devices, qg, ffn, tp_link, recompute):
     return cf, tf, cb, tb
 
 
-def embedding_times(m, mbs, t, tp_link):
+def embedding_times(m, mbs, devices, tp_link):
     """(fwd, bwd) of the vocab-parallel embedding: one all-reduce of [s, b, h] in forward."""
-    return ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t, *tp_link), 0.0
+    if any(d.profile is not None for d in devices):   # measured comm (planner/profile.py)
+        from planner.profile import embedding_times as measured
+        return measured(m, mbs, devices, tp_link)
+    return (ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, len(devices),
+                                *tp_link), 0.0)
 
 
 def head_times(m, mbs, devices, vocab, tp_link):
@@ -449,11 +453,7 @@ def stage_cost(m, mbs, devices, shards, n_layers, first, last, tp_link, recomput
     fwd, bwd = n_layers * (cf + tf), n_layers * (cb + tb)
     compute, tp = n_layers * (cf + cb), n_layers * (tf + tb)
     if first:
-        if any(d.profile is not None for d in devices):
-            from planner.profile import embedding_times as measured_embedding
-            ef, eb = measured_embedding(m, mbs, devices, tp_link)
-        else:
-            ef, eb = embedding_times(m, mbs, len(devices), tp_link)
+        ef, eb = embedding_times(m, mbs, devices, tp_link)
         fwd, bwd, tp = fwd + ef, bwd + eb, tp + ef + eb
     if last:
         hf, hb = head_times(m, mbs, devices, shards["vocab"], tp_link)

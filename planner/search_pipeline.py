@@ -116,7 +116,7 @@ class Context:
                                         link, self.recompute)
         ef = eb = 0.0
         if first:
-            a, b = cm.embedding_times(m, self.mbs, len(ranks), link)
+            a, b = cm.embedding_times(m, self.mbs, devs, link)
             ef, eb = ef + a, eb + b
         if last:
             a, b = cm.head_times(m, self.mbs, devs, shards["vocab"], link)

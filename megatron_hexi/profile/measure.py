@@ -22,7 +22,7 @@ from megatron_hexi.model import build_stage_model, seed_rng, stage_config
 def _world():
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_world_size() != 1:
-        raise RuntimeError("profile stages need a one-rank process group (Stage.tp_group)")
+        raise RuntimeError("profile stages need a one-rank process group (Stage(group=...))")
     return dist.group.WORLD
 
 
@@ -62,13 +62,10 @@ def tp_view(model, t, rank, layers):
 class Stage:
     """One single-rank stage: build, then time forward / backward per micro-batch."""
 
-    tp_group = None     # a one-rank process group (set by the caller once the group exists)
-
     def __init__(self, model, view, mbs, device, dtype, recompute=False, group=None):
         plan = types.SimpleNamespace(model=model)
         self.cfg = stage_config(plan, view, params_dtype=dtype, recompute=recompute)
-        group = group or Stage.tp_group or _world()
-        self.net = build_stage_model(plan, view, group, self.cfg, device)
+        self.net = build_stage_model(plan, view, group or _world(), self.cfg, device)
         with torch.no_grad():
             for p in self.net.parameters():
                 p.normal_(0.0, 0.02) if p.ndim > 1 else p.fill_(1.0)

@@ -1,6 +1,6 @@
 """Cost-model fidelity on this machine: predicted (hexi-plan simulate) vs measured step times.
 
-    python tools/bench/fidelity.py [--profile cpu.json] [--steps 6] [--warmup 3]
+    python tools/bench/fidelity.py [--profile cpu.json] [--steps 8] [--warmup 3] [--rounds 3]
         [--png docs/fidelity.png] [--device cpu|cuda] [--max-profile-seconds 120]
 
 1. Profile the local device with `hexi-profile` (the bench model, --comm-procs 2, the runtime's
