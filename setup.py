@@ -37,9 +37,9 @@ setup(
     },
     entry_points={"console_scripts": [
         "hexi-plan=planner.cli:main",
-        "hexi-train=megatron_hexi.training:main",
+        "hexi-train=megatron_hexi.training:cli",
         "hexi-launch=megatron_hexi.launch.cli:main",
-        "hexi-cluster=megatron_hexi.cluster_tools.cli:main",
-        "hexi-profile=megatron_hexi.profile.cli:main",
+        "hexi-cluster=megatron_hexi.cluster_tools.cli:cli",
+        "hexi-profile=megatron_hexi.profile.cli:cli",
     ]},
 )

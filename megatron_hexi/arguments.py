@@ -4,6 +4,9 @@ Model and batch flags may be omitted (the plan has them); one that contradicts t
 error, and so is any flag this runtime does not support (it is named, never silently ignored).
 """
 import argparse
+import math
+import re
+from typing import NamedTuple
 
 from planner.errors import SpecError
 
@@ -17,9 +20,85 @@ MODEL_FLAGS = {
 }
 
 
+def finite_float(text):
+    """argparse type: a float that is finite (`nan`, `inf` and `1e999` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is a SpecError: one `pretrain_gpt.py: error:` line, exit 2."""
+
+    def error(self, message):
+        raise SpecError(message)
+
+
+class Range(NamedTuple):
+    """Allowed values of a numeric flag: [low, high], either end open or absent."""
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def describe(self):
+        low = f"{'>' if self.low_open else '>='} {self.low}"
+        if self.high is None:
+            return low
+        return f"{low} and {'<' if self.high_open else '<='} {self.high}"
+
+    def holds(self, value):
+        above = value > self.low or (value == self.low and not self.low_open)
+        below = (self.high is None or value < self.high
+                 or (value == self.high and not self.high_open))
+        return above and below
+
+
+RANGES = {
+    "lr": Range(0), "min_lr": Range(0), "lr_warmup_init": Range(0), "weight_decay": Range(0),
+    "clip_grad": Range(0), "adam_beta1": Range(0, 1, high_open=True),
+    "adam_beta2": Range(0, 1, high_open=True), "adam_eps": Range(0, low_open=True),
+    "attention_dropout": Range(0, 1), "hidden_dropout": Range(0, 1),
+    "norm_epsilon": Range(0, low_open=True), "distributed_timeout_minutes": Range(0, low_open=True),
+    "train_iters": Range(1), "log_interval": Range(1), "lr_decay_iters": Range(1),
+    "lr_warmup_iters": Range(0), "seed": Range(0, 2 ** 32 - 1), "micro_batch_size": Range(1),
+    "global_batch_size": Range(1), "save_interval": Range(1), "exit_interval": Range(1),
+    "tensorboard_log_interval": Range(1), "ckpt_step": Range(0),
+}
+
+
+def check_ranges(args):
+    """Every numeric flag that is given lies in its range (one line per flag that does not)."""
+    problems = [f"--{flag.replace('_', '-')} must be {r.describe()}, got {getattr(args, flag)}"
+                for flag, r in RANGES.items()
+                if getattr(args, flag) is not None and not r.holds(getattr(args, flag))]
+    if problems:
+        raise SpecError(problems)
+
+
+SPLIT = re.compile(r"^\s*[0-9.eE+]+(\s*[,/]\s*[0-9.eE+]+){0,2}\s*$")
+
+
+def check_split(text):
+    """--split in Megatron's syntax: up to three non-negative weights (train, valid, test),
+    separated by ',' or '/', with a positive sum."""
+    parts = re.split(r"\s*[,/]\s*", text.strip()) if SPLIT.match(text) else []
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        weights = []
+    if not weights or not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise SpecError(f"--split {text!r}: give up to three non-negative weights with a "
+                        f"positive sum, as '969,30,1' or '98/2/0'")
+
+
 def build_parser():
-    p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False,
-                                description="Train a GPT under a heterogeneous plan.")
+    p = _Parser(prog="pretrain_gpt.py", allow_abbrev=False,
+                description="Train a GPT under a heterogeneous plan.")
     h = p.add_argument_group("hetero")
     h.add_argument("--hetero-plan-path", required=True, help="plan JSON (hexi-plan)")
     h.add_argument("--hetero-metrics-path", default=None, help="JSONL metrics per iteration")
@@ -27,16 +106,16 @@ def build_parser():
                    help="default: cuda when available, else cpu (GPUs emulated by processes)")
     m = p.add_argument_group("model (optional: taken from the plan)")
     for flag in MODEL_FLAGS:
-        m.add_argument("--" + flag.replace("_", "-"), type=float if flag == "norm_epsilon" else int,
-                       default=None)
+        kind = finite_float if flag == "norm_epsilon" else int
+        m.add_argument("--" + flag.replace("_", "-"), type=kind, default=None)
     m.add_argument("--group-query-attention", action="store_true")
     m.add_argument("--swiglu", action="store_true", default=None)
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     m.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default=None)
     m.add_argument("--position-embedding-type", choices=["rope"], default=None)
     m.add_argument("--disable-bias-linear", action="store_true", default=None)
-    m.add_argument("--attention-dropout", type=float, default=0.1)
-    m.add_argument("--hidden-dropout", type=float, default=0.1)
+    m.add_argument("--attention-dropout", type=finite_float, default=0.1)
+    m.add_argument("--hidden-dropout", type=finite_float, default=0.1)
     m.add_argument("--recompute-activations", action="store_true")
     m.add_argument("--recompute-granularity", choices=["full"], default=None)
     m.add_argument("--recompute-method", choices=["uniform"], default=None)
@@ -47,18 +126,18 @@ def build_parser():
     b.add_argument("--micro-batch-size", type=int, default=None)
     b.add_argument("--global-batch-size", type=int, default=None)
     b.add_argument("--train-iters", type=int, required=True)
-    b.add_argument("--lr", type=float, required=True)
-    b.add_argument("--min-lr", type=float, default=0.0)
+    b.add_argument("--lr", type=finite_float, required=True)
+    b.add_argument("--min-lr", type=finite_float, default=0.0)
     b.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine",
                                                 "inverse-square-root"], default="linear")
     b.add_argument("--lr-decay-iters", type=int, default=None)
     b.add_argument("--lr-warmup-iters", type=int, default=0)
-    b.add_argument("--lr-warmup-init", type=float, default=0.0)
-    b.add_argument("--weight-decay", type=float, default=0.01)
-    b.add_argument("--adam-beta1", type=float, default=0.9)
-    b.add_argument("--adam-beta2", type=float, default=0.999)
-    b.add_argument("--adam-eps", type=float, default=1e-8)
-    b.add_argument("--clip-grad", type=float, default=1.0)
+    b.add_argument("--lr-warmup-init", type=finite_float, default=0.0)
+    b.add_argument("--weight-decay", type=finite_float, default=0.01)
+    b.add_argument("--adam-beta1", type=finite_float, default=0.9)
+    b.add_argument("--adam-beta2", type=finite_float, default=0.999)
+    b.add_argument("--adam-eps", type=finite_float, default=1e-8)
+    b.add_argument("--clip-grad", type=finite_float, default=1.0)
     b.add_argument("--optimizer", choices=["adam"], default="adam")
     b.add_argument("--use-distributed-optimizer", action="store_true", default=None,
                    help="shard fp32 master weights and Adam state (the plan must assume it)")
@@ -75,11 +154,15 @@ def build_parser():
     d.add_argument("--tokenizer-model", default=None)
     d.add_argument("--log-interval", type=int, default=1)
     d.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None)
-    d.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+    d.add_argument("--distributed-timeout-minutes", type=finite_float, default=10.0,
                    help="collective timeout; fractions allowed (a dead or hung peer fails every "
                         "rank within it)")
     d.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
     d.add_argument("--tensorboard-log-interval", type=int, default=1)
+    d.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad",
+                   help="keep training when the loss or the gradient norm is NaN or infinite "
+                        "(default: stop with an error, as Megatron-LM does)")
     d.add_argument("--exit-interval", type=int, default=None,
                    help="stop (saving first, with --save) when the iteration is a multiple of it")
     c = p.add_argument_group("checkpoints")
@@ -118,26 +201,19 @@ def parse_args(argv=None):
     if args.recompute_activations:
         raise SpecError("--recompute-activations (selective recompute) is not supported; use "
                         "--recompute-granularity full, or plan with recompute")
+    check_ranges(args)
+    check_split(args.split)
     if not args.mock_data and not args.data_path:
         raise SpecError("give --mock-data or --data-path")
     if args.data_path and (args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model):
         raise SpecError("--data-path needs --tokenizer-type HuggingFaceTokenizer and "
                         "--tokenizer-model PATH")
-    for flag in ("save_interval", "exit_interval", "tensorboard_log_interval"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise SpecError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.save_interval and not args.save:
         raise SpecError("--save-interval needs --save DIR")
-    if args.distributed_timeout_minutes <= 0:
-        raise SpecError(f"--distributed-timeout-minutes must be > 0, got "
-                        f"{args.distributed_timeout_minutes}")
     loading = ("ckpt_step", "finetune", "no_load_optim", "no_load_rng", "hetero_load_if_exists")
     given = [f for f in loading if getattr(args, f) not in (None, False)]
     if not args.load and given:
         raise SpecError(f"--{given[0].replace('_', '-')} needs --load DIR")
-    if args.train_iters < 1:
-        raise SpecError(f"--train-iters must be >= 1, got {args.train_iters}")
     return args
 
 

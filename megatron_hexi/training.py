@@ -4,8 +4,10 @@ Order of start-up matters: flags and plan are checked before the process group e
 size before any collective, and the process mapping (one all-gather) before any group is built,
 so every mismatch is one clear error on every rank instead of a hang.
 """
+import contextlib
 import datetime
 import json
+import math
 import os
 import resource
 import sys
@@ -136,21 +138,24 @@ class Trainer:
             grad_norm = self.exact_grad_norm()
         self.scheduler.step(increment=1)
         step_time = time.perf_counter() - start
-        # One small all-reduce: loss sum (last stages, TP rank 0), each rank's times and memory.
+        # One small all-reduce: loss sum (last stages, TP rank 0), how many ranks saw a
+        # non-finite gradient norm (so every rank takes the same decision on it), each rank's
+        # times and memory.
         world = self.plan.world_size
-        stats = torch.zeros(1 + 3 * world, dtype=torch.float64)
+        stats = torch.zeros(2 + 3 * world, dtype=torch.float64)
         if v.holds_output and v.tp_rank == 0:
             stats[0] = float(sum(s["lm loss"][0] for s in store))
-        stats[1 + self.rank] = pipeline_time
-        stats[1 + world + self.rank] = step_time
-        stats[1 + 2 * world + self.rank] = peak_memory_gb(self.device)
+        stats[1] = 0.0 if math.isfinite(grad_norm) else 1.0
+        per_rank = stats[2:].view(3, world)
+        per_rank[0, self.rank] = pipeline_time
+        per_rank[1, self.rank] = step_time
+        per_rank[2, self.rank] = peak_memory_gb(self.device)
         dist.all_reduce(stats)
         loss = stats[0].item() / self.global_tokens
-        per_rank_pipe = stats[1:1 + world].tolist()
-        pipelines = [max(per_rank_pipe[r] for r in p.ranks) for p in self.plan.pipelines]
-        return {"lm_loss": loss, "grad_norm": float(grad_norm), "success": bool(success),
-                "step_time_s": max(stats[1 + world:1 + 2 * world].tolist()),
-                "peak_memory_gb": stats[1 + 2 * world:].tolist(), "pipelines": pipelines,
+        pipelines = [max(per_rank[0, r].item() for r in p.ranks) for p in self.plan.pipelines]
+        return {"lm_loss": loss, "grad_norm": float(grad_norm) if stats[1] == 0 else math.nan,
+                "success": bool(success), "step_time_s": per_rank[1].max().item(),
+                "peak_memory_gb": per_rank[2].tolist(), "pipelines": pipelines,
                 "tokens": self.global_tokens, "lr": self.optimizer.param_groups[0]["lr"]}
 
     @torch.no_grad()
@@ -214,6 +219,46 @@ def _resume_iteration(trainer, args):
     return iteration
 
 
+def check_finite(metrics):
+    """Megatron-LM's --check-for-nan-in-loss-and-grad: stop on a NaN or infinite loss or gradient
+    norm. Both are all-reduced values, so every rank stops at the same iteration, before saving
+    the diverged weights."""
+    loss, norm = metrics["lm_loss"], metrics["grad_norm"]
+    if not (math.isfinite(loss) and math.isfinite(norm)):
+        raise SpecError(f"iteration {metrics['iteration']}: lm loss {loss}, grad norm {norm}: "
+                        f"training stopped on a non-finite value (lower --lr, or keep going with "
+                        f"--no-check-for-nan-in-loss-and-grad); nothing was saved for this "
+                        f"iteration")
+
+
+def check_output_paths(args):
+    """--save and --hetero-metrics-path are writable, checked at start-up on every rank that
+    writes there (every rank writes its checkpoint file; rank 0 the metrics), so an unwritable
+    place fails now rather than at the first save. Every rank learns every problem (one
+    all-gather under the collective timeout) and fails with the same lines."""
+    import tempfile
+    problems = []
+    if args.save:
+        try:
+            os.makedirs(args.save, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=args.save, prefix=".hexi-write-check-"):
+                pass
+        except OSError as e:
+            problems.append(f"--save {args.save}: cannot write there ({e.strerror or e})")
+    if args.hetero_metrics_path and dist.get_rank() == 0:
+        try:
+            with open(args.hetero_metrics_path, "a"):
+                pass
+        except OSError as e:
+            problems.append(f"--hetero-metrics-path {args.hetero_metrics_path}: cannot write "
+                            f"there ({e.strerror or e})")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    found = list(dict.fromkeys(p for rank_problems in everyone for p in rank_problems))
+    if found:
+        raise SpecError(found)
+
+
 def _save(trainer, args, iteration):
     from megatron_hexi import checkpoint
     seconds, size = checkpoint.save(trainer, args.save, iteration)
@@ -236,47 +281,49 @@ def run(args, plan, device):
     tokens_per_iter = plan.global_batch_size * plan.model.seq_length
     history = []
     metrics_file = tensorboard = None
-    if dist.get_rank() == 0:
-        if args.hetero_metrics_path:   # a resumed run appends to the history it continues
-            metrics_file = open(args.hetero_metrics_path, "a" if first else "w")
-        if args.tensorboard_dir:
-            from megatron_hexi.tensorboard_log import TensorBoardLogger
-            tensorboard = TensorBoardLogger(args.tensorboard_dir, plan.global_batch_size,
-                                            args.tensorboard_log_interval)
-    saved = first if args.load else None
-    for it in range(first, args.train_iters):
-        m = trainer.train_step(it)
-        m["iteration"] = it + 1
-        m["tokens_per_s"] = tokens_per_iter / m["step_time_s"]
-        m["mfu"] = flops / (m["step_time_s"] * peak)
-        history.append(m)
+    with contextlib.ExitStack() as outputs:    # closed on every way out, errors included
         if dist.get_rank() == 0:
-            if (it + 1) % args.log_interval == 0:
-                print(_log_line(it + 1, args, plan, m, m["mfu"]), flush=True)
-            if metrics_file:
-                metrics_file.write(json.dumps(m) + "\n")
-                metrics_file.flush()
-            if tensorboard:
-                tensorboard.log(it + 1, m)
-        if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
-            _save(trainer, args, it + 1)
-            saved = it + 1
-        if args.exit_interval and (it + 1) % args.exit_interval == 0:
+            if args.hetero_metrics_path:   # a resumed run appends to the history it continues
+                metrics_file = outputs.enter_context(
+                    open(args.hetero_metrics_path, "a" if first else "w"))
+            if args.tensorboard_dir:
+                from megatron_hexi.tensorboard_log import TensorBoardLogger
+                tensorboard = TensorBoardLogger(args.tensorboard_dir, plan.global_batch_size,
+                                                args.tensorboard_log_interval)
+                outputs.callback(tensorboard.close)
+        saved = first if args.load else None
+        for it in range(first, args.train_iters):
+            m = trainer.train_step(it)
+            m["iteration"] = it + 1
+            m["tokens_per_s"] = tokens_per_iter / m["step_time_s"]
+            m["mfu"] = flops / (m["step_time_s"] * peak)
+            history.append(m)
             if dist.get_rank() == 0:
-                print(f" exiting at iteration {it + 1} (--exit-interval {args.exit_interval})",
-                      flush=True)
-            break
-    last = first + len(history)
-    if args.save and history and saved != last:
-        _save(trainer, args, last)
-    if metrics_file:
-        metrics_file.close()
-    if dist.get_rank() == 0:
-        text = _summary(history, first, tokens_per_iter, flops, peak, device, trainer)
-        print(text, flush=True)
-        if tensorboard:
-            tensorboard.summary(text, last)
-            tensorboard.close()
+                if (it + 1) % args.log_interval == 0:
+                    print(_log_line(it + 1, args, plan, m, m["mfu"]), flush=True)
+                if metrics_file:
+                    metrics_file.write(json.dumps(m) + "\n")
+                    metrics_file.flush()
+                if tensorboard:
+                    tensorboard.log(it + 1, m)
+            if args.check_for_nan_in_loss_and_grad:
+                check_finite(m)
+            if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
+                _save(trainer, args, it + 1)
+                saved = it + 1
+            if args.exit_interval and (it + 1) % args.exit_interval == 0:
+                if dist.get_rank() == 0:
+                    print(f" exiting at iteration {it + 1} (--exit-interval "
+                          f"{args.exit_interval})", flush=True)
+                break
+        last = first + len(history)
+        if args.save and history and saved != last:
+            _save(trainer, args, last)
+        if dist.get_rank() == 0:
+            text = _summary(history, first, tokens_per_iter, flops, peak, device, trainer)
+            print(text, flush=True)
+            if tensorboard:
+                tensorboard.summary(text, last)
     return trainer, history
 
 
@@ -354,6 +401,8 @@ def init_distributed(args, plan):
 
 
 def main(argv=None):
+    """Run pretrain_gpt.py; returns the exit code (2: a clear error). A failure after the process
+    group exists ends the process itself (exit 1). Call `cli` to end the process with the code."""
     try:
         args = parse_args(argv)
         plan = load_plan(args.hetero_plan_path)
@@ -362,17 +411,21 @@ def main(argv=None):
             from megatron_hexi.tensorboard_log import check_available
             check_available()
         device = init_distributed(args, plan)
+        check_output_paths(args)
         run(args, plan, device)
     except SpecError as e:
         for line in e.problems:
             print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True)
-        if dist.is_initialized():
-            dist.destroy_process_group()
         return 2
     except Exception as e:   # noqa: BLE001 - after start-up: say which rank and why, never hang
         if not dist.is_initialized():
             raise
         _failure(e, args)
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return 0
+
+
+def cli(argv=None):
+    """pretrain_gpt.py and hexi-train: main, then a deliberate exit (megatron_hexi.process_exit
+    says why the interpreter's own shutdown could turn the exit code into SIGABRT)."""
+    from megatron_hexi.process_exit import exit_process
+    exit_process(main(argv))

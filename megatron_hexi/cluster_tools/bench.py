@@ -205,4 +205,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_hexi.process_exit import exit_process
+    exit_process(main())

@@ -55,5 +55,13 @@ def main(argv=None):
         return 2
 
 
+
+def cli():
+    """The hexi-cluster command: main, then a deliberate exit (it may have used torch.distributed;
+    megatron_hexi.process_exit says why)."""
+    from megatron_hexi.process_exit import exit_process
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

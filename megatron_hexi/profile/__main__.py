@@ -1,5 +1,3 @@
-import sys
+from megatron_hexi.profile.cli import cli
 
-from megatron_hexi.profile.cli import main
-
-sys.exit(main())
+cli()
