@@ -101,10 +101,19 @@ def check_indexed_datasets(prefixes):
                     " (make it with tools/preprocess_data.py)")
             raise SpecError(f"--data-path {prefix}: {' and '.join(missing)} not found{hint}")
         try:
-            IndexedDataset(prefix)
+            index = IndexedDataset(prefix).index
+            # The last document ends where the .bin must still have bytes: a truncated or
+            # replaced .bin would otherwise fail (or read garbage) deep inside the builder.
+            needed = (int(index.sequence_pointers[-1])
+                      + int(index.sequence_lengths[-1]) * index.dtype_size
+                      if len(index) else 0)
         except Exception as e:
             raise SpecError(f"--data-path {prefix}: not a megatron-core indexed dataset "
                             f"({type(e).__name__}: {e})") from None
+        size = os.path.getsize(prefix + ".bin")
+        if size < needed:
+            raise SpecError(f"--data-path {prefix}: {prefix}.bin has {size} bytes, its .idx "
+                            f"needs {needed} (truncated, or not the .bin of this .idx)")
 
 
 def _build_real_train_dataset(args, plan, tokenizer, num_samples):

@@ -93,9 +93,22 @@ def _encode_chunk(task):
     return "ok", out
 
 
+def _utf8_lines(f, path):
+    """(line number, text) of the non-blank lines; a line that is not UTF-8 is a SpecError
+    naming it (decoding the whole file would only say 'position N')."""
+    for number, raw in enumerate(f, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SpecError(f"{path}:{number}: not UTF-8 text (byte {e.start + 1} of the line is "
+                            f"{raw[e.start:e.start + 1]!r}); JSONL input must be UTF-8") from None
+        if line.strip():
+            yield number, line
+
+
 def _chunks(path, keys, append_eod):
-    with open(path, encoding="utf-8") as f:
-        numbered = ((n, line) for n, line in enumerate(f, 1) if line.strip())
+    with open(path, "rb") as f:
+        numbered = _utf8_lines(f, path)
         while True:
             lines = list(itertools.islice(numbered, CHUNK))
             if not lines:

@@ -48,6 +48,21 @@ def test_bad_input_is_one_line_with_line_number(corpus, capsys, tmp_path, lines,
     assert not list(tmp_path.glob("out*")), "partial output left behind"
 
 
+@pytest.mark.parametrize("content, line, workers", [
+    (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', 2, "1"),             # Latin-1
+    (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', 2, "2"),
+    ('{"text": "fine"}\n'.encode("utf-16"), 1, "1"),                 # UTF-16 with its BOM
+])
+def test_non_utf8_input_is_one_line_with_line_number(corpus, capsys, tmp_path, content, line,
+                                                     workers):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(content)
+    code, err = _run(capsys, tmp_path, bad, "--workers", workers, corpus=corpus)
+    assert code == 2 and f"bad.jsonl:{line}: not UTF-8 text" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not list(tmp_path.glob("out*")), "partial output left behind"
+
+
 def test_missing_files(corpus, capsys, tmp_path):
     code, err = _run(capsys, tmp_path, tmp_path / "none.jsonl", corpus=corpus)
     assert code == 2 and f"--input {tmp_path / 'none.jsonl'}: no such file" in err, err
