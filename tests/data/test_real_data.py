@@ -117,6 +117,17 @@ def test_data_errors(corpus, tmp_path):
         dataset(corpus, tmp_path, 1, corpus.prefix["a"], corpus.prefix["b"], corpus.prefix["a"])
     with pytest.raises(SpecError, match=r"give either prefixes only or 'weight prefix' pairs"):
         dataset(corpus, tmp_path, 1, corpus.prefix["a"], corpus.prefix["b"])
+    with pytest.raises(SpecError, match=r"--split 'abc': give up to three non-negative weights"):
+        dataset(corpus, tmp_path, corpus.prefix["a"], split="abc")
+    # A .bin cut short (a copy interrupted, a full disk): refused before megatron-core reads it.
+    import shutil
+    cut = tmp_path / "cut"
+    shutil.copy(corpus.prefix["a"] + ".idx", str(cut) + ".idx")
+    data = open(corpus.prefix["a"] + ".bin", "rb").read()
+    (tmp_path / "cut.bin").write_bytes(data[:len(data) - 3])
+    with pytest.raises(SpecError, match=rf"--data-path {cut}: {cut}.bin has {len(data) - 3} "
+                                        rf"bytes, its .idx needs {len(data)} \(truncated"):
+        dataset(corpus, tmp_path, cut)
 
 
 def test_vocab_too_large_fails_on_every_rank(corpus, tmp_path):

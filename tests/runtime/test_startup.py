@@ -43,6 +43,38 @@ def test_flag_errors(repo_root, plan_path, flags, message):
     assert message in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "nan"], "argument --lr: must be a finite number, got 'nan'"),
+    (["--lr", "-1"], "--lr must be >= 0, got -1.0"),
+    (["--lr", "1e999"], "argument --lr: must be a finite number, got '1e999'"),
+    (["--clip-grad", "-1"], "--clip-grad must be >= 0, got -1.0"),
+    (["--distributed-timeout-minutes", "nan"], "argument --distributed-timeout-minutes: must be "
+                                               "a finite number"),
+    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be > 0"),
+    (["--attention-dropout", "2"], "--attention-dropout must be >= 0 and <= 1, got 2.0"),
+    (["--adam-beta2", "1"], "--adam-beta2 must be >= 0 and < 1, got 1.0"),
+    (["--norm-epsilon", "inf"], "argument --norm-epsilon: must be a finite number"),
+    (["--seed", "-1"], "--seed must be >= 0 and <= 4294967295, got -1"),
+    (["--split", "abc"], "--split 'abc': give up to three non-negative weights"),
+    (["--split", "1,nan,0"], "--split '1,nan,0': give up to three non-negative weights"),
+    (["--hidden-size", "x"], "argument --hidden-size: invalid int value: 'x'"),
+])
+def test_bad_flag_values(flags, message):
+    """Parsed in this process: every flag value outside its range is one SpecError line."""
+    from megatron_hexi.arguments import parse_args
+    from planner.errors import SpecError
+    with pytest.raises(SpecError) as e:
+        parse_args(["--hetero-plan-path", "p.json", *REPO_FLAGS, *flags])
+    assert e.value.problems == [e.value.problems[0]] and message in e.value.problems[0], \
+        e.value.problems
+
+
+def test_bad_flag_value_is_one_line(repo_root, plan_path):
+    code, err = run_entry(repo_root, "--hetero-plan-path", plan_path, *REPO_FLAGS, "--lr", "nan")
+    assert code == 2 and err == ("pretrain_gpt.py: error: argument --lr: must be a finite "
+                                 "number, got 'nan'\n"), err
+
+
 def test_plan_errors(repo_root, tmp_path):
     code, err = run_entry(repo_root, "--hetero-plan-path", tmp_path / "missing.json", *REPO_FLAGS)
     assert code == 2 and "missing.json: cannot read plan" in err and "Traceback" not in err, err
@@ -52,6 +84,11 @@ def test_plan_errors(repo_root, tmp_path):
     code, err = run_entry(repo_root, "--hetero-plan-path", tmp_path / "bad.json", *REPO_FLAGS)
     assert code == 2, err
     assert "pipelines[0].stages[0].shards.ffn: sums to 250, model ffn_hidden_size is 256" in err
+    latin1 = (repo_root / "examples/plans/hetero-4rank.json").read_bytes().replace(
+        b'"mini-hetero"', b'"mini-h\xe9t\xe9ro"')
+    (tmp_path / "latin1.json").write_bytes(latin1)
+    code, err = run_entry(repo_root, "--hetero-plan-path", tmp_path / "latin1.json", *REPO_FLAGS)
+    assert code == 2 and len(err.splitlines()) == 1 and "UTF-8" in err, err
 
 
 def run_ranks(repo_root, world, args, env=None, timeout=240):
