@@ -12,6 +12,7 @@ import os
 import stat
 import sys
 
+from megatron_hexi.launch.common import comment
 from planner.errors import SpecError
 
 
@@ -77,13 +78,21 @@ def run(argv):
         training_args = []
     args = _parser().parse_args(argv)
     from planner.plan import load_plan
-    from megatron_hexi.launch.common import LaunchError, parse_mapping
+    from megatron_hexi.launch.common import (LaunchError, directive_value, file_in,
+                                             parse_mapping, sh)
     plan = load_plan(args.plan)
     entry = f"-m {args.entry_module}" if args.entry_module else args.entry
     if args.cmd == "slurm":
         from megatron_hexi.launch import slurm
-        comps = slurm.components(plan, parse_mapping(args.partition, "--partition", True),
-                                 parse_mapping(args.gres_type, "--gres-type"))
+        partitions = parse_mapping(args.partition, "--partition", True)
+        gres_types = parse_mapping(args.gres_type, "--gres-type")
+        for mapping, flag in ((partitions, "--partition"), (gres_types, "--gres-type")):
+            for key, value in mapping.items():   # also those that match no node group
+                if not key.isprintable():
+                    raise LaunchError(f"{flag} {key!r}: a GPU type or node group name has no "
+                                      f"control characters")
+                directive_value(value, flag)
+        comps = slurm.components(plan, partitions, gres_types)
         if args.check_partitions:
             slurm.check_partitions(comps)
         text = slurm.generate_sbatch(
@@ -94,8 +103,8 @@ def run(argv):
         if args.output:
             _write(args.output, text)
             kind = "heterogeneous job, %d components" % len(comps) if len(comps) > 1 else "plain job"
-            print(f"hexi-launch: wrote {args.output} ({kind}); submit with: sbatch {args.output}",
-                  file=sys.stderr)
+            print(f"hexi-launch: wrote {comment(args.output)} ({kind}); submit with: "
+                  f"sbatch {comment(sh(args.output))}", file=sys.stderr)
         else:
             sys.stdout.write(text)
         return 0
@@ -105,16 +114,24 @@ def run(argv):
               timeout_s=args.timeout_s)
     if args.output:
         if os.path.exists(args.output) and not os.path.isdir(args.output):
-            raise LaunchError(f"-o {args.output}: exists and is not a directory")
+            raise LaunchError(f"-o {args.output!r}: exists and is not a directory")
+        scripts = torchrun.node_scripts(plan, args.plan, **kw)
+        paths, problems = {}, []
+        for name in scripts:    # every file name checked before anything is written
+            try:
+                paths[name] = file_in(args.output, name, ".sh", f"-o {args.output}")
+            except LaunchError as e:
+                problems += e.problems
+        if problems:
+            raise LaunchError(problems)
         os.makedirs(args.output, exist_ok=True)
-        for name, text in torchrun.node_scripts(plan, args.plan, **kw).items():
-            path = os.path.join(args.output, f"{name}.sh")
-            _write(path, text)
-            print(path)
+        for name, text in scripts.items():
+            _write(paths[name], text)
+            print(comment(paths[name]))
         return 0
     for node, cmd in torchrun.torchrun_commands(plan, args.plan, **kw):
         host = f" (host {node.hostname})" if node.hostname else ""
-        print(f"# on plan node {node.name}{host}: {node.nproc} process(es)")
+        print(comment(f"# on plan node {node.name}{host}: {node.nproc} process(es)"))
         print(cmd)
     return 0
 
@@ -124,11 +141,11 @@ def main(argv=None):
     try:
         return run(argv)
     except SpecError as e:
-        for line in e.problems:
-            print(f"hexi-launch: error: {line}", file=sys.stderr)
+        for line in e.problems:   # a name with a line break in it still makes one line
+            print(f"hexi-launch: error: {comment(line)}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"hexi-launch: error: {e}", file=sys.stderr)
+        print(f"hexi-launch: error: {comment(e)}", file=sys.stderr)
         return 2
 
 

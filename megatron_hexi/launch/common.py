@@ -1,10 +1,14 @@
-"""What both launchers need from a plan: the nodes it uses, in plan order, with their process counts.
+"""What both launchers need from a plan: the nodes it uses, in plan order, with their process
+counts; and the one way values enter generated text (`sh`, `shell_default`, `comment`,
+`directive_value`, `file_in`), so that no name, path or option can run as a command or make a
+file outside its folder.
 
 The runtime maps a process to its plan rank from (HEXI_PLAN_NODE, LOCAL_RANK), falling back to the
 host name and then to launch order. The launchers give every node torchrun node rank = its index
 in plan order and --nproc-per-node = the plan ranks it holds, so torch's global rank equals the plan
 rank as well (torchrun numbers ranks node rank by node rank).
 """
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -100,8 +104,61 @@ def lookup(mapping, node):
     return None
 
 
+def sh(value):
+    """`value` as one shell word, exactly (shlex.quote). Every value a generator puts into shell
+    text goes through here, so no name, path or argument can run as a command."""
+    return shlex.quote(str(value))
+
+
 def quote_args(args):
-    return " ".join(shlex.quote(a) for a in args)
+    return " ".join(sh(a) for a in args)
+
+
+def shell_default(var, value):
+    """`VAR=${VAR:-'value'}`: a setting the environment can override, with a quoted default."""
+    return f"{var}=${{{var}:-{sh(value)}}}"
+
+
+def comment(text):
+    """`text` for a `# ...` line: control characters written as escapes, so that a line break in
+    a name cannot end the comment and start a command."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+_DIRECTIVE_SPECIAL = "'\"\\#"
+
+
+def directive_value(value, what):
+    """`value` checked for an `#SBATCH` line. sbatch, not the shell, reads these lines: a line
+    break would end the directive and start a shell line, and whitespace, quotes, backslashes and
+    '#' change how sbatch splits it. No quoting helps there, so such values are refused."""
+    if not isinstance(value, str) or not value:
+        raise LaunchError(f"{what}: must be one name (a non-empty string), got {value!r}")
+    bad = [c for c in dict.fromkeys(value)
+           if not c.isprintable() or c.isspace() or c in _DIRECTIVE_SPECIAL]
+    if bad:
+        raise LaunchError(f"{what} {value!r}: an #SBATCH value cannot contain "
+                          f"{', '.join(repr(c) for c in bad)} (no whitespace, control "
+                          f"characters, quotes, backslashes or '#')")
+    for word in ("hetjob", "packjob"):
+        if word in value.lower():
+            raise LaunchError(f"{what} {value!r}: sbatch takes {word!r} anywhere in an #SBATCH "
+                              f"line for a component separator")
+    return value
+
+
+def file_in(folder, name, suffix, what):
+    """Path of the file `name + suffix` directly inside `folder`. Refuses a name that would put
+    it anywhere else (a '/', '..', an absolute path) or that holds control characters."""
+    fname = f"{name}{suffix}"
+    base = os.path.realpath(folder)
+    target = os.path.normpath(os.path.join(base, fname))
+    seps = [s for s in (os.sep, os.altsep) if s]
+    if (not name or any(s in name for s in seps) or name in (".", "..")
+            or any(not c.isprintable() for c in name) or os.path.dirname(target) != base):
+        raise LaunchError(f"{what}: plan node {name!r} does not give a file name inside the "
+                          f"folder ({fname!r}); node names are letters, digits, '.', '_' and '-'")
+    return os.path.join(folder, fname)
 
 
 def bash_array(name, items, indent="    ", width=96):
@@ -109,7 +166,7 @@ def bash_array(name, items, indent="    ", width=96):
     if not items:
         return f"{name}=()"
     lines, cur = [], f"{name}=("
-    for q in (shlex.quote(a) for a in items):
+    for q in (sh(a) for a in items):
         if len(cur) + len(q) + 1 > width and not cur.endswith("("):
             lines.append(cur)
             cur = indent + q

@@ -5,16 +5,18 @@ One Slurm component per (node group, partition, gres type) of the plan: a hetero
 spans every component and starts, on each node, a small bash function that works out which plan
 node it is (component i's k-th Slurm node runs the plan's k-th node of component i), exports
 HEXI_PLAN_NODE and execs torchrun with that node's process count. The script is meant to be read
-and edited: settings are `: "${VAR:=default}"` lines the user can override from the environment.
+and edited: settings are `VAR=${VAR:-default}` lines the user can override from the environment.
+Values reach the shell quoted (common.sh); values for `#SBATCH` lines, which sbatch reads without
+a shell, are refused when they could break the line (common.directive_value).
 """
 import os
-import shlex
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from megatron_hexi.launch.common import (LaunchError, bash_array, default_gres_type, lookup,
-                                         plan_nodes)
+from megatron_hexi.launch.common import (LaunchError, bash_array, comment, default_gres_type,
+                                         directive_value, lookup, plan_nodes, sh, shell_default)
 
 
 @dataclass
@@ -34,10 +36,16 @@ def components(plan, partitions=None, gres_types=None):
     """
     partitions, gres_types = partitions or {}, gres_types or {}
     nodes = plan_nodes(plan)
+    _check_node_names(nodes)
     comps = {}
     part_of = {}
     for n in nodes:
-        part_of[n.name] = lookup(partitions, n) or n.partition
+        if lookup(partitions, n):
+            part_of[n.name] = directive_value(lookup(partitions, n), "--partition")
+        elif n.partition is not None:
+            part_of[n.name] = directive_value(n.partition, f"partition of node group {n.group}")
+        else:
+            part_of[n.name] = None
     any_partition = any(part_of.values())
     several_types = len({n.gpu for n in nodes}) > 1
     missing = []
@@ -47,7 +55,12 @@ def components(plan, partitions=None, gres_types=None):
             if n.gpu not in missing:
                 missing.append(n.gpu)
             continue
-        gres = lookup(gres_types, n) or default_gres_type(n.gpu)
+        if lookup(gres_types, n):
+            gres = directive_value(lookup(gres_types, n), "--gres-type")
+        else:
+            gres = default_gres_type(n.gpu)
+            if gres is not None:
+                gres = directive_value(gres, f"gres type of GPU {n.gpu}")
         key = (part, gres)
         c = comps.setdefault(key, Component(part, gres, 0))
         if n.group not in c.groups:
@@ -59,6 +72,16 @@ def components(plan, partitions=None, gres_types=None):
                           f"--partition GPU=PARTITION for each (e.g. --partition {missing[0]}=...) "
                           f"or `partition:` in the cluster spec's node group")
     return list(comps.values())
+
+
+def _check_node_names(nodes):
+    """The script's node table is whitespace-separated words: refuse names it cannot hold."""
+    problems = [f"plan node {n.name!r}: the sbatch script needs node names without whitespace or "
+                f"control characters (letters, digits, '.', '_' and '-')"
+                for n in nodes if not n.name or any(c.isspace() or not c.isprintable()
+                                                    for c in n.name)]
+    if problems:
+        raise LaunchError(problems)
 
 
 def check_partitions(comps, run=subprocess.run):
@@ -98,7 +121,7 @@ def check_partitions(comps, run=subprocess.run):
 # The per-node part, run by srun on every node (passed as `bash -c "$(declare -f hexi_node) ..."`).
 NODE_FUNCTION = r'''hexi_node() {
     # This node's line of HEXI_NODE_TABLE: "slurm-node-id host plan-node node-rank nproc".
-    local id=${SLURM_NODEID:?not inside a Slurm step} line host plan_node node_rank nproc entry
+    local id=${SLURM_NODEID:?not inside a Slurm step} line host plan_node node_rank nproc
     line=$(awk -v id="$id" '$1 == id' <<<"$HEXI_NODE_TABLE")
     read -r _ host plan_node node_rank nproc <<<"$line"
     if [[ -z "$line" || "$host" != "${SLURMD_NODENAME:-$host}" ]]; then
@@ -111,12 +134,11 @@ NODE_FUNCTION = r'''hexi_node() {
         read -r _ host plan_node node_rank nproc <<<"$line"
     fi
     export HEXI_PLAN_NODE=$plan_node
-    read -r -a entry <<<"$HEXI_ENTRY"
     echo "hexi: Slurm node $host (node id $id) -> plan node $plan_node, torchrun node rank $node_rank, $nproc process(es)"
+    # "$@": the entry, --hetero-plan-path and the training arguments, as srun passed them
     exec timeout -k 10 "$HEXI_TIMEOUT_S" "$PYTHON" -m torch.distributed.run \
         --nnodes "$HEXI_NNODES" --node-rank "$node_rank" --nproc-per-node "$nproc" \
-        --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-        "${entry[@]}" --hetero-plan-path "$HEXI_PLAN" "$@"
+        --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" "$@"
 }'''
 
 
@@ -132,18 +154,25 @@ def generate_sbatch(plan, plan_path, training_args=(), partitions=None, gres_typ
     python = python or ("python" if container_image else sys.executable)
     if not entry.startswith("-m ") and os.path.exists(entry):
         entry = os.path.abspath(entry)
-    job_name = job_name or "hexi-" + os.path.splitext(os.path.basename(plan_path))[0]
+    entry_words = entry.split(" ", 1) if entry.startswith("-m ") else [entry]
+    if job_name is None:   # from the plan's file name, reduced to characters safe anywhere
+        stem = os.path.splitext(os.path.basename(plan_path))[0]
+        job_name = "hexi-" + re.sub(r"[^A-Za-z0-9._-]", "_", stem)
+    job_name = directive_value(job_name, "--job-name")
+    log = directive_value(log, "--log")
+    account = account and directive_value(account, "--account")
+    time = time and directive_value(time, "--time")
 
     L = ["#!/bin/bash",
          "# Generated by `hexi-launch slurm` (megatron-hexi). Edit freely.",
-         f"# Plan: {plan_path}",
+         f"# Plan: {comment(plan_path)}",
          f"#   {plan.world_size} rank(s) on {len(nodes)} node(s); "
          + (f"heterogeneous job, {len(comps)} components:" if het else "plain job:")]
     for i, c in enumerate(comps):
         gpu = "/".join(sorted({n.gpu for n in c.nodes}))
-        L.append(f"#   component {i}: node group {'+'.join(c.groups)} ({gpu}), partition "
-                 f"{c.partition or '(default)'}, plan nodes "
-                 + " ".join(f"{n.name}[{n.nproc}]" for n in c.nodes))
+        L.append(comment(f"#   component {i}: node group {'+'.join(c.groups)} ({gpu}), partition "
+                         f"{c.partition or '(default)'}, plan nodes "
+                         + " ".join(f"{n.name}[{n.nproc}]" for n in c.nodes)))
     L += ["# Submit with `sbatch THIS_FILE`; override the settings below from the environment,",
           "# e.g. `MASTER_PORT=29600 HEXI_TIMEOUT_S=3600 sbatch THIS_FILE`.",
           f"#SBATCH --job-name={job_name}",
@@ -161,18 +190,23 @@ def generate_sbatch(plan, plan_path, training_args=(), partitions=None, gres_typ
         if c.gres_type:
             L.append(f"#SBATCH --gres=gpu:{c.gres_type}:{c.gpus}")
         if cpus_per_gpu:
-            L.append(f"#SBATCH --cpus-per-task={cpus_per_gpu * max(c.gpus, 1)}")
+            L.append(f"#SBATCH --cpus-per-task={int(cpus_per_gpu) * max(c.gpus, 1)}")
         if exclusive:
             L.append("#SBATCH --exclusive")
     L += ["set -euo pipefail", "",
           "# ---- settings (each can be overridden from the environment) ----",
-          f': "${{PYTHON:={python}}}"              # python with megatron-hexi and torch',
-          f': "${{MASTER_PORT:={master_port}}}"',
-          f': "${{HEXI_TIMEOUT_S:={int(timeout_s)}}}"          # torchrun wall limit per node, s (0: none)',
-          f': "${{HEXI_PLAN:={plan_path}}}"',
-          f': "${{HEXI_ENTRY:={entry}}}"        # training script, or "-m module"',
-          ': "${HEXI_MASTER_ADDR:=}"              # empty: first node of component 0',
-          "export PYTHON MASTER_PORT HEXI_TIMEOUT_S HEXI_PLAN HEXI_ENTRY", "",
+          shell_default("PYTHON", python) + "   # python with megatron-hexi and torch",
+          shell_default("MASTER_PORT", int(master_port)),
+          shell_default("HEXI_TIMEOUT_S", int(timeout_s))
+          + "   # torchrun wall limit per node, s (0: none)",
+          shell_default("HEXI_PLAN", plan_path),
+          ': "${HEXI_MASTER_ADDR:=}"   # empty: first node of component 0',
+          "export PYTHON MASTER_PORT HEXI_TIMEOUT_S HEXI_PLAN", "",
+          "# Training script, or -m module; HEXI_ENTRY in the environment replaces it (split at",
+          "# spaces, e.g. HEXI_ENTRY=\"-m my.module\").",
+          bash_array("HEXI_ENTRY_WORDS", entry_words),
+          'if [[ -n "${HEXI_ENTRY:-}" ]]; then read -r -a HEXI_ENTRY_WORDS <<<"$HEXI_ENTRY"; fi',
+          "",
           "# Training arguments (passed through after --hetero-plan-path):",
           bash_array("TRAINING_ARGS", list(training_args)), "",
           "# ---- the plan's nodes per Slurm component, in plan order ----",
@@ -180,10 +214,11 @@ def generate_sbatch(plan, plan_path, training_args=(), partitions=None, gres_typ
           "# torchrun node rank is its index in plan order, its process count the plan ranks on it.",
           "HEXI_PLAN_NODES=("]
     for i, c in enumerate(comps):
-        L.append(f"    {shlex.quote(' '.join(n.name for n in c.nodes))}   # component {i}")
+        L.append(f"    {sh(' '.join(n.name for n in c.nodes))}   # component {i}")
     L += [")",
-          "declare -A HEXI_NODE_RANK=(" + " ".join(f"[{n.name}]={n.node_rank}" for n in nodes) + ")",
-          "declare -A HEXI_NPROC=(" + " ".join(f"[{n.name}]={n.nproc}" for n in nodes) + ")",
+          "declare -A HEXI_NODE_RANK=(" + " ".join(f"[{sh(n.name)}]={n.node_rank}" for n in nodes)
+          + ")",
+          "declare -A HEXI_NPROC=(" + " ".join(f"[{sh(n.name)}]={n.nproc}" for n in nodes) + ")",
           f"export HEXI_NNODES={len(nodes)}", "",
           "# ---- map Slurm's nodes to plan nodes: \"node-id host plan-node node-rank nproc\" ----",
           "HEXI_NODE_TABLE=\"\"",
@@ -218,11 +253,12 @@ def generate_sbatch(plan, plan_path, training_args=(), partitions=None, gres_typ
         srun.append("--het-group=0-$((SLURM_HET_SIZE - 1))")
     srun.append("--kill-on-bad-exit=1")
     if container_image:
-        L += [f': "${{HEXI_CONTAINER_IMAGE:={container_image}}}"',
+        L += [shell_default("HEXI_CONTAINER_IMAGE", container_image),
               ': "${HEXI_CONTAINER_MOUNTS:=$PWD:$PWD}"', ""]
         srun += ['--container-image="$HEXI_CONTAINER_IMAGE"',
                  '--container-mounts="$HEXI_CONTAINER_MOUNTS"', '--container-workdir="$PWD"']
     L += [" ".join(srun) + " \\",
-          '    bash -c "$(declare -f hexi_node); hexi_node \\"\\$@\\"" hexi_node "${TRAINING_ARGS[@]}"',
+          '    bash -c "$(declare -f hexi_node); hexi_node \\"\\$@\\"" hexi_node \\',
+          '    "${HEXI_ENTRY_WORDS[@]}" --hetero-plan-path "$HEXI_PLAN" "${TRAINING_ARGS[@]}"',
           'echo "hexi: job $SLURM_JOB_ID finished"', ""]
     return "\n".join(L)

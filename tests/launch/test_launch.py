@@ -103,7 +103,8 @@ def test_het_job(het_plan):
     assert "declare -A HEXI_NODE_RANK=([rtx4090-0]=0 [a100-0]=1 [a100-1]=2)" in text
     assert "declare -A HEXI_NPROC=([rtx4090-0]=2 [a100-0]=2 [a100-1]=1)" in text
     assert "export HEXI_NNODES=3" in text
-    for default in (': "${MASTER_PORT:=29500}"', ': "${HEXI_TIMEOUT_S:=0}"', ': "${PYTHON:='):
+    for default in ("\nMASTER_PORT=${MASTER_PORT:-29500}\n",
+                    "\nHEXI_TIMEOUT_S=${HEXI_TIMEOUT_S:-0} ", "\nPYTHON=${PYTHON:-"):
         assert default in text
     assert "timeout -k 10 \"$HEXI_TIMEOUT_S\" \"$PYTHON\" -m torch.distributed.run" in text
     assert "--hetero-plan-path \"$HEXI_PLAN\"" in text
