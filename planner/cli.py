@@ -3,13 +3,43 @@
 Every user error is printed to stderr as one line per problem, with exit code 2 and no traceback.
 """
 import argparse
-import json
 import sys
 
 from planner.cluster import load_cluster
 from planner.errors import SpecError
-from planner.models import load_model
+from planner.inputs import read_json
+from planner.limits import MAX_BATCH, MAX_SEQ_LENGTH
+from planner.models import load_model, model_from_dict
 from planner.plan import build_plan, load_plan, save_plan
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one SpecError line (exit 2) instead of usage text."""
+
+    def error(self, message):
+        raise SpecError(f"{message} (see {self.prog} --help)")
+
+
+def bounded_int(lo, hi):
+    """An argparse type: an integer in [lo, hi], refused in one line naming the flag otherwise."""
+    def parse(text):
+        try:
+            value = int(text) if len(text) <= 20 else None
+        except ValueError:
+            value = None
+        if value is None or not lo <= value <= hi:
+            kind = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+            raise argparse.ArgumentTypeError(f"must be {kind} up to {hi:,}, got {text[:40]!r}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def with_seq_length(model, seq_length, flag="--seq-length"):
+    """The model with another seq_length, validated like any model field."""
+    if seq_length is None:
+        return model
+    return model_from_dict({**model.to_dict(), "seq_length": seq_length}, flag)
 
 
 def cmd_validate(args):
@@ -20,16 +50,8 @@ def cmd_validate(args):
 
 def cmd_manual(args):
     cluster = load_cluster(args.cluster)
-    model = load_model(args.model)
-    if args.seq_length:
-        model = type(model)(**{**model.__dict__, "seq_length": args.seq_length})
-    try:
-        with open(args.pipelines) as f:
-            pipelines = json.load(f)
-    except OSError as e:
-        raise SpecError(f"{args.pipelines}: cannot read pipelines file: {e.strerror}")
-    except json.JSONDecodeError as e:
-        raise SpecError(f"{args.pipelines}: not valid JSON: {e.msg} at line {e.lineno}")
+    model = with_seq_length(load_model(args.model), args.seq_length)
+    pipelines = read_json(args.pipelines, "pipelines file")
     if isinstance(pipelines, dict) and "pipelines" in pipelines:
         pipelines = pipelines["pipelines"]
     plan = build_plan(cluster, model, args.global_batch_size, pipelines, recompute=args.recompute,
@@ -97,7 +119,7 @@ def cmd_show(args):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="hexi-plan", description="Plan heterogeneous training.")
+    parser = ArgumentParser(prog="hexi-plan", description="Plan heterogeneous training.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("validate", help="check a plan against every rule of the plan format")
@@ -107,8 +129,9 @@ def build_parser():
     p = sub.add_parser("manual", help="build a plan from hand-written pipelines")
     p.add_argument("--cluster", required=True, help="cluster YAML")
     p.add_argument("--model", required=True, help="catalog model name or model YAML")
-    p.add_argument("--global-batch-size", type=int, required=True)
-    p.add_argument("--seq-length", type=int, default=None, help="override the model's seq_length")
+    p.add_argument("--global-batch-size", type=bounded_int(1, MAX_BATCH), required=True)
+    p.add_argument("--seq-length", type=bounded_int(1, MAX_SEQ_LENGTH), default=None,
+                   help="override the model's seq_length")
     p.add_argument("--pipelines", required=True, help="JSON file with the plan's `pipelines` array")
     p.add_argument("--recompute", action="store_true", help="full activation recompute")
     p.add_argument("--use-distributed-optimizer", action="store_true",
@@ -143,8 +166,8 @@ def _extra_commands():
 
 def main(argv=None):
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         args.func(args)
     except SpecError as e:
         for line in e.problems:

@@ -2,15 +2,17 @@
 
 Parsed from YAML (see README) into `ClusterSpec`. Node groups with `count` expand to nodes named
 `name-0`, `name-1`, ...; ranks are numbered in cluster order (node by node, local rank inside).
-Every problem is one line that names the node and the field.
+Every problem is one line that names the node and the field. Node, group and host names are
+restricted to letters, digits, '.', '_' and '-' (they reach host lists and shell text), and the
+totals are bounded (planner/limits.py) before any group is expanded.
 """
 from dataclasses import dataclass, field
 from typing import Optional
 
-import yaml
-
 from planner.catalog import get_gpu
 from planner.errors import ClusterError, SpecError
+from planner.inputs import document_problems, int_problem, name_problem, read_yaml
+from planner.limits import MAX_GPUS, MAX_GPUS_PER_NODE, MAX_NODES
 from planner.units import (format_bandwidth, format_latency, parse_bandwidth, parse_latency)
 
 # Stated assumptions, used when a cluster file gives no measured latency:
@@ -132,10 +134,14 @@ class ClusterSpec:
         return out
 
 
-def _positive_int(value, where):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(f"{where}: must be a positive integer, got {value!r}")
-    return value
+def _bounded_int(hi):
+    """A `take` parser for an integer in [1, hi]."""
+    def parse(value, where):
+        problem = int_problem(value, where, 1, hi)
+        if problem:
+            raise SpecError(problem)
+        return value
+    return parse
 
 
 def _parse_group(raw, i, problems):
@@ -144,7 +150,8 @@ def _parse_group(raw, i, problems):
         problems.append(f"{label}: must be a mapping with name, gpu, gpus_per_node, intra_node, nic")
         return None
     if "name" in raw:
-        label = f"nodes[{i}] ({raw['name']})"
+        label = f"nodes[{i}] ({raw['name']})" if name_problem(raw["name"], "") is None \
+            else f"nodes[{i}]"
     for key in sorted(set(raw) - _GROUP_KEYS):
         problems.append(f"{label}.{key}: unknown field (known: {', '.join(sorted(_GROUP_KEYS))})")
     missing = [k for k in ("name", "gpu", "gpus_per_node", "intra_node", "nic") if k not in raw]
@@ -162,11 +169,12 @@ def _parse_group(raw, i, problems):
             return None
 
     name = raw["name"]
-    if not isinstance(name, str) or not name or any(c.isspace() for c in name):
-        problems.append(f"{label}.name: must be a non-empty name without spaces, got {name!r}")
+    bad_name = name_problem(name, f"{label}.name")
+    if bad_name:
+        problems.append(bad_name)
     gpu = take("gpu", lambda v, w: get_gpu(v, w).name)
-    gpn = take("gpus_per_node", _positive_int)
-    count = take("count", _positive_int) if "count" in raw else None
+    gpn = take("gpus_per_node", _bounded_int(MAX_GPUS_PER_NODE))
+    count = take("count", _bounded_int(MAX_NODES)) if "count" in raw else None
     intra = take("intra_node", parse_bandwidth)
     nic = take("nic", parse_bandwidth)
     lat = take("nic_latency", parse_latency) if "nic_latency" in raw else DEFAULT_INTER_NODE_LATENCY_S
@@ -177,25 +185,39 @@ def _parse_group(raw, i, problems):
         if (count or 1) != 1:
             problems.append(f"{label}.hostname: a group of {count} nodes needs `hostnames`, a list "
                             f"of {count}")
-        elif not isinstance(raw["hostname"], str):
-            problems.append(f"{label}.hostname: must be a string")
+        elif name_problem(raw["hostname"], "") is not None:
+            problems.append(name_problem(raw["hostname"], f"{label}.hostname", "host name"))
         else:
             hostnames = (raw["hostname"],)
     elif "hostnames" in raw:
         hs = raw["hostnames"]
-        if not isinstance(hs, list) or len(hs) != (count or 1) or not all(isinstance(h, str) for h in hs):
+        if not isinstance(hs, list) or len(hs) != (count or 1):
             problems.append(f"{label}.hostnames: must be a list of {count or 1} host names")
         else:
-            hostnames = tuple(hs)
+            bad = [j for j, h in enumerate(hs) if name_problem(h, "") is not None]
+            if bad:
+                problems.append(name_problem(hs[bad[0]], f"{label}.hostnames[{bad[0]}]",
+                                             "host name"))
+            else:
+                hostnames = tuple(hs)
+    profile = raw.get("profile")
+    if profile is not None and (not isinstance(profile, str) or not profile.strip()):
+        problems.append(f"{label}.profile: must be the path of a profile JSON file, got "
+                        f"{profile!r}")
+    partition = raw.get("partition")
+    if partition is not None and name_problem(partition, "") is not None:
+        problems.append(name_problem(partition, f"{label}.partition", "partition name"))
     if len(problems) > start:
         return None
-    return NodeGroup(name, gpu, gpn, count, intra, nic, lat, hostnames, raw.get("profile"),
-                     raw.get("partition"), str(raw["intra_node"]), str(raw["nic"]))
+    return NodeGroup(name, gpu, gpn, count, intra, nic, lat, hostnames, profile, partition,
+                     str(raw["intra_node"]), str(raw["nic"]))
 
 
 def load_cluster_dict(data, source="cluster"):
     """Build a ClusterSpec from parsed YAML/JSON; raises ClusterError listing every problem."""
-    problems = []
+    problems = document_problems(data)
+    if problems:
+        raise ClusterError(problems)
     if not isinstance(data, dict):
         raise ClusterError(f"{source}: top level must be a mapping with `name` and `nodes`")
     for key in sorted(set(data) - _TOP_KEYS):
@@ -206,7 +228,19 @@ def load_cluster_dict(data, source="cluster"):
     raw_nodes = data["nodes"]
     if not isinstance(raw_nodes, list) or not raw_nodes:
         raise ClusterError(problems + ["nodes: must be a non-empty list"])
+    for key in ("name", "description"):
+        if key in data and not isinstance(data[key], str):
+            problems.append(f"{key}: must be a string, got {data[key]!r}")
     groups = [g for g in (_parse_group(r, i, problems) for i, r in enumerate(raw_nodes)) if g]
+    if not problems:        # bound the totals before `spec.nodes` expands the groups
+        num_nodes = sum(g.count or 1 for g in groups)
+        num_gpus = sum((g.count or 1) * g.gpus_per_node for g in groups)
+        if num_nodes > MAX_NODES:
+            problems.append(f"nodes: {num_nodes:,} machines in all, above the limit of "
+                            f"{MAX_NODES:,} (limits in planner/limits.py)")
+        if num_gpus > MAX_GPUS:
+            problems.append(f"nodes: {num_gpus:,} GPUs in all, above the limit of {MAX_GPUS:,} "
+                            f"(limits in planner/limits.py)")
     spec = ClusterSpec(str(data.get("name", "cluster")), groups, [], str(data.get("description", "")))
     seen, hosts = {}, {}
     for node in spec.nodes if not problems else []:
@@ -257,14 +291,9 @@ def load_cluster_dict(data, source="cluster"):
 def load_cluster(path):
     """Read a cluster YAML file; errors name the file and the field."""
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ClusterError(f"{path}: cannot read cluster file: {e.strerror}")
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ClusterError(f"{path}:{where}: not valid YAML: {getattr(e, 'problem', e)}")
+        data = read_yaml(path, "cluster file")
+    except SpecError as e:
+        raise ClusterError(e.problems)
     try:
         return load_cluster_dict(data, "cluster")
     except ClusterError as e:

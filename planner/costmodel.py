@@ -7,7 +7,6 @@ or a stated assumption that says so. Units: seconds, bytes, FLOPs, bytes/s.
 Notation (Megatron's): b micro-batch size, s sequence length, h hidden size, a attention heads,
 g query groups, d head size (kv_channels), f FFN hidden size, V vocabulary, L layers, t the TP degree.
 """
-import json
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from functools import lru_cache
 
 from planner.catalog import get_gpu
 from planner.errors import SpecError
+from planner.inputs import is_number, read_json
 
 # ------------------------------------------------------------------------------------- constants
 
@@ -82,14 +82,8 @@ class Device:
 
 @lru_cache(maxsize=None)
 def _load_profile(path):
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise SpecError(f"profile {path}: cannot read: {e.strerror}")
-    except json.JSONDecodeError as e:
-        raise SpecError(f"profile {path}: not valid JSON: {e.msg} at line {e.lineno}")
-    if not isinstance(data, dict) or not isinstance(data.get("matmul_tflops"), (int, float)) \
+    data = read_json(path, "profile")      # size, UTF-8, nesting, finite numbers
+    if not isinstance(data, dict) or not is_number(data.get("matmul_tflops")) \
             or data["matmul_tflops"] <= 0:
         raise SpecError(f"profile {path}: needs a positive number `matmul_tflops`")
     return data

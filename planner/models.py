@@ -11,6 +11,9 @@ from importlib import resources
 import yaml
 
 from planner.errors import ModelSpecError, SpecError
+from planner.inputs import document_problems, int_problem, is_number, read_yaml
+from planner.limits import (MAX_HIDDEN, MAX_INIT_METHOD_STD, MAX_NORM_EPSILON, MAX_ROTARY_BASE,
+                            MODEL_INT_BOUNDS)
 
 _INT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                "num_query_groups", "vocab_size", "seq_length")
@@ -55,27 +58,36 @@ class ModelSpec:
 
 
 def model_from_dict(data, where="model"):
-    """Validate and build a ModelSpec; every problem is one line naming the field."""
+    """Validate and build a ModelSpec; every problem is one line naming the field.
+
+    Sizes are bounded (planner/limits.py) so that no spec makes the cost model overflow or the
+    search loop for long; numbers must be finite and of their type (no bools, no 4.0 layers).
+    """
+    problems = document_problems(data, where)
+    if problems:
+        raise ModelSpecError(problems)
     if not isinstance(data, dict):
         raise ModelSpecError(f"{where}: must be a mapping of Megatron model fields")
     known = {f.name: f for f in dataclasses.fields(ModelSpec)}
     problems = [f"{where}.{k}: unknown field" for k in sorted(set(data) - set(known))]
     problems += [f"{where}.{k}: missing required field" for k in _INT_FIELDS if k not in data]
     for k in _INT_FIELDS:
-        v = data.get(k)
-        if k in data and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            problems.append(f"{where}.{k}: must be a positive integer, got {v!r}")
+        if k in data:
+            bad = int_problem(data[k], f"{where}.{k}", 1, MODEL_INT_BOUNDS[k])
+            if bad:
+                problems.append(bad)
     for k in ("swiglu", "untie_embeddings_and_output_weights", "add_bias_linear"):
         if k in data and not isinstance(data[k], bool):
             problems.append(f"{where}.{k}: must be true or false, got {data[k]!r}")
-    for k, lo in (("kv_channels", 0), ("rotary_base", 1)):
-        v = data.get(k, lo)
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            problems.append(f"{where}.{k}: must be an integer >= {lo}, got {v!r}")
-    for k in ("norm_epsilon", "init_method_std"):
-        v = data.get(k, 1.0)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            problems.append(f"{where}.{k}: must be a positive number, got {v!r}")
+    for k, lo, hi in (("kv_channels", 0, MAX_HIDDEN), ("rotary_base", 1, MAX_ROTARY_BASE)):
+        if k in data:
+            bad = int_problem(data[k], f"{where}.{k}", lo, hi)
+            if bad:
+                problems.append(bad)
+    for k, hi in (("norm_epsilon", MAX_NORM_EPSILON), ("init_method_std", MAX_INIT_METHOD_STD)):
+        v = data.get(k, hi)
+        if not is_number(v) or not 0 < v <= hi:
+            problems.append(f"{where}.{k}: must be a finite number in (0, {hi:g}], got {v!r}")
     if not isinstance(data.get("name", ""), str):
         problems.append(f"{where}.name: must be a string, got {data['name']!r}")
     if data.get("normalization", "RMSNorm") not in ("RMSNorm", "LayerNorm"):
@@ -114,12 +126,9 @@ def load_model(name_or_path):
         raise SpecError(f"--model: {name_or_path!r} is neither a catalog model "
                         f"({', '.join(catalog)}) nor a .yaml file")
     try:
-        with open(name_or_path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ModelSpecError(f"{name_or_path}: cannot read model file: {e.strerror}")
-    except yaml.YAMLError as e:
-        raise ModelSpecError(f"{name_or_path}: not valid YAML: {e}")
+        data = read_yaml(name_or_path, "model file")
+    except SpecError as e:
+        raise ModelSpecError(e.problems)
     try:
         return model_from_dict(data, "model")
     except ModelSpecError as e:

@@ -13,6 +13,9 @@ from typing import Optional
 
 from planner.cluster import ClusterSpec, load_cluster_dict
 from planner.errors import PlanError, SpecError
+from planner.inputs import document_problems, int_problem, is_int, is_number, name_problem, \
+    read_json
+from planner.limits import MAX_BATCH, MAX_GPUS
 from planner.models import ModelSpec, model_from_dict
 
 FORMAT_VERSION = 1
@@ -24,6 +27,11 @@ _TRAINING_KEYS = {"global_batch_size", "recompute", "use_distributed_optimizer",
 _PIPELINE_KEYS = {"micro_batch_size", "num_microbatches", "stages"}
 _STAGE_KEYS = {"ranks", "layers", "shards"}
 _RANK_KEYS = {"rank", "node", "local_rank", "gpu"}
+# The estimate is informational and open to further fields; these are read by `show`/`simulate`.
+_ESTIMATE_NUMBERS = ("iteration_time_s", "tokens_per_s", "mfu", "grad_sync_time_s",
+                     "optimizer_step_time_s")
+_ESTIMATE_LISTS = ("peak_memory_gb", "memory_capacity_gb", "pipeline_time_s")
+_ESTIMATE_STRINGS = ("bottleneck", "strategy")
 
 
 def even_split(total, parts):
@@ -208,8 +216,7 @@ class Plan:
 
 # ----------------------------------------------------------------------------------- validation
 
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
+_is_int = is_int
 
 
 def _check_stage(stage, where, model, problems):
@@ -222,13 +229,19 @@ def _check_stage(stage, where, model, problems):
     ranks, layers = stage.get("ranks"), stage.get("layers")
     ok = True
     if not isinstance(ranks, list) or not ranks or not all(_is_int(r) and r >= 0 for r in ranks):
-        problems.append(f"{where}.ranks: must be a non-empty list of rank numbers, got {ranks!r}")
+        problems.append(f"{where}.ranks: must be a non-empty list of rank numbers, got "
+                        f"{_short(ranks)}")
+        ok = False
+    elif max(ranks) >= MAX_GPUS:
+        problems.append(f"{where}.ranks: rank {max(ranks)} is above the limit of {MAX_GPUS:,} "
+                        f"GPUs (limits in planner/limits.py)")
         ok = False
     elif len(set(ranks)) != len(ranks):
         problems.append(f"{where}.ranks: lists a rank twice: {ranks}")
         ok = False
     if (not isinstance(layers, list) or len(layers) != 2 or not all(_is_int(x) for x in layers)):
-        problems.append(f"{where}.layers: must be [first, last) as two integers, got {layers!r}")
+        problems.append(f"{where}.layers: must be [first, last) as two integers, got "
+                        f"{_short(layers)}")
         ok = False
     elif not 0 <= layers[0] < layers[1] <= model.num_layers:
         problems.append(f"{where}.layers: {layers} is not a non-empty range within "
@@ -259,7 +272,8 @@ def _check_stage(stage, where, model, problems):
                                 f"over {len(ranks)} ranks leaves a rank empty")
             continue
         if not isinstance(sizes, list) or not all(_is_int(x) for x in sizes):
-            problems.append(f"{where}.shards.{kind}: must be a list of integers, got {sizes!r}")
+            problems.append(f"{where}.shards.{kind}: must be a list of integers, got "
+                            f"{_short(sizes)}")
         elif len(sizes) != len(ranks):
             problems.append(f"{where}.shards.{kind}: has {len(sizes)} entries for {len(ranks)} "
                             f"ranks")
@@ -271,16 +285,48 @@ def _check_stage(stage, where, model, problems):
     return ranks, layers
 
 
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _estimate_problems(est):
+    """Types of the estimate fields that `show` and `simulate` print (all finite: see
+    document_problems)."""
+    if not isinstance(est, dict):
+        return ["estimate: must be an object"]
+    problems = []
+    for k in _ESTIMATE_NUMBERS:
+        if k in est and not (is_number(est[k]) and est[k] >= 0):
+            problems.append(f"estimate.{k}: must be a number >= 0, got {_short(est[k])}")
+    for k in _ESTIMATE_LISTS:
+        if k in est and not (isinstance(est[k], list)
+                             and all(is_number(x) and x >= 0 for x in est[k])):
+            problems.append(f"estimate.{k}: must be a list of numbers >= 0, got "
+                            f"{_short(est[k])}")
+    for k in _ESTIMATE_STRINGS:
+        if k in est and not isinstance(est[k], str):
+            problems.append(f"estimate.{k}: must be a string, got {_short(est[k])}")
+    if "fits_memory" in est and not isinstance(est["fits_memory"], bool):
+        problems.append(f"estimate.fits_memory: must be true or false, got "
+                        f"{_short(est['fits_memory'])}")
+    return problems
+
+
 def validate_plan_dict(data):
     """Every rule of plan format v1; returns a list of one-line problems (empty if valid)."""
-    problems = []
+    problems = document_problems(data)       # finite numbers, string keys, bounded nesting
+    if problems:
+        return problems
     if not isinstance(data, dict):
         return ["plan: must be a JSON object"]
     for k in sorted(set(data) - _TOP_KEYS):
         problems.append(f"{k}: unknown top-level field")
-    if data.get("format_version") != FORMAT_VERSION:
+    if not _is_int(data.get("format_version")) or data.get("format_version") != FORMAT_VERSION:
         problems.append(f"format_version: must be {FORMAT_VERSION}, got "
-                        f"{data.get('format_version')!r}")
+                        f"{_short(data.get('format_version'))}")
+    if "comment" in data and not isinstance(data["comment"], str):
+        problems.append(f"comment: must be a string, got {_short(data['comment'])}")
     for k in ("model", "training", "cluster", "pipelines", "ranks"):
         if k not in data:
             problems.append(f"{k}: missing required field")
@@ -303,8 +349,9 @@ def validate_plan_dict(data):
         for k in sorted(set(training) - _TRAINING_KEYS):
             problems.append(f"training.{k}: unknown field")
         gbs = training.get("global_batch_size")
-        if not _is_int(gbs) or gbs < 1:
-            problems.append(f"training.global_batch_size: must be a positive integer, got {gbs!r}")
+        bad = int_problem(gbs, "training.global_batch_size", 1, MAX_BATCH)
+        if bad:
+            problems.append(bad)
             gbs = None
         for k in ("recompute", "use_distributed_optimizer"):
             if k in training and not isinstance(training[k], bool):
@@ -330,10 +377,11 @@ def validate_plan_dict(data):
             problems.append(f"{where}.{k}: unknown field")
         mbs, nmb = pipe.get("micro_batch_size"), pipe.get("num_microbatches")
         for name, v in (("micro_batch_size", mbs), ("num_microbatches", nmb)):
-            if not _is_int(v) or v < 1:
-                problems.append(f"{where}.{name}: must be a positive integer, got {v!r}")
+            bad = int_problem(v, f"{where}.{name}", 1, MAX_BATCH)
+            if bad:
+                problems.append(bad)
                 batch_known = False
-        if _is_int(mbs) and _is_int(nmb):
+        if batch_known:
             samples += mbs * nmb
         stages = pipe.get("stages")
         if not isinstance(stages, list) or not stages:
@@ -369,6 +417,10 @@ def validate_plan_dict(data):
     if not isinstance(ranks, list) or not ranks:
         problems.append("ranks: must be a non-empty list of {rank, node, local_rank, gpu}")
         return problems
+    if len(ranks) > MAX_GPUS:
+        problems.append(f"ranks: {len(ranks):,} ranks, above the limit of {MAX_GPUS:,} GPUs "
+                        f"(limits in planner/limits.py)")
+        return problems
     nodes = {n.name: n for n in cluster.nodes}
     slots = {}
     for i, entry in enumerate(ranks):
@@ -382,24 +434,29 @@ def validate_plan_dict(data):
         if missing:
             problems.append(f"{where}: missing {', '.join(missing)}")
             continue
-        if entry["rank"] != i:
-            problems.append(f"{where}.rank: is {entry['rank']!r}; ranks must be listed in order "
-                            f"0..{len(ranks) - 1}")
-        node = nodes.get(entry["node"]) if isinstance(entry["node"], str) else None
+        if not _is_int(entry["rank"]) or entry["rank"] != i:
+            problems.append(f"{where}.rank: is {_short(entry['rank'])}; ranks must be listed as "
+                            f"the integers 0..{len(ranks) - 1} in order")
+        bad_name = name_problem(entry["node"], f"{where}.node", "node name")
+        if bad_name:
+            problems.append(bad_name)
+            continue
+        node = nodes.get(entry["node"])
         if node is None:
             problems.append(f"{where}.node: {entry['node']!r} is not a node of cluster "
                             f"{cluster.name!r}")
             continue
         lr = entry["local_rank"]
         if not _is_int(lr) or not 0 <= lr < node.gpus_per_node:
-            problems.append(f"{where}.local_rank: {lr!r} is outside node {node.name}'s "
+            problems.append(f"{where}.local_rank: {_short(lr)} is outside node {node.name}'s "
                             f"{node.gpus_per_node} GPUs")
         elif (node.name, lr) in slots:
             problems.append(f"{where}: GPU {node.name}:{lr} is also used by ranks[{slots[node.name, lr]}]")
         else:
             slots[node.name, lr] = i
         if entry["gpu"] != node.gpu:
-            problems.append(f"{where}.gpu: {entry['gpu']!r}, but node {node.name} holds {node.gpu}")
+            problems.append(f"{where}.gpu: {_short(entry['gpu'])}, but node {node.name} holds "
+                            f"{node.gpu}")
     world = len(ranks)
     for r, where in sorted(owner.items()):
         if r >= world:
@@ -408,8 +465,8 @@ def validate_plan_dict(data):
     for r in range(world):
         if r not in owner and pipelines and ranks_known:
             problems.append(f"ranks[{r}]: rank {r} is in no stage of any pipeline")
-    if "estimate" in data and not isinstance(data["estimate"], dict):
-        problems.append("estimate: must be an object")
+    if "estimate" in data:
+        problems.extend(_estimate_problems(data["estimate"]))
     return problems
 
 
@@ -436,12 +493,9 @@ def plan_from_dict(data, source="plan"):
 def load_plan(path):
     """Read and validate a plan file; errors name the file and the JSON path."""
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise PlanError(f"{path}: cannot read plan: {e.strerror}")
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")
+        data = read_json(path, "plan")
+    except SpecError as e:
+        raise PlanError(e.problems)
     return plan_from_dict(data, str(path))
 
 

@@ -1,8 +1,8 @@
 """`hexi-plan plan` (search) and `hexi-plan simulate` (score a plan), registered into the CLI."""
-import dataclasses
 import json
 
 from planner.cluster import load_cluster
+from planner.limits import MAX_BATCH, MAX_SEED, MAX_SEQ_LENGTH
 from planner.models import load_model
 from planner.plan import load_plan, save_plan
 from planner.search import STRATEGIES, search_plan
@@ -41,9 +41,8 @@ def cmd_simulate(args):
 
 def cmd_plan(args):
     cluster = load_cluster(args.cluster)
-    model = load_model(args.model)
-    if args.seq_length:
-        model = dataclasses.replace(model, seq_length=args.seq_length)
+    from planner.cli import with_seq_length
+    model = with_seq_length(load_model(args.model), args.seq_length)
     plan = search_plan(cluster, model, args.global_batch_size, strategy=args.strategy,
                        micro_batch_size=args.micro_batch_size, recompute=args.recompute,
                        seed=args.seed, use_distributed_optimizer=args.use_distributed_optimizer,
@@ -56,15 +55,17 @@ def cmd_plan(args):
 
 
 def register_commands(sub):
+    from planner.cli import bounded_int
     p = sub.add_parser("plan", help="search the fastest plan that fits (writes PLAN.json)")
     p.add_argument("--cluster", required=True, help="cluster YAML")
     p.add_argument("--model", required=True, help="catalog model name or model YAML")
-    p.add_argument("--global-batch-size", type=int, required=True)
-    p.add_argument("--micro-batch-size", type=int, default=None,
+    p.add_argument("--global-batch-size", type=bounded_int(1, MAX_BATCH), required=True)
+    p.add_argument("--micro-batch-size", type=bounded_int(1, MAX_BATCH), default=None,
                    help="fix the micro-batch size (default: searched)")
-    p.add_argument("--seq-length", type=int, default=None, help="override the model's seq_length")
+    p.add_argument("--seq-length", type=bounded_int(1, MAX_SEQ_LENGTH), default=None,
+                   help="override the model's seq_length")
     p.add_argument("--strategy", choices=STRATEGIES, default="hexi")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=bounded_int(0, MAX_SEED), default=0)
     p.add_argument("--recompute", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard fp32 master weights and Adam state over each segment's ranks")

@@ -2,9 +2,11 @@
 
 Internally every bandwidth is bytes per second, every latency seconds, every size bytes.
 """
+import math
 import re
 
 from planner.errors import SpecError
+from planner.limits import MAX_BANDWIDTH, MAX_LATENCY_S, MIN_BANDWIDTH
 
 # Named link presets: usable one-direction bandwidth per GPU in bytes/s, with sources.
 #   nvlink  : NVLink 3 (A100), 600 GB/s total per GPU, 300 GB/s per direction (NVIDIA A100 datasheet)
@@ -26,7 +28,7 @@ LINK_PRESETS = {
 _BW_UNITS = {
     "bit/s": 1 / 8, "kbit/s": 1e3 / 8, "mbit/s": 1e6 / 8, "gbit/s": 1e9 / 8, "tbit/s": 1e12 / 8,
     "b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
-    "gbps": 1e9 / 8, "mbps": 1e6 / 8,
+    "gbps": 1e9 / 8, "mbps": 1e6 / 8,     # lower-case b only: "GBps" is refused as ambiguous
 }
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 _SIZE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -36,17 +38,19 @@ _NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z
 
 
 def _split(text, where):
-    m = _NUMBER_UNIT.match(str(text))
+    text = str(text)
+    m = _NUMBER_UNIT.match(text) if len(text) <= 64 else None
     if not m:
-        raise SpecError(f"{where}: cannot read {text!r}: expected a number with a unit")
+        shown = repr(text) if len(text) <= 64 else repr(text[:60]) + "..."
+        raise SpecError(f"{where}: cannot read {shown}: expected a number with a unit")
     return float(m.group(1)), m.group(2)
 
 
 def parse_bandwidth(value, where="bandwidth"):
     """Bytes/s from "25 Gbit/s", "16 GB/s" or a preset name (nvlink, pcie4, host, ...).
 
-    Case matters for bit vs byte: "Gbit/s"/"Gbps" are bits, "GB/s" bytes ("Gb/s" is refused as
-    ambiguous).
+    Case matters for bit vs byte: "Gbit/s"/"Gbps" are bits, "GB/s" bytes ("Gb/s" and "GBps" are
+    refused as ambiguous). The result is finite and within planner/limits.py's bounds.
     """
     if isinstance(value, str) and value.strip().lower() in LINK_PRESETS:
         return LINK_PRESETS[value.strip().lower()]
@@ -54,16 +58,24 @@ def parse_bandwidth(value, where="bandwidth"):
         raise SpecError(f"{where}: {value!r} has no unit; write e.g. \"25 Gbit/s\" or \"16 GB/s\" "
                         f"or a preset ({', '.join(sorted(LINK_PRESETS))})")
     number, unit = _split(value, where)
-    if re.fullmatch(r"[kmgtKMGT]?b/s", unit):
-        raise SpecError(f"{where}: unit {unit!r} is ambiguous; write {unit[:-3]}bit/s or "
-                        f"{unit[:-3].upper()}B/s")
+    ambiguous = re.fullmatch(r"([kmgtKMGT]?)(b/s|Bps|BPS|BPs|bPS)", unit)
+    if ambiguous:
+        prefix = ambiguous.group(1)
+        raise SpecError(f"{where}: unit {unit!r} is ambiguous; write "
+                        f"{prefix.upper()}bit/s or {prefix.upper()}B/s")
     factor = _BW_UNITS.get(unit.lower())
     if factor is None:
         raise SpecError(f"{where}: unknown bandwidth unit {unit!r} in {value!r} "
                         f"(use Gbit/s, GB/s, Mbit/s, MB/s or a preset)")
+    result = number * factor
     if number <= 0:
         raise SpecError(f"{where}: bandwidth must be positive, got {value!r}")
-    return number * factor
+    if not math.isfinite(result):
+        raise SpecError(f"{where}: {value!r} is not a finite bandwidth")
+    if not MIN_BANDWIDTH <= result <= MAX_BANDWIDTH:
+        raise SpecError(f"{where}: {value!r} is outside {MIN_BANDWIDTH:g} B/s .. "
+                        f"{MAX_BANDWIDTH:g} B/s (limits in planner/limits.py)")
+    return result
 
 
 def parse_latency(value, where="latency"):
@@ -74,18 +86,28 @@ def parse_latency(value, where="latency"):
     factor = _TIME_UNITS.get(unit.lower() if unit != "µs" else unit)
     if factor is None:
         raise SpecError(f"{where}: unknown time unit {unit!r} in {value!r} (use s, ms, us, ns)")
-    return number * factor
+    result = number * factor
+    if not math.isfinite(result):
+        raise SpecError(f"{where}: {value!r} is not a finite time")
+    if result > MAX_LATENCY_S:
+        raise SpecError(f"{where}: {value!r} is above {MAX_LATENCY_S:g} s "
+                        f"(limits in planner/limits.py)")
+    return result
 
 
 def parse_size(value, where="size"):
-    """Bytes from "24 GB", "80 GiB" or a plain number of bytes."""
+    """Bytes from "24 GB", "80 GiB" or a plain number of bytes; finite and >= 0."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    number, unit = _split(value, where)
-    factor = _SIZE_UNITS.get(unit.lower())
-    if factor is None:
-        raise SpecError(f"{where}: unknown size unit {unit!r} in {value!r} (use GB, GiB, MB)")
-    return number * factor
+        result = float(value)
+    else:
+        number, unit = _split(value, where)
+        factor = _SIZE_UNITS.get(unit.lower())
+        if factor is None:
+            raise SpecError(f"{where}: unknown size unit {unit!r} in {value!r} (use GB, GiB, MB)")
+        result = number * factor
+    if not math.isfinite(result) or result < 0:
+        raise SpecError(f"{where}: {value!r} is not a finite size")
+    return result
 
 
 def format_bandwidth(bytes_per_s):

@@ -1,53 +1,192 @@
-"""Every broken plan and cluster file in the corpus gives one clear line: exit 2, the field named,
-no traceback. In-process for speed, plus a few real `hexi-plan` subprocesses."""
+"""Every broken plan, cluster file, model file and CLI number gives one clear line: exit 2, the
+field named, no traceback, within a few seconds and a bounded amount of memory.
+
+The whole corpus runs through the real `hexi-plan` entry (`planner.cli.main`) in ONE subprocess
+(cli_corpus_runner.py), each case in a forked child with its address space and CPU time limited;
+the tests below read that run's per-case results."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).parent / "data"
+HERE = Path(__file__).parent
+DATA = HERE / "data"
+REPO = HERE.parent.parent
 PLANS = {k: v for k, v in json.loads((DATA / "broken_plans.json").read_text()).items()
          if not k.startswith("_")}
 CLUSTERS = {k: v for k, v in json.loads((DATA / "broken_clusters.json").read_text()).items()
             if not k.startswith("_")}
+MODELS = {k: v for k, v in json.loads((DATA / "broken_models.json").read_text()).items()
+          if not k.startswith("_")}
 ERROR = "hexi-plan: error: "
+MAX_SECONDS = 3.0           # per case, wall clock, including the fork
+MAX_GROWTH_MB = 256         # peak resident memory above the runner's own (planner imported)
+
+CLUSTER = REPO / "examples" / "clusters" / "mini-hetero.yaml"
+ONE_RANK = REPO / "examples" / "pipelines" / "one-rank.json"
+# `plan` and `manual` with bad numbers on the command line: (id, argv, field)
+FLAG_CASES = [
+    ("plan --seq-length -5", ["plan", "--model", "tiny", "--global-batch-size", "8",
+                              "--seq-length", "-5"], "argument --seq-length"),
+    ("plan --seq-length=-5", ["plan", "--model", "tiny", "--global-batch-size", "8",
+                              "--seq-length=-5"], "argument --seq-length"),
+    ("plan --seq-length 0", ["plan", "--model", "tiny", "--global-batch-size", "8",
+                             "--seq-length", "0"], "argument --seq-length"),
+    ("plan --seq-length huge", ["plan", "--model", "tiny", "--global-batch-size", "8",
+                                "--seq-length", "9" * 5000], "argument --seq-length"),
+    ("plan --global-batch-size 0", ["plan", "--model", "tiny", "--global-batch-size", "0"],
+     "argument --global-batch-size"),
+    ("plan --global-batch-size nan", ["plan", "--model", "tiny", "--global-batch-size", "nan"],
+     "argument --global-batch-size"),
+    ("plan --global-batch-size inf", ["plan", "--model", "tiny", "--global-batch-size", "inf"],
+     "argument --global-batch-size"),
+    ("plan --global-batch-size 1e9", ["plan", "--model", "tiny", "--global-batch-size", "1e9"],
+     "argument --global-batch-size"),
+    ("plan --global-batch-size 10^12", ["plan", "--model", "tiny", "--global-batch-size",
+                                        "1000000000000"], "argument --global-batch-size"),
+    ("plan --micro-batch-size -1", ["plan", "--model", "tiny", "--global-batch-size", "8",
+                                    "--micro-batch-size", "-1"], "argument --micro-batch-size"),
+    ("plan --micro-batch-size nan", ["plan", "--model", "tiny", "--global-batch-size", "8",
+                                     "--micro-batch-size", "nan"], "argument --micro-batch-size"),
+    ("plan --seed -1", ["plan", "--model", "tiny", "--global-batch-size", "8", "--seed", "-1"],
+     "argument --seed"),
+    ("plan --seed 2^40", ["plan", "--model", "tiny", "--global-batch-size", "8", "--seed",
+                          str(2**40)], "argument --seed"),
+    ("plan without --model", ["plan", "--global-batch-size", "8"], "--model"),
+    ("manual --seq-length -5", ["manual", "--model", "tiny", "--global-batch-size", "8",
+                                "--pipelines", ONE_RANK, "--seq-length", "-5"],
+     "argument --seq-length"),
+    ("manual --global-batch-size nan", ["manual", "--model", "tiny", "--global-batch-size", "nan",
+                                        "--pipelines", ONE_RANK], "argument --global-batch-size"),
+    ("manual --global-batch-size 0", ["manual", "--model", "tiny", "--global-batch-size", "0",
+                                      "--pipelines", ONE_RANK], "argument --global-batch-size"),
+    ("manual pipelines deep", ["manual", "--model", "tiny", "--global-batch-size", "8",
+                               "--pipelines", DATA / "broken_plans" / "deep-nesting.json"],
+     "nested too deeply"),
+    ("manual pipelines utf16", ["manual", "--model", "tiny", "--global-batch-size", "8",
+                                "--pipelines", DATA / "broken_plans" / "utf16.json"], "not UTF-8"),
+]
+
+
+def _cases(out_dir):
+    """(id, argv, path the line must start with or None, field) for the whole corpus."""
+    out = out_dir / "plan.json"
+    cases = []
+    for name, meta in PLANS.items():
+        path = DATA / "broken_plans" / name
+        for cmd in ("validate", "show", "simulate"):
+            cases.append((f"{cmd} {name}", [cmd, path], path, meta["field"]))
+    for name, field in CLUSTERS.items():
+        path = DATA / "broken_clusters" / name
+        cases.append((f"manual --cluster {name}",
+                      ["manual", "--cluster", path, "--model", "tiny", "--global-batch-size", 8,
+                       "--pipelines", ONE_RANK, "-o", out], path, field))
+    for name, field in MODELS.items():
+        path = DATA / "broken_models" / name
+        cases.append((f"manual --model {name}",
+                      ["manual", "--cluster", CLUSTER, "--model", path, "--global-batch-size", 8,
+                       "--pipelines", ONE_RANK, "-o", out], path, field))
+        cases.append((f"plan --model {name}",
+                      ["plan", "--cluster", CLUSTER, "--model", path, "--global-batch-size", 8,
+                       "-o", out], path, field))
+    for case_id, argv, field in FLAG_CASES:
+        cmd, rest = argv[0], argv[1:]
+        cases.append((case_id, [cmd, "--cluster", CLUSTER, *rest, "-o", out], None, field))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def corpus_run(tmp_path_factory):
+    """Run every case once, in one subprocess; returns (cases by id, results by id, out dir)."""
+    tmp = tmp_path_factory.mktemp("corpus")
+    cases = _cases(tmp)
+    (tmp / "cases.json").write_text(json.dumps(
+        [{"id": i, "argv": [str(a) for a in argv]} for i, argv, _, _ in cases]))
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(HERE / "cli_corpus_runner.py"), str(tmp / "cases.json"),
+                        str(tmp / "results.json")], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    return ({i: (argv, path, field) for i, argv, path, field in cases},
+            json.loads((tmp / "results.json").read_text()), tmp)
 
 
 def test_corpus_is_complete():
     assert sorted(PLANS) == sorted(p.name for p in (DATA / "broken_plans").glob("*.json"))
     assert sorted(CLUSTERS) == sorted(p.name for p in (DATA / "broken_clusters").glob("*.yaml"))
-    assert len(PLANS) >= 22 and len(CLUSTERS) >= 12
+    assert sorted(MODELS) == sorted(p.name for p in (DATA / "broken_models").glob("*.yaml"))
+    assert len(PLANS) >= 60 and len(CLUSTERS) >= 30 and len(MODELS) >= 10
 
 
 def _one_line(err, path, field):
     lines = err.splitlines()
     assert "Traceback" not in err
     assert len(lines) == 1, f"expected one error line, got:\n{err}"
-    assert lines[0].startswith(f"{ERROR}{path}: "), lines[0]
+    prefix = f"{ERROR}{path}: " if path is not None else ERROR
+    assert lines[0].startswith(prefix), lines[0]
     assert field in lines[0], f"{field!r} not named in: {lines[0]}"
     return lines[0]
 
 
+def _check(corpus_run, case_id):
+    cases, results, out_dir = corpus_run
+    argv, path, field = cases[case_id]
+    got = results[case_id]
+    assert "Traceback" not in got["stderr"], got["stderr"]
+    assert got["exit"] == 2 and got["stdout"] == "", got
+    _one_line(got["stderr"], path, field)
+    assert got["seconds"] < MAX_SECONDS, got
+    assert got["max_rss_mb"] - results["_base_rss_mb"] < MAX_GROWTH_MB, got
+    assert not (out_dir / "plan.json").exists()
+
+
+@pytest.mark.parametrize("cmd", ["validate", "show", "simulate"])
 @pytest.mark.parametrize("name", sorted(PLANS))
-def test_broken_plan(name, hexi_plan):
-    path = DATA / "broken_plans" / name
-    code, out, err = hexi_plan("validate", path)
-    assert code == 2 and out == ""
-    _one_line(err, path, PLANS[name]["field"])
+def test_broken_plan(name, cmd, corpus_run):
+    _check(corpus_run, f"{cmd} {name}")
 
 
 @pytest.mark.parametrize("name", sorted(CLUSTERS))
-def test_broken_cluster(name, hexi_plan, examples_dir, tmp_path):
-    path = DATA / "broken_clusters" / name
-    code, out, err = hexi_plan("manual", "--cluster", path, "--model", "tiny",
-                               "--global-batch-size", 8,
-                               "--pipelines", examples_dir / "pipelines" / "one-rank.json",
-                               "-o", tmp_path / "plan.json")
-    assert code == 2 and out == ""
-    _one_line(err, path, CLUSTERS[name])
-    assert not (tmp_path / "plan.json").exists()
+def test_broken_cluster(name, corpus_run):
+    _check(corpus_run, f"manual --cluster {name}")
+
+
+@pytest.mark.parametrize("cmd", ["manual", "plan"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_broken_model(name, cmd, corpus_run):
+    _check(corpus_run, f"{cmd} --model {name}")
+
+
+@pytest.mark.parametrize("case_id", [c[0] for c in FLAG_CASES])
+def test_bad_flag(case_id, corpus_run):
+    _check(corpus_run, case_id)
+
+
+def test_runner_catches_a_traceback_and_a_memory_blowup(tmp_path):
+    """The limits are real: a child that leaks past the address-space limit, or raises, shows up
+    as a non-2 exit with a traceback (so the corpus checks above can fail)."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import cli_corpus_runner as runner
+    finally:
+        sys.path.remove(str(HERE))
+    import planner.cli
+    real_main = planner.cli.main
+    try:
+        planner.cli.main = lambda argv: len(bytearray(2 * runner.EXTRA_ADDRESS_SPACE))
+        blowup = runner.run_case(["validate", "x"], runner._mapped_bytes()
+                                 + runner.EXTRA_ADDRESS_SPACE)
+        planner.cli.main = lambda argv: 1 // 0
+        crash = runner.run_case(["validate", "x"], runner._mapped_bytes()
+                                + runner.EXTRA_ADDRESS_SPACE)
+    finally:
+        planner.cli.main = real_main
+    assert blowup["exit"] == 1 and "MemoryError" in blowup["stderr"], blowup
+    assert crash["exit"] == 1 and "Traceback" in crash["stderr"], crash
 
 
 def test_broken_plan_fails_plan_from_dict_too():
