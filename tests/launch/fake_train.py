@@ -11,12 +11,12 @@ import argparse
 import json
 import os
 import socket
-import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from megatron_hexi.process_exit import exit_process
 from planner.plan import load_plan
 
 
@@ -43,7 +43,7 @@ def main():
     else:
         plan_rank, how = rank, "launch order"
     if rank == args.fail_rank:
-        sys.exit(5)
+        exit_process(5)
     t = torch.tensor([float(plan_rank + 1)])
     dist.all_reduce(t)
     me = {"torch_rank": rank, "plan_rank": plan_rank, "plan_node": node, "how": how,
@@ -63,8 +63,7 @@ def main():
                        "ranks": everyone}, f)
         os.replace(args.out + ".tmp", args.out)
     dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(0 if t.item() == expected else 3)
+    exit_process(0 if t.item() == expected else 3)   # never SIGABRT at interpreter exit
 
 
 if __name__ == "__main__":
