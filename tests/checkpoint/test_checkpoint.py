@@ -1,10 +1,11 @@
 """--save / --load: exact resume under the same plan, resharding to another plan, clear errors.
 
-One straight run of plan A (two pipelines, a TP=2 stage with uneven shards) saves at iterations
-2 and 4. Resuming from iteration 2 under plan A must repeat iterations 3-4 exactly (1e-6; in
-practice bit for bit); resuming under plan B (three ranks, other stage boundaries, other TP and
-uneven shards, and the distributed optimizer) must match within 1e-5, parameters and Adam state
-included, and plan B's own checkpoint must hold the same tensors as plan A's.
+One straight run of plan A (two pipelines, a TP=2 stage with uneven shards; the `straight` fixture
+of conftest.py) saves at iterations 2 and 4. Resuming from iteration 2 under plan A must repeat
+iterations 3-4 exactly (1e-6; in practice bit for bit); resuming under plan B (three ranks, other
+stage boundaries, other TP and uneven shards, and the distributed optimizer) must match within
+1e-5, parameters and Adam state included, and plan B's own checkpoint must hold the same tensors
+as plan A's.
 """
 import json
 import os
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from harness import run_distributed
+from checkpoint.conftest import ITERS
 from checkpoint.workers import max_relative_difference, train
 from megatron_hexi.checkpoint import TRACKER, Checkpoint, CheckpointError, read_full_model
 from planner.layout import canonical_shards
@@ -24,20 +26,6 @@ PLAN_B = [{"micro_batch_size": 4, "num_microbatches": 2, "stages": [
     {"ranks": [0, 1], "layers": [0, 2],
      "shards": {"query_groups": [1, 3], "ffn": [100, 156], "vocab": [28, 100]}},
     {"ranks": [2], "layers": [2, 4]}]}]
-ITERS = ["--train-iters", "4"]
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """Plan A, 4 iterations straight, saving every 2, with TensorBoard scalars."""
-    d = tmp_path_factory.mktemp("straight")
-    model, world, pipelines = PLANS["two_pipelines_uneven_tp2"]
-    plan = write_plan(d, "plan_a", model, world, pipelines)
-    result = run_distributed(train, world, plan, [*ITERS, "--save", str(d / "ckpt"),
-                                                  "--save-interval", "2",
-                                                  "--tensorboard-dir", str(d / "tb")],
-                             timeout=300)[0]
-    return d, plan, result
 
 
 def _events(result, kind):

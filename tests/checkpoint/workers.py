@@ -52,3 +52,45 @@ def max_relative_difference(a, b):
     if isinstance(a, torch.Tensor):
         return ((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
     return abs(a - b) / max(abs(b), 1e-6)
+
+
+def load_each(plan_path, cases, save_dir):
+    """Under the plan, in one process group: load each (label, directory, step) of `cases`,
+    {label: "ok" or the error}; then a save into `save_dir` whose checkpoint.json write fails
+    with a full disk (label "disk full"), what it left in `save_dir` ("left over") and the
+    iteration `save_dir` then loads ("after disk full")."""
+    import errno
+    import os
+
+    from megatron_hexi import checkpoint
+    from megatron_hexi.arguments import parse_args
+    from megatron_hexi.training import Trainer, init_distributed
+    from planner.plan import load_plan
+
+    args = parse_args(["--hetero-plan-path", str(plan_path), *BASE_FLAGS, "--train-iters", "4",
+                       "--load", str(save_dir)])
+    plan = load_plan(args.hetero_plan_path)
+    trainer = Trainer(args, plan, init_distributed(args, plan))
+    out = {}
+    for label, directory, step in cases:
+        args.load, args.ckpt_step = str(directory), step
+        try:
+            checkpoint.load(trainer, args)
+            out[label] = "ok"
+        except checkpoint.CheckpointError as e:
+            out[label] = str(e)
+
+    def disk_full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    write_json, checkpoint._write_json = checkpoint._write_json, disk_full
+    try:
+        checkpoint.save(trainer, str(save_dir), 6)
+        out["disk full"] = "saved"
+    except checkpoint.CheckpointError as e:
+        out["disk full"] = str(e)
+    finally:
+        checkpoint._write_json = write_json
+    out["left over"] = sorted(n for n in os.listdir(save_dir) if n.startswith("."))
+    args.load, args.ckpt_step = str(save_dir), None
+    out["after disk full"] = checkpoint.load(trainer, args)[0]
+    return out

@@ -8,6 +8,7 @@ Benchmarks (each its own process, output streamed and kept under --log-dir):
   fidelity          cost model vs runtime step times and memory (profile + 9 plans)
   search_quality    hexi / exhaustive and hexi / uniform throughput
   planner_scaling   search seconds vs GPUs
+  checkpoint_verify --load time with / without checksum and NaN checks (1 and 2 CPU processes)
 --quick shrinks the slow ones (fewer steps, clusters and sizes); the page docs/benchmarks.md
 says which settings produced its figures.
 """
@@ -36,6 +37,8 @@ def commands(quick):
         + (["--clusters", "5", "--max-gpus", "8", "--uniform-extra", "3"] if quick else []),
         "planner_scaling": [py, str(BENCH / "planner_scaling.py")]
         + (["--sizes", "64", "256", "1024"] if quick else []),
+        "checkpoint_verify": [py, str(BENCH / "checkpoint_verify.py")]
+        + (["--hidden", "256", "--vocab", "4096", "--rounds", "3"] if quick else []),
     }
 
 
@@ -52,6 +55,8 @@ RATIOS = [
     ("search_quality", r"hexi / uniform: n=(\d+) min=(\S+) median=(\S+)",
      "hexi / uniform (n, min, median)"),
     ("planner_scaling", r"^\s*(\d+)\s+(\d+\.\d+)\s", "search seconds at GPUs"),
+    ("checkpoint_verify", r"same plan ratio (\d+\.\d+)x, resharded ratio (\d+\.\d+)x",
+     "verified / plain --load time (same plan, resharded)"),
 ]
 
 

@@ -1,0 +1,201 @@
+"""What checkpoint verification costs: --load time with and without it, same run, CPU.
+
+    python tools/bench/checkpoint_verify.py [--layers 4] [--hidden 512] [--vocab 16384] [--rounds 5]
+
+What is measured. One rank trains one step of a GPT model (fp32, Adam) and saves it (one rank
+file: master weights and both Adam moments). Then, in one process group each, the checkpoint is
+loaded `--rounds` times with verification and as many times without (megatron_hexi.checkpoint.load
+with verify=False: no checksums, no NaN/inf check, no rank-file metadata check), alternating which
+goes first to cancel drift:
+  same plan   1 rank reads the file it wrote (the common resume);
+  resharded   2 ranks (one TP=2 stage) read halves of the tensors; verification reads and checks
+              each whole tensor a rank touches, so each tensor is hashed by both ranks.
+A load's time is the slowest rank's, from a barrier; the table shows medians over the rounds.
+Then the parts of verification are timed alone over every tensor of the file: reading it
+(safetensors get_tensor), CRC-32 (what the checkpoint records) and the finite check
+(torch.aminmax), with blake2b-128, sha256 and torch.isfinite(t).all() for comparison (why not
+those).
+
+The file is in the page cache (just written, then read once before timing), so the load times are
+memory and CPU bound: the worst case for the ratio. Reading from a disk adds the same I/O time to
+both variants. Wall times need an idle machine: the load average is printed before and after.
+"""
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"          # before torch is imported, here and in the ranks
+
+import argparse  # noqa: E402
+import shlex  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+# The repository root first (as under `python -m pytest` from it): tests/planner would otherwise
+# shadow the planner package, here and in the ranks.
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent), str(ROOT / "tests")]
+
+import yaml  # noqa: E402
+
+FLAGS = ["--mock-data", "--lr", "1e-3", "--seed", "1234", "--attention-dropout", "0",
+         "--hidden-dropout", "0", "--log-interval", "1000", "--train-iters", "1"]
+GLOBAL_BATCH = 2
+
+
+def _setup(plan_path, extra):
+    import torch
+    torch.set_num_threads(1)
+    from megatron_hexi.arguments import parse_args
+    from megatron_hexi.training import init_distributed
+    from planner.plan import load_plan
+    args = parse_args(["--hetero-plan-path", str(plan_path), *FLAGS, *extra])
+    plan = load_plan(args.hetero_plan_path)
+    return args, plan, init_distributed(args, plan)
+
+
+def save_worker(plan_path, ckpt_dir):
+    """One training step, then the save at the end of the run; returns the save's seconds."""
+    import contextlib
+    import io
+    from megatron_hexi.training import run
+    args, plan, device = _setup(plan_path, ["--save", str(ckpt_dir)])
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer, _ = run(args, plan, device)
+    return [e for e in trainer.checkpoint_events if "save_iteration" in e][0]["seconds"]
+
+
+def load_worker(plan_path, ckpt_dir, rounds):
+    """{verify: [seconds per load]}: the slowest rank's time of each load."""
+    import contextlib
+    import io
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hexi import checkpoint
+    from megatron_hexi.training import Trainer
+    args, plan, device = _setup(plan_path, ["--load", str(ckpt_dir)])
+    trainer = Trainer(args, plan, device)
+    times = {False: [], True: []}
+    with contextlib.redirect_stdout(io.StringIO()):
+        checkpoint.load(trainer, args, verify=True)      # warm-up: page cache, allocator
+        for r in range(rounds):
+            for verify in ((False, True) if r % 2 == 0 else (True, False)):
+                dist.barrier()
+                start = time.perf_counter()
+                checkpoint.load(trainer, args, verify=verify)
+                t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                times[verify].append(t.item())
+    return times
+
+
+def parts(ckpt_dir, repeats=3):
+    """Best-of-`repeats` seconds of each part of verification over every tensor of the files."""
+    import hashlib
+
+    import torch
+    from safetensors import safe_open
+
+    from megatron_hexi.checkpoint import Checkpoint, tensor_checksum
+    torch.set_num_threads(1)
+    ck = Checkpoint(str(ckpt_dir))
+    keys = [(fname, row["key"]) for fname, rows in ck.meta["files"].items() for row in rows]
+    handles = {f: safe_open(os.path.join(ck.dir, f), framework="pt") for f, _ in keys}
+    tensors = [handles[f].get_tensor(k) for f, k in keys]
+    size = sum(t.numel() * t.element_size() for t in tensors)
+
+    def flat(t):
+        return t.reshape(-1).view(torch.uint8).numpy()
+    jobs = {
+        "read (get_tensor)": lambda: [handles[f].get_tensor(k) for f, k in keys],
+        "crc32 (recorded)": lambda: [tensor_checksum(t) for t in tensors],
+        "finite check (aminmax)": lambda: [torch.aminmax(t) for t in tensors],
+        "blake2b-128": lambda: [hashlib.blake2b(flat(t), digest_size=16).digest()
+                                for t in tensors],
+        "sha256": lambda: [hashlib.sha256(flat(t)).digest() for t in tensors],
+        "isfinite(t).all()": lambda: [torch.isfinite(t).all() for t in tensors],
+    }
+    out = {}
+    for name, job in jobs.items():
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            job()
+            best = min(best, time.perf_counter() - start)
+        out[name] = best
+    return size, out
+
+
+def write_plans(directory, model_fields):
+    from planner.models import load_model
+    from planner.plan import build_plan, save_plan
+    sys.path.insert(0, str(ROOT / "tests"))
+    from runtime.plans import cpu_cluster
+    (directory / "model.yaml").write_text(yaml.safe_dump(model_fields))
+    model = load_model(str(directory / "model.yaml"))
+    paths = {}
+    for name, world, ranks in (("same plan", 1, [0]), ("resharded", 2, [0, 1])):
+        pipelines = [{"micro_batch_size": 1, "num_microbatches": GLOBAL_BATCH,
+                      "stages": [{"ranks": ranks, "layers": [0, model.num_layers]}]}]
+        paths[name] = (directory / f"plan_{world}.json", world)
+        save_plan(build_plan(cpu_cluster(world), model, GLOBAL_BATCH, pipelines),
+                  paths[name][0])
+    return model, paths
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--rounds", type=int, default=5, help="loads of each variant")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per job (harness)")
+    a = p.parse_args(argv)
+    from harness import run_distributed
+    import checkpoint_verify as me        # the ranks find the workers by this module's name
+    fields = {"name": "bench-ckpt", "num_layers": a.layers, "hidden_size": a.hidden,
+              "ffn_hidden_size": 4 * a.hidden, "num_attention_heads": 8, "num_query_groups": 8,
+              "vocab_size": a.vocab, "seq_length": 128}
+    print("$ " + " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]), flush=True)
+    load0 = os.getloadavg()
+    print(f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} on {os.cpu_count()} CPUs",
+          flush=True)
+    start = time.monotonic()
+    env = {"OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory(prefix="hexi-ckpt-verify-") as tmp:
+        tmp = Path(tmp)
+        model, plans = write_plans(tmp, fields)
+        ckpt = tmp / "ckpt"
+        save_s = run_distributed(me.save_worker, 1, plans["same plan"][0], ckpt,
+                                 timeout=a.timeout, env=env)[0]
+        size, part = parts(ckpt)
+        print(f"model {a.layers}L h{a.hidden} ffn{4 * a.hidden} vocab {a.vocab}: checkpoint "
+              f"{size / 1e6:.0f} MB (fp32 weights + Adam moments, one rank file), saved in "
+              f"{save_s:.2f} s with checksums", flush=True)
+        ratios = {}
+        print(f"\n{'case':<11} {'ranks':>5} {'plain_s':>8} {'verified_s':>10} {'ratio':>6}")
+        for case, (plan, world) in plans.items():
+            times = run_distributed(me.load_worker, world, plan, ckpt, a.rounds,
+                                    timeout=a.timeout, env=env)[0]
+            plain, verified = (statistics.median(times[v]) for v in (False, True))
+            ratios[case] = verified / plain
+            print(f"{case:<11} {world:>5} {plain:8.3f} {verified:10.3f} {ratios[case]:5.2f}x",
+                  flush=True)
+    print(f"\nparts, one thread, over all {size / 1e6:.0f} MB (best of 3):")
+    for name, seconds in part.items():
+        print(f"  {name:<28} {seconds:7.3f} s  {size / seconds / 1e9:6.2f} GB/s")
+    load1 = os.getloadavg()
+    print(f"\nverified / plain load: same plan ratio {ratios['same plan']:.2f}x, resharded ratio "
+          f"{ratios['resharded']:.2f}x; total {time.monotonic() - start:.0f} s; load average "
+          f"{load0[0]:.2f} -> {load1[0]:.2f} on {os.cpu_count()} CPUs")
+    if max(load0[0], load1[0]) > os.cpu_count() * 0.75:
+        print("WARNING: the machine was busy with other work; wall times are inflated and noisy "
+              "(rerun when idle)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
