@@ -59,6 +59,7 @@ class _Region:
     """One member's parts of every segment of a rank set, in buffer order."""
     pieces: list              # [(slot index, part start, part length, numel)]
     numel: int
+    position: int             # the member's rank in the group: where its chunk sits in buffers
 
 
 class HeteroDistributedOptimizer(MegatronOptimizer):
@@ -70,7 +71,11 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         self.sets = []                    # (ranks, group, slots, regions, my index)
         for ranks, group, slots in grad_sync.buckets:
             weights = [self._weight(r, shard_mode) for r in ranks]
-            regions = [_Region([], 0) for _ in ranks]
+            # Which part a member owns follows the plan (the same under every launch), but
+            # reduce_scatter and all_gather order their chunks by group rank, which follows
+            # launch rank: each member's chunk goes where its group rank says.
+            order = grad_sync.group_order(ranks)
+            regions = [_Region([], 0, order.index(r)) for r in ranks]
             for k, slot in enumerate(slots):
                 starts = 0
                 inner = slot.param.numel() // slot.param.shape[slot.dim]
@@ -111,8 +116,8 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
             width = max(r.numel for r in regions)
             buf = torch.zeros(width * len(ranks), dtype=torch.float32,
                               device=slots[0].param.device)
-            for i, region in enumerate(regions):
-                offset = i * width
+            for region in regions:
+                offset = region.position * width
                 for k, start, n, numel in region.pieces:
                     slot = slots[k]
                     if slot.contributes and n:
@@ -126,7 +131,8 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                 dist.reduce_scatter_tensor(mine, buf, group=group)
             else:                          # gloo: no reduce-scatter
                 dist.all_reduce(buf, group=group)
-                mine = buf[me * width:(me + 1) * width]
+                at = regions[me].position * width
+                mine = buf[at:at + width]
             mine = mine / num_tokens
             offset = 0
             for part, (k, start, n, numel) in zip(mine_parts, regions[me].pieces):
@@ -152,13 +158,14 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
             else:
                 gathered = [torch.empty_like(mine) for _ in ranks]
                 dist.all_gather(gathered, mine, group=group)
-            for i, region in enumerate(regions):
+            for region in regions:
                 offset = 0
                 for k, start, n, numel in region.pieces:
                     slot = slots[k]
                     if n:
                         view = slot.param.data.narrow(slot.dim, slot.start + start, n)
-                        view.copy_(gathered[i][offset:offset + numel].view_as(view))
+                        view.copy_(gathered[region.position][offset:offset + numel]
+                                   .view_as(view))
                     offset += numel
 
     # -- MegatronOptimizer interface ---------------------------------------------------------

@@ -40,6 +40,7 @@ def reduced_together(seg, shard_optimizer_state):
 class GradientSync:
     def __init__(self, plan_rank, params, segments, groups, shard_optimizer_state=False):
         self.plan_rank = plan_rank
+        self._launch_of = groups.launch_of
         by_name = {shard.name: [] for shard, _ in params}
         for shard, p in params:
             by_name[shard.name].append(p)
@@ -86,6 +87,11 @@ class GradientSync:
                 view.copy_(flat[offset:offset + view.numel()].view_as(view))
                 offset += view.numel()
         self.bytes_per_step = total
+
+    def group_order(self, ranks):
+        """The plan ranks of a rank set in the order its process group numbers them: torch
+        numbers a group's members by launch rank, which need not follow the plan."""
+        return sorted(ranks, key=self._launch_of.__getitem__)
 
     def owned_grads(self):
         """Views of the gradient slices this rank counts in the global norm (each element once)."""
