@@ -65,8 +65,9 @@ class _Region:
 class HeteroDistributedOptimizer(MegatronOptimizer):
     """Adam(W) over this rank's master parts, with reduce-scatter / all-gather per rank set."""
 
-    def __init__(self, plan, grad_sync, config, shard_mode):
+    def __init__(self, plan, grad_sync, config, shard_mode, device):
         self.plan, self.grad_sync, self.rank = plan, grad_sync, grad_sync.plan_rank
+        self.device = device
         self.parts = []                   # MasterPart, this rank's
         self.sets = []                    # (ranks, group, slots, regions, my index)
         for ranks, group, slots in grad_sync.buckets:
@@ -197,7 +198,7 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
 
     def clip_grad_norm(self, clip_grad):
         grads = self.get_main_grads_for_grad_norm()
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for g in grads:
             total += g.double().pow(2).sum()
         dist.all_reduce(total)

@@ -66,7 +66,9 @@ def build_optimizer(model, grad_sync, args, plan=None):
                               betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
     if plan is not None and plan.training.use_distributed_optimizer:
         from megatron_hexi.distributed_optimizer import HeteroDistributedOptimizer
-        opt = HeteroDistributedOptimizer(plan, grad_sync, config, plan.training.optimizer_shard)
+        device = next(model.parameters()).device
+        opt = HeteroDistributedOptimizer(plan, grad_sync, config, plan.training.optimizer_shard,
+                                         device)
     elif args.bf16:
         opt = HeteroFloat16Optimizer(inner, config, None, lambda o: None)
     else:

@@ -79,9 +79,12 @@ class Trainer:
 
     # -- pieces handed to megatron-core's schedule ------------------------------------------
     def _finalize_grads(self, model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):
-        """Global token count (one scalar all-reduce), then the weighted segment sync."""
+        """Global token count (one scalar all-reduce), then the weighted segment sync. The
+        pipeline's own time ends here: what follows is the data-parallel part of the step."""
+        synchronize(self.device)
+        self._pipeline_end = time.perf_counter()
         mine = num_tokens if (self.view.holds_output and self.view.tp_rank == 0) else 0
-        tokens = torch.tensor([float(mine)], dtype=torch.float64)
+        tokens = torch.tensor([float(mine)], dtype=torch.float64, device=self.device)
         dist.all_reduce(tokens)
         self.global_tokens = tokens.item()
         if self.global_tokens <= 0:
@@ -126,23 +129,25 @@ class Trainer:
                 if (v.holds_embedding or v.holds_output) else iter(()))
         pg = ProcessGroupCollection(tp=self.groups.tp, cp=SingleRank(), pp=self.position,
                                     embd=None, pos_embd=None, dp_cp=SingleRank())
+        synchronize(self.device)
         start = time.perf_counter()
         store = forward_backward_pipelining_without_interleaving(
             forward_step_func=self._forward_step, data_iterator=data, model=[self.model],
             num_microbatches=v.num_microbatches, seq_length=self.plan.model.seq_length,
             micro_batch_size=v.micro_batch_size, p2p_communicator=self.communicator,
             pg_collection=pg)
-        pipeline_time = time.perf_counter() - start
+        pipeline_time = self._pipeline_end - start
         success, grad_norm, _ = self.optimizer.step()
         if grad_norm is None:
             grad_norm = self.exact_grad_norm()
         self.scheduler.step(increment=1)
+        synchronize(self.device)          # queued optimizer work belongs to this step
         step_time = time.perf_counter() - start
         # One small all-reduce: loss sum (last stages, TP rank 0), how many ranks saw a
         # non-finite gradient norm (so every rank takes the same decision on it), each rank's
         # times and memory.
         world = self.plan.world_size
-        stats = torch.zeros(2 + 3 * world, dtype=torch.float64)
+        stats = torch.zeros(2 + 3 * world, dtype=torch.float64, device=self.device)
         if v.holds_output and v.tp_rank == 0:
             stats[0] = float(sum(s["lm loss"][0] for s in store))
         stats[1] = 0.0 if math.isfinite(grad_norm) else 1.0
@@ -160,7 +165,7 @@ class Trainer:
 
     @torch.no_grad()
     def exact_grad_norm(self):
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for g in self.optimizer.get_main_grads_for_grad_norm():
             total += g.double().pow(2).sum()
         dist.all_reduce(total)
@@ -170,6 +175,13 @@ class Trainer:
         """Gather every parameter to its full canonical tensor (for tests and export)."""
         from megatron_hexi.gather import gather_full_parameters
         return gather_full_parameters(self.plan, self.rank, self.params, self.groups)
+
+
+def synchronize(device):
+    """Wait for the device's queued work, so that a clock read after it measures that work
+    (CUDA runs asynchronously; on CPU there is nothing to wait for)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _device_name(device):
@@ -389,6 +401,9 @@ def init_distributed(args, plan):
         device = torch.device("cpu")
         from megatron_hexi.patches import apply_cpu_patches
         apply_cpu_patches()
+    if os.environ.get("HEXI_STRICT_COLLECTIVES") == "1":
+        from megatron_hexi.strict_collectives import install
+        install(device)
     backend = args.distributed_backend or ("nccl" if want_cuda else "gloo")
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
