@@ -7,32 +7,33 @@ setup(
     description="Heterogeneous-GPU training on megatron-core: planner, plan format and runtime",
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10,<3.12",
+    python_requires=">=3.10,<3.13",
     packages=["planner", "megatron_hexi", "megatron_hexi.patches", "megatron_hexi.launch",
               "megatron_hexi.cluster_tools", "megatron_hexi.profile"],
     package_dir={"megatron_hexi.patches": "patches"},
     package_data={"planner": ["data/*.yaml", "data/*.json"]},
     py_modules=[],
+    # Ranges, so that `pip install -e .` keeps an environment's own (CUDA) torch and numpy. The
+    # exact versions tested on CPU are in tools/constraints-cpu.txt (tools/setup_env.sh uses it).
     install_requires=[
-        # torch is pinned: an open range pulls a multi-GB CUDA build where 2.13.0 is not cached.
-        "torch==2.13.0",
-        "megatron-core==0.16.1",
-        "einops==0.8.2",          # megatron-core's HyperCommGrid needs it
-        "pymetis==2025.2.2",
-        "networkx==3.6.1",
-        "numpy==2.4.6",
-        "pyyaml==6.0.4",
-        "packaging==26.4",
-        "safetensors==0.8.0",     # checkpoints (megatron_hexi/checkpoint.py)
+        "torch>=2.6",             # megatron-core 0.16.1's own floor
+        "megatron-core==0.16.1",  # the version every module in patches/ was checked against
+        "einops>=0.8,<0.9",       # megatron-core's HyperCommGrid needs it
+        "pymetis>=2023.1",        # planner phase 1 (wheels for CPython 3.10-3.12)
+        "networkx>=3.2,<4",
+        "numpy>=1.26,<3",
+        "pyyaml>=6.0,<7",
+        "packaging>=24.2",        # megatron-core's floor
+        "safetensors>=0.4.3,<1",  # checkpoints (megatron_hexi/checkpoint.py)
     ],
     extras_require={
-        "test": ["pytest==9.2.0", "jsonschema==4.26.0", "matplotlib==3.11.2",
-                 "tokenizers==0.23.3", "safetensors==0.8.0",
+        "test": ["pytest>=8,<10", "jsonschema>=4.18,<5", "matplotlib>=3.8,<4",
+                 "tokenizers>=0.21,<1",
                  # HF Llama import/export tests; transformers needs no torch of its own, so the
-                 # pinned CPU torch stays.
-                 "transformers==5.24.0", "tensorboard==2.21.0"],
-        "tensorboard": ["tensorboard==2.21.0"],
-        "plot": ["matplotlib==3.11.2"],
+                 # environment's torch stays.
+                 "transformers>=5.0,<6", "tensorboard>=2.15,<3"],
+        "tensorboard": ["tensorboard>=2.15,<3"],
+        "plot": ["matplotlib>=3.8,<4"],
         "gpu": ["transformer-engine[pytorch]"],
     },
     entry_points={"console_scripts": [

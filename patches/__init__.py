@@ -1,9 +1,11 @@
-"""The changes megatron-core needs to run on a machine without CUDA (CPU + gloo).
+"""The changes megatron-core needs to run on the CPU (gloo), with or without a GPU in the machine.
 
 One small module per patched upstream module; each one's docstring says what it changes, why, and
 which megatron-core versions it was checked against (README.md has the table). Nothing happens on
-import: call :func:`apply_cpu_patches` once at start-up, before building models, optimizers or
-schedules. When CUDA is available it patches nothing, so GPU runs see upstream code unchanged.
+import: a process that runs on the CPU calls :func:`apply_cpu_patches` once at start-up, before
+building models, optimizers or schedules. The patches follow the run's device, not CUDA's
+visibility: a CPU run on a GPU host is patched too (otherwise megatron-core would put its buffers
+on the GPU next to a CPU model), and a CUDA run never calls it, so it sees upstream code unchanged.
 
     from megatron_hexi.patches import apply_cpu_patches
     apply_cpu_patches()   # idempotent; returns the names of the applied patches
@@ -68,18 +70,16 @@ def patched_megatron_version() -> str:
 
 
 def apply_cpu_patches() -> Tuple[str, ...]:
-    """Apply every CPU patch (only when CUDA is not available). Idempotent.
+    """Apply every CPU patch, whether or not CUDA is visible. Idempotent.
 
-    Checks the megatron-core version first (RuntimeError if untested). Returns the names of the
-    applied patch modules: empty when CUDA is available. If one patch fails, the ones already
-    applied are reverted before the error propagates.
+    Only for a process whose model runs on the CPU: the patches send megatron-core's CUDA
+    allocations of the whole process to the CPU. Checks the megatron-core version first
+    (RuntimeError if untested). Returns the names of the applied patch modules. If one patch
+    fails, the ones already applied are reverted before the error propagates.
     """
     global _applied, _log
     patched_megatron_version()
     if _applied is not None:
-        return _applied
-    if not _util.cuda_absent():
-        _applied = ()
         return _applied
     log = _util.UndoLog()
     try:
@@ -94,7 +94,7 @@ def apply_cpu_patches() -> Tuple[str, ...]:
 
 
 def applied_cpu_patches() -> Tuple[str, ...]:
-    """Names of the applied patches (empty if none, or if CUDA is available)."""
+    """Names of the applied patches (empty before :func:`apply_cpu_patches` or after removal)."""
     return _applied or ()
 
 

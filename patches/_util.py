@@ -28,11 +28,6 @@ _CPU = torch.device("cpu")
 _FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn")
 
 
-def cuda_absent() -> bool:
-    """True when this process has no usable CUDA: the only case in which patches activate."""
-    return not torch.cuda.is_available()
-
-
 def _to_cpu_device(device: Any) -> Any:
     if isinstance(device, bool):
         return device
@@ -87,7 +82,9 @@ class NamespaceProxy:
 
 
 def cpu_torch(extra_cuda: Dict[str, Any] | None = None) -> NamespaceProxy:
-    """A ``torch`` stand-in for one upstream module on a CUDA-less machine (see module doc)."""
+    """A ``torch`` stand-in for one upstream module of a CPU run (see module doc).
+
+    Nothing in it asks whether CUDA is visible: on a GPU host the module still gets the CPU."""
     cuda_overrides = {"current_device": _cpu_current_device, "synchronize": _no_synchronize}
     cuda_overrides.update(extra_cuda or {})
     overrides: Dict[str, Any] = {"cuda": NamespaceProxy(torch.cuda, cuda_overrides)}

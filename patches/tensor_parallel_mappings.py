@@ -5,7 +5,8 @@ What: the module's ``torch.cuda.current_device()`` returns the CPU device (via a
 
 Why: the all-gather / reduce-scatter output buffers of the tensor-parallel mappings are allocated
 with ``device=torch.cuda.current_device()`` (mappings.py:91,141,148,181,442), which raises on a
-CPU build. Hit by sequence parallelism and by gathering logits/outputs across TP ranks.
+CPU build and, on a GPU host, puts a CPU run's buffers on the GPU. Hit by sequence parallelism
+and by gathering logits/outputs across TP ranks.
 
 Checked against megatron-core 0.16.1.
 """

@@ -1,7 +1,7 @@
 """CPU patch for ``megatron/core/tensor_parallel/random.py`` (the RNG states tracker).
 
-What: with no CUDA, the "device" generator that the tracker saves, seeds, forks and restores is
-the CPU default generator (the one dropout uses on CPU):
+What: in a CPU run (whether or not CUDA is visible), the "device" generator that the tracker
+saves, seeds, forks and restores is the CPU default generator (the one dropout uses on CPU):
 
 * ``_get_cuda_rng_state`` (random.py:41-69) -> ``torch.get_rng_state()``;
 * ``_set_cuda_rng_state`` (random.py:72-109) -> ``torch.set_rng_state()``;
@@ -14,7 +14,8 @@ the CPU default generator (the one dropout uses on CPU):
 Why: ``DotProductAttention.forward`` forks the 'model-parallel-rng' state on every call, even with
 dropout 0 (dot_product_attention.py:217); ``model_parallel_cuda_manual_seed`` and the GPU weight
 initialisation path (layers.py:142) use the tracker too. Upstream goes through
-``torch.cuda.default_generators`` and ``torch.cuda.manual_seed``, which fail on a CPU build.
+``torch.cuda.default_generators`` and ``torch.cuda.manual_seed``, which fail on a CPU build and,
+on a GPU host, would fork a GPU generator that a CPU run's dropout never reads.
 Note: ``model_parallel_cuda_manual_seed(seed)`` therefore also re-seeds the CPU generator with
 ``seed`` (on GPU it seeds the CUDA generator with the same value). Graph-safe (cudagraphable)
 RNG needs CUDA and raises.

@@ -1,8 +1,15 @@
-"""Fixtures shared by every test directory: repository paths and an in-process `hexi-plan`."""
+"""Fixtures shared by every test directory: repository paths and an in-process `hexi-plan`.
+
+The tests are CPU tests: CUDA is hidden here, before any test imports torch, so this process and
+every process a test starts (they inherit the environment) take the CPU path on a GPU host too.
+"""
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

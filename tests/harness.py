@@ -11,6 +11,10 @@
     def test_sum():
         assert run_distributed(_allreduce, 2, 10, timeout=60) == [21, 21]
 
+Both pin the CPU: every process they start gets CUDA_VISIBLE_DEVICES="" before it imports torch,
+so the suite runs the CPU path on a GPU host too. Only `hide_cuda=False` (a benchmark on a GPU)
+or `env` setting CUDA_VISIBLE_DEVICES shows it a GPU.
+
 Neither call ever hangs: past `timeout` every process is killed and the test fails, saying which
 ranks had not finished. A rank that raises fails the test with that rank's number and traceback.
 """
@@ -29,6 +33,10 @@ import subprocess
 import sys
 import time
 import traceback
+
+
+# What every process started by the harness sees first: no GPU (the tests are CPU tests).
+CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 class DistributedTestError(AssertionError):
@@ -162,16 +170,18 @@ def _kill(procs):
         p.join(timeout=10)
 
 
-def run_distributed(fn, world_size, *args, timeout=120, env=None, **kwargs):
+def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True, **kwargs):
     """Run fn(*args, **kwargs) on `world_size` gloo ranks (spawned processes); per-rank results.
 
-    Each rank gets MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK (and
-    `env`, applied before fn's module is imported), an initialised default gloo process group, and
-    returns fn's value, which must pickle. Raises DistributedTestError (an AssertionError, so
-    pytest reports a failure) with the rank's traceback if a rank raises or dies, and
-    DistributedTimeout, after killing every process, if the job is not done in `timeout` seconds.
+    Each rank gets MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK,
+    CUDA_VISIBLE_DEVICES="" unless `hide_cuda` is False (and `env`, applied after it and before
+    fn's module is imported), an initialised default gloo process group, and returns fn's value,
+    which must pickle. Raises DistributedTestError (an AssertionError, so pytest reports a
+    failure) with the rank's traceback if a rank raises or dies, and DistributedTimeout, after
+    killing every process, if the job is not done in `timeout` seconds.
     """
     ref = _function_ref(fn)
+    env = {**(CPU_ONLY_ENV if hide_cuda else {}), **(env or {})}
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -245,16 +255,18 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, **kwargs):
         results.join_thread()
 
 
-def run_torchrun(args, nproc, timeout, env=None):
+def run_torchrun(args, nproc, timeout, env=None, hide_cuda=True):
     """`python -m torch.distributed.run --nproc-per-node N --master-port FREE ARGS...`.
 
-    Returns (returncode, stdout, stderr). Runs in its own process group; past `timeout` seconds
-    the whole group is killed and DistributedTimeout is raised, carrying the output so far.
+    The job sees no GPU (CUDA_VISIBLE_DEVICES="") unless `hide_cuda` is False or `env` sets
+    CUDA_VISIBLE_DEVICES. Returns (returncode, stdout, stderr). Runs in its own process group;
+    past `timeout` seconds the whole group is killed and DistributedTimeout is raised, carrying
+    the output so far.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), *[str(a) for a in args]]
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**os.environ, **(CPU_ONLY_ENV if hide_cuda else {}), **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full_env, start_new_session=True)
     try:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (Python 3.11) and install the project with its test extras. Idempotent.
+# Create .venv (Python 3.11) and install the project with its test extras, at the exact CPU
+# versions of tools/constraints-cpu.txt (torch 2.13.0 CPU build). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
@@ -8,8 +9,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 if ! .venv/bin/python -c "import megatron_hexi, planner, megatron.core, pytest, jsonschema" 2>/dev/null \
-   || [ setup.py -nt .venv/.hexi-installed ]; then
+   || [ setup.py -nt .venv/.hexi-installed ] || [ tools/constraints-cpu.txt -nt .venv/.hexi-installed ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -c tools/constraints-cpu.txt -e ".[test]"
   touch .venv/.hexi-installed
 fi

@@ -255,7 +255,8 @@ def main(argv=None):
                 t = time.monotonic()
                 per_rank = run_distributed(this.train_rank, world, str(path), a.warmup + a.steps,
                                            a.device, rnd == 0, timeout=a.timeout,
-                                           env={"OMP_NUM_THREADS": "1"})[0]
+                                           env={"OMP_NUM_THREADS": "1"},
+                                           hide_cuda=a.device == "cpu")[0]
                 launches[name].append(per_rank)
                 loads.append(os.getloadavg()[0])
                 steps = per_rank[0]["step_s"][a.warmup:]
