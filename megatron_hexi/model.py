@@ -7,10 +7,17 @@ again, so every layer allocates exactly this rank's shard, while the TP collecti
 [s, b, h] activations) are unchanged because they do not depend on shard sizes. Heads stay whole
 query groups, and kv_channels is the model's real head size. The only fix-up after construction is
 the embedding's vocabulary range (megatron-core assumes rank x per-partition size).
-Weights are initialised from the full canonical tensor (seeded per parameter name) and sliced,
-so every plan starts from the same model.
+
+Initial weights are defined block by block, so that a rank draws only its shards, yet every plan
+starts from the same model. Each canonical tensor is cut along the one dimension the layout ever
+splits it along (rows of embedding, output layer, QKV and FC1; columns of linear_proj and FC2) into
+blocks of INIT_BLOCK, and block k of the model is drawn from its own generator seeded from
+(seed, k). Blocks along a fixed dimension suffice because no parameter is cut along two: a piece
+costs its own elements plus at most a partial block at each end. Norm weights and biases need no
+generator. Start-up thus costs a shard, not the full tensors (a 128k-vocabulary embedding is
+2.1 GB in fp32, on every rank of a node).
 """
-import zlib
+import hashlib
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +29,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
-from planner.layout import rank_param_shards
+from planner.layout import canonical_shards, rank_param_shards
 from megatron_hexi.process_groups import SingleRank
 
 
@@ -107,16 +114,81 @@ def seed_rng(seed, tp_rank):
     model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
 
 
-def full_tensor(shard, seed, std, num_layers):
+# Rows (or columns) per independently seeded block of a canonical tensor. A constant of the
+# initial model, never of a plan: changing it changes every initial weight.
+INIT_BLOCK = 64
+_SEED_STRIDE = 0x9E3779B1            # odd, so block number -> seed is a bijection modulo 2**32
+
+
+def init_blocks(m):
+    """{canonical name: (block dimension, number of its first block)} for model spec `m`.
+
+    A parameter is cut into blocks along the dimension the layout splits it along (rows of the
+    embedding, output layer, QKV and FC1; columns of linear_proj and FC2), so a shard covers whole
+    blocks except at most one partial block at each end of each piece. Block numbers run through
+    the model in canonical order, so no two blocks of one model share a seed.
+    """
+    out, k = {}, 0
+    for s in canonical_shards(m):
+        out[s.name] = (s.dim, k)
+        k += -(-s.shape[s.dim] // INIT_BLOCK)
+    if k > 2**32:
+        raise ValueError(f"{k} initialisation blocks: more than the 2**32 distinct seeds")
+    return out
+
+
+def block_seed(seed, block):
+    """The generator seed of one block. torch's CPU generator keeps only 32 bits of a seed, so
+    seeds are made distinct by construction (a bijection of the block number) rather than by a
+    wide hash, whose 32-bit truncations would collide in models with ~100k blocks."""
+    base = int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=4).digest(), "little")
+    return (base + block * _SEED_STRIDE) % 2**32
+
+
+def _init_scale(shard, std, num_layers):
+    """Megatron's init: N(0, std), output projections N(0, std / sqrt(2 x layers))."""
+    return std / (2.0 * num_layers) ** 0.5 if shard.init == "scaled_normal" else std
+
+
+def _draw_block(shape, seed32, scale):
+    """One block's values, fp32 on CPU: the same wherever and whenever it is drawn."""
+    gen = torch.Generator().manual_seed(seed32)
+    return torch.empty(shape).normal_(0.0, scale, generator=gen)
+
+
+def _range_blocks(shard, start, length, seed, m, blocks):
+    """(offset from `start`, values) for elements [start, start + length) along the block
+    dimension of `shard`'s canonical tensor, one overlapping block at a time."""
+    dim, first = blocks[shard.name]
+    if dim != shard.dim:
+        raise ValueError(f"{shard.name}: pieces along dimension {shard.dim}, initialisation "
+                         f"blocks along {dim}")
+    scale = _init_scale(shard, m.init_method_std, m.num_layers)
+    size = shard.shape[dim]
+    for j in range(start // INIT_BLOCK, -(-(start + length) // INIT_BLOCK)):
+        b0, b1 = j * INIT_BLOCK, min((j + 1) * INIT_BLOCK, size)
+        block_shape = list(shard.shape)
+        block_shape[dim] = b1 - b0
+        block = _draw_block(block_shape, block_seed(seed, first + j), scale)
+        lo, hi = max(b0, start), min(b1, start + length)
+        yield lo - start, block.narrow(dim, lo - b0, hi - lo)
+
+
+def fill_range(out, shard, start, seed, m, blocks):
+    """Write elements [start, start + out.shape[dim]) of `shard`'s canonical tensor into `out`
+    (any device and dtype), drawing only the blocks that overlap them. `blocks`: init_blocks(m)."""
+    if shard.init in ("ones", "zeros"):
+        out.fill_(1.0 if shard.init == "ones" else 0.0)
+        return out
+    dim = shard.dim
+    for offset, values in _range_blocks(shard, start, out.shape[dim], seed, m, blocks):
+        out.narrow(dim, offset, values.shape[dim]).copy_(values)
+    return out
+
+
+def full_tensor(shard, seed, m, blocks=None):
     """The canonical full tensor of a parameter: the same on every rank under every plan."""
-    if shard.init == "ones":
-        return torch.ones(shard.shape)
-    if shard.init == "zeros":
-        return torch.zeros(shard.shape)
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(shard.name.encode()))
-                                        % (2**63))
-    scale = std / (2.0 * num_layers) ** 0.5 if shard.init == "scaled_normal" else std
-    return torch.empty(shard.shape).normal_(0.0, scale, generator=gen)
+    return fill_range(torch.empty(shard.shape), shard, 0, seed, m, blocks or init_blocks(m))
 
 
 def take_pieces(full, shard):
@@ -148,7 +220,14 @@ def local_parameters(plan, rank, model):
 
 @torch.no_grad()
 def initialise_weights(plan, params, seed):
-    """Fill every local parameter from its seeded full tensor."""
+    """Fill every local parameter with its slices of the canonical initial tensors.
+
+    Each piece is drawn on its own (only the blocks it overlaps), so host memory and time are
+    those of this rank's shard plus a block of slack at each end of each piece, not those of the
+    full tensors.
+    """
+    blocks = init_blocks(plan.model)
     for shard, p in params:
-        full = full_tensor(shard, seed, plan.model.init_method_std, plan.model.num_layers)
-        p.copy_(take_pieces(full, shard).to(p.dtype))
+        for piece in shard.pieces:
+            fill_range(p.narrow(shard.dim, piece.local_start, piece.length), shard,
+                       piece.global_start, seed, plan.model, blocks)

@@ -88,7 +88,9 @@ def test_broken_sync_is_caught(defect, tmp_path, tmp_path_factory):
     result = run_distributed(train, world, path, defect=defect, timeout=400)[0]
     loss, norm, param = compare(result, ref)
     print(f"{defect}: loss {loss:.2e}, grad norm {norm:.2e}, parameters {param:.2e}")
-    assert max(norm, param) > 100 * TOLERANCE, f"{defect} was not detected"
+    # Correct plans stay within 1e-6; the gentlest defect (a norm weight counted twice over a
+    # TP=2 stage) moves parameters by ~1e-3 at most in 3 steps of lr 1e-3, so the bar is 1e-4.
+    assert max(norm, param) > 10 * TOLERANCE, f"{defect} was not detected"
 
 
 def test_bf16_matches_one_rank_bf16(tmp_path):

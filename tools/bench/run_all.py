@@ -9,6 +9,7 @@ Benchmarks (each its own process, output streamed and kept under --log-dir):
   search_quality    hexi / exhaustive and hexi / uniform throughput
   planner_scaling   search seconds vs GPUs
   checkpoint_verify --load time with / without checksum and NaN checks (1 and 2 CPU processes)
+  init_startup      one rank's weight initialisation: per-block seeds against full tensors
 --quick shrinks the slow ones (fewer steps, clusters and sizes); the page docs/benchmarks.md
 says which settings produced its figures.
 """
@@ -39,6 +40,8 @@ def commands(quick):
         + (["--sizes", "64", "256", "1024"] if quick else []),
         "checkpoint_verify": [py, str(BENCH / "checkpoint_verify.py")]
         + (["--hidden", "256", "--vocab", "4096", "--rounds", "3"] if quick else []),
+        "init_startup": [py, str(BENCH / "init_startup.py")]
+        + (["--rounds", "1"] if quick else ["--rounds", "3"]),
     }
 
 
@@ -57,6 +60,8 @@ RATIOS = [
     ("planner_scaling", r"^\s*(\d+)\s+(\d+\.\d+)\s", "search seconds at GPUs"),
     ("checkpoint_verify", r"same plan ratio (\d+\.\d+)x, resharded ratio (\d+\.\d+)x",
      "verified / plain --load time (same plan, resharded)"),
+    ("init_startup", r"blocks against full tensors: (\d+\.\d+)x faster, peak RSS (\d+\.\d+)x lower",
+     "weight init: full tensors / blocks (time, peak RSS)"),
 ]
 
 
