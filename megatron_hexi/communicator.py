@@ -6,14 +6,47 @@ multiple of lcm(a, b), into `a` equal parts on the sending side and `b` equal pa
 receiving side; every (sender, receiver) pair whose parts overlap exchanges that overlap, so all
 links work at once, and the receivers all-gather their parts inside their TP group. Gradients go
 back the mirror way. The object has the six methods megatron-core's 1F1B schedule calls.
+
+Order of the point-to-point operations. On NCCL a rank's sends and receives to a peer run one
+after another on one stream, and a large send does not finish before its receive is posted
+(NVIDIA/nccl#479). So the order must be safe when every rank blocks on one operation at a time,
+in posting order. Rule, for one call of the schedule (each of the six touches one boundary): a
+rank of an even stage posts its sends, then its receives; a rank of an odd stage its receives,
+then its sends (megatron-core's `_p2p_ops` rule); within the sends, and within the receives,
+peers go in increasing launch rank.
+
+Why no cycle of waits can form. 1F1B pairs the calls on a boundary: each call one stage makes
+there is met by one call of the neighbour stage that carries the same messages (send_forward /
+recv_forward, send_forward_recv_backward / send_backward_recv_forward, send_backward /
+recv_backward), and all ranks of a stage make the same calls and the same TP collectives. Treat
+the schedule with one process per stage, every matched pair of calls one atomic exchange (what
+batched p2p gives, and what megatron-core's schedule is built on): it completes, so its events
+(matched pairs, and each stage's internal collectives) have one total order that every stage's
+own order follows. Inside a matched pair, number the messages: first the direction the even
+stage sends (its sends go first, and the odd stage's receives, which it posts first, are the
+same messages), then by (sender launch rank, receiver launch rank). Every rank posts its part of
+a pair in increasing number: a sender's messages share the sender, a receiver's the receiver,
+and peers go by launch rank. Now each rank performs its blocking operations in increasing order
+of (event, number). Take the smallest unfinished operation: each of its ranks has finished all
+its smaller operations and not this one, so each is at it; it completes. Hence there is always
+progress and no cycle. With sends first on both sides (the old order), the first steady-state
+exchange is a cycle of two: the stage-k rank blocks sending an activation to a stage-(k+1)
+rank, which blocks sending a gradient back. The four one-way calls carry one direction, so
+consistent peer order alone makes them safe.
+
+`HEXI_STRICT_P2P=1` (for tests only) waits on each operation as soon as it is posted. gloo's
+send already waits for the matching receive to be posted, whatever its size, so this runs the
+worst NCCL case on CPU: a bad order hangs instead of slipping through.
 """
 import math
+import os
 
 import torch
 import torch.distributed as dist
 
 FORWARD_TAG = 1
 BACKWARD_TAG = 2
+STRICT_ENV = "HEXI_STRICT_P2P"
 
 
 class Boundary:
@@ -70,18 +103,19 @@ class StageCommunicator:
         self.next = next_boundary        # this rank is a sender there
         self.dtype = dtype
         self.device = device
+        self.strict = os.environ.get(STRICT_ENV) == "1"
 
     # -- primitives -------------------------------------------------------------------------
-    def _post_sends(self, tensor, boundary, side, tag):
-        flat = torch.zeros(boundary.padded, dtype=self.dtype, device=self.device)
-        flat[:boundary.numel] = tensor.detach().reshape(-1)
-        return [dist.isend(flat[s:e], boundary.launch_of[peer], tag=tag)
-                for peer, s, e in boundary.overlaps(side)], flat
+    @staticmethod
+    def _ops(post, flat, boundary, side, tag):
+        """(post, slice, peer launch rank, tag) for each peer, in increasing launch rank."""
+        ops = [(post, flat[s:e], boundary.launch_of[peer], tag)
+               for peer, s, e in boundary.overlaps(side)]
+        return sorted(ops, key=lambda op: op[2])
 
-    def _post_recvs(self, boundary, side, tag):
-        flat = torch.empty(boundary.padded, dtype=self.dtype, device=self.device)
-        return [dist.irecv(flat[s:e], boundary.launch_of[peer], tag=tag)
-                for peer, s, e in boundary.overlaps(side)], flat
+    def _order(self, sends, recvs):
+        """Even stages send first, odd stages receive first (module docstring: why)."""
+        return sends + recvs if self.pp_group.rank() % 2 == 0 else recvs + sends
 
     def _assemble(self, flat, boundary, side, shape):
         """All-gather every rank's part inside this stage's TP group, then shape the tensor."""
@@ -94,20 +128,27 @@ class StageCommunicator:
         return out
 
     def _exchange(self, send=None, recv=None):
-        """Post every send and receive of one schedule step, then wait for all of them."""
-        works, keep = [], []
+        """Post the sends and receives of one schedule step in `_order`, then wait for them all
+        (strict mode: wait on each as soon as it is posted)."""
+        sends, recvs, received = [], [], None
         if send is not None:
             tensor, boundary, side, tag = send
-            w, buf = self._post_sends(tensor, boundary, side, tag)
-            works += w
-            keep.append(buf)
-        received = None
+            flat = torch.zeros(boundary.padded, dtype=self.dtype, device=self.device)
+            flat[:boundary.numel] = tensor.detach().reshape(-1)
+            sends = self._ops(dist.isend, flat, boundary, side, tag)
         if recv is not None:
-            boundary, side, tag, shape = recv
-            w, received = self._post_recvs(boundary, side, tag)
-            works += w
-        for w in works:
-            w.wait()
+            boundary, side, tag, _ = recv
+            received = torch.empty(boundary.padded, dtype=self.dtype, device=self.device)
+            recvs = self._ops(dist.irecv, received, boundary, side, tag)
+        works = []
+        for post, buffer, peer, tag in self._order(sends, recvs):
+            work = post(buffer, peer, tag=tag)
+            if self.strict:
+                work.wait()
+            else:
+                works.append(work)
+        for work in works:
+            work.wait()
         if recv is not None:
             return self._assemble(received, recv[0], recv[1], recv[3])
         return None
