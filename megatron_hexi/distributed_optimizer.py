@@ -89,8 +89,9 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
             for k, start, n, _ in regions[me].pieces:
                 slot = slots[k]
                 view = slot.param.detach().narrow(slot.dim, slot.start + start, n)
+                master = view.float().clone(memory_format=torch.contiguous_format)
                 mine.append(MasterPart(slot.param, slot.name, slot.dim, slot.global_start + start,
-                                       slot.start + start, n, view.float().clone()))
+                                       slot.start + start, n, master))
             self.parts += [p for p in mine if p.length]
             self.sets.append((ranks, group, slots, regions, me, mine))
         decay = [p.master for p in self.parts if p.param.ndim > 1]
@@ -122,7 +123,8 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                 for k, start, n, numel in region.pieces:
                     slot = slots[k]
                     if slot.contributes and n:
-                        g = slot.param.grad.narrow(slot.dim, slot.start + start, n)
+                        # fp32 `main_grad` under bf16 (grad_sync.FP32MainGrads), else `.grad`
+                        g = slot.grad().narrow(slot.dim, slot.start + start, n)
                         buf[offset:offset + numel].copy_(g.reshape(-1))
                     offset += numel
             if group is None:
@@ -171,6 +173,7 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
 
     # -- MegatronOptimizer interface ---------------------------------------------------------
     def get_main_grads_for_grad_norm(self):
+        """The owned parts' fp32 gradients: whole tensors of their own, so contiguous."""
         return [p.master.grad for p in self.parts if p.master.grad is not None]
 
     def get_grad_stats_parallel_group(self):

@@ -6,6 +6,10 @@ over the ranks that hold it, one per pipeline (TP replicas of norms contribute o
 by the global token count: exactly the gradient of the mean loss over the global batch. Segments
 with the same rank set share one buffer and one all-reduce, and the all-reduces run in one global
 order on every rank, so overlapping groups cannot deadlock.
+
+Under bf16 the gradients are summed in fp32 (`FP32MainGrads`, megatron-core's `main_grad`): the
+micro-batches' gradients accumulate there, the sync and the norm read and write it, and the fp32
+master weights take it as their gradient. Nothing is rounded to bf16 on the way.
 """
 from dataclasses import dataclass
 
@@ -24,8 +28,51 @@ class Slot:
     length: int
     contributes: bool
 
+    def grad(self):
+        """The parameter's gradient as summed: its fp32 `main_grad` where it has one."""
+        return param_grad(self.param)
+
     def grad_view(self):
-        return self.param.grad.narrow(self.dim, self.start, self.length)
+        return self.grad().narrow(self.dim, self.start, self.length)
+
+
+def param_grad(param):
+    """The tensor that holds a parameter's gradient: `main_grad` (fp32) if set, else `.grad`."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
+class FP32MainGrads:
+    """fp32 gradient accumulation for bf16 parameters, as megatron-core's DDP `main_grad`.
+
+    Without it every micro-batch's gradient is added to the bf16 `.grad`, so a long pipeline
+    schedule sums tens of gradients with an 8-bit mantissa. Here each backward's `.grad` is added
+    to the parameter's fp32 `main_grad` as soon as autograd has accumulated it, and `.grad` is
+    dropped. One flat buffer holds every `main_grad` (4 bytes per parameter, like Megatron-LM's
+    grad buffer), so zeroing is one call."""
+
+    def __init__(self, parameters):
+        params = [p for p in dict.fromkeys(parameters) if p.requires_grad]
+        device = params[0].device if params else torch.device("cpu")
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32,
+                                  device=device)
+        offset = 0
+        for p in params:
+            p.main_grad = self.buffer[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            p.register_post_accumulate_grad_hook(_add_to_main_grad)
+        self.params = params
+
+    def zero(self):
+        self.buffer.zero_()
+
+    def nbytes(self):
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+def _add_to_main_grad(param):
+    param.main_grad.add_(param.grad)
+    param.grad = None
 
 
 def reduced_together(seg, shard_optimizer_state):
@@ -70,7 +117,7 @@ class GradientSync:
     def sync(self, num_tokens):
         """Sum every segment over its holders and divide by the global token count."""
         for p in {id(s.param): s.param for _, _, slots in self.buckets for s in slots}.values():
-            if p.grad is None:
+            if param_grad(p) is None:
                 p.grad = torch.zeros_like(p)
         total = 0
         for ranks, group, slots in self.buckets:
@@ -94,5 +141,10 @@ class GradientSync:
         return sorted(ranks, key=self._launch_of.__getitem__)
 
     def owned_grads(self):
-        """Views of the gradient slices this rank counts in the global norm (each element once)."""
-        return [s.grad_view() for s in self.owned]
+        """The gradient slices this rank counts in the global norm (each element once), for
+        reading only. Contiguous, because fused multi-tensor kernels (apex's and Transformer
+        Engine's l2norm) refuse strided tensors, and a slice along dim 1 (a column range of
+        `linear_proj` or `linear_fc2`) is strided: such slices are copies. Clipping scales the
+        parameters' gradients themselves, never these."""
+        return [v if v.is_contiguous() else v.contiguous()
+                for v in (s.grad_view() for s in self.owned)]

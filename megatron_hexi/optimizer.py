@@ -16,6 +16,8 @@ class _ExactNormMixin:
     grad_sync = None
 
     def get_main_grads_for_grad_norm(self):
+        """This rank's owned gradient slices: contiguous (copies of column slices), so they
+        may go to megatron-core's multi-tensor l2norm; clipping still scales the real grads."""
         return self.grad_sync.owned_grads()
 
     def get_grad_stats_parallel_group(self):
@@ -29,14 +31,17 @@ class HeteroFP32Optimizer(_ExactNormMixin, FP32Optimizer):
 class HeteroFloat16Optimizer(_ExactNormMixin, Float16OptimizerWithFloat16Params):
     """bf16 parameters with fp32 master weights (GPU).
 
-    megatron-core moves the synced bf16 gradients into the fp32 masters before clipping, so the
-    owned slices are read from the masters."""
+    The gradients are summed and synced in each parameter's fp32 `main_grad`
+    (grad_sync.FP32MainGrads). megatron-core's `_copy_model_grads_to_main_grads` prefers
+    `main_grad` and, as it is fp32 already, makes it the master's `.grad` without a copy; so the
+    norm reads the owned slices of `main_grad` and clipping scales the same tensors."""
 
-    def get_main_grads_for_grad_norm(self):
-        master_of = {id(m): f for mg, fg in zip(self.float16_groups, self.fp32_from_float16_groups)
-                     for m, f in zip(mg, fg)}
-        return [master_of[id(s.param)].grad.narrow(s.dim, s.start, s.length)
-                for s in self.grad_sync.owned]
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Without main_grad, megatron-core would drop `.grad` before the norm reads it.
+        if any(getattr(p, "main_grad", None) is None for g in self.float16_groups for p in g):
+            raise RuntimeError("bf16 parameters need a `main_grad` (grad_sync.FP32MainGrads) "
+                               "before the optimizer is built")
 
 
 def param_groups(named_params):

@@ -25,7 +25,7 @@ from planner.plan import load_plan
 
 from megatron_hexi.arguments import check_against_plan, parse_args
 from megatron_hexi.communicator import Boundary, StageCommunicator
-from megatron_hexi.grad_sync import GradientSync, reduced_together
+from megatron_hexi.grad_sync import FP32MainGrads, GradientSync, reduced_together
 from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.model import (build_stage_model, initialise_weights, local_parameters,
                                  seed_rng, stage_config)
@@ -56,6 +56,8 @@ class Trainer:
         self.model = build_stage_model(plan, view, self.groups.tp, self.config, device)
         self.params = local_parameters(plan, self.rank, self.model)
         initialise_weights(plan, self.params, args.seed)
+        # bf16: gradients accumulate, sync and reach the fp32 masters in fp32 `main_grad`
+        self.main_grads = FP32MainGrads(self.model.parameters()) if args.bf16 else None
         self.grad_sync = GradientSync(self.rank, self.params, segments, self.groups,
                                       shard_optimizer_state=shard)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.grad_sync, args, plan)
@@ -76,6 +78,12 @@ class Trainer:
         from megatron_hexi.data import build_train_dataset
         self.dataset = build_train_dataset(args, plan, _tokenizer(args))
         self.global_tokens = None
+
+    def zero_grad(self):
+        """Drop last step's gradients: `.grad` (and the masters'), and the fp32 `main_grad`."""
+        self.optimizer.zero_grad()
+        if self.main_grads is not None:
+            self.main_grads.zero()
 
     # -- pieces handed to megatron-core's schedule ------------------------------------------
     def _finalize_grads(self, model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):
@@ -124,7 +132,7 @@ class Trainer:
         from megatron_hexi.data import pipeline_microbatches
         v = self.view
         self.model.train()
-        self.optimizer.zero_grad()
+        self.zero_grad()
         data = (pipeline_microbatches(self.dataset, self.plan, v, iteration)
                 if (v.holds_embedding or v.holds_output) else iter(()))
         pg = ProcessGroupCollection(tp=self.groups.tp, cp=SingleRank(), pp=self.position,
@@ -138,7 +146,8 @@ class Trainer:
             pg_collection=pg)
         pipeline_time = self._pipeline_end - start
         success, grad_norm, _ = self.optimizer.step()
-        if grad_norm is None:
+        if grad_norm is None or not self.optimizer.config.clip_grad > 0.0:
+            # no clipping: no norm from the step (megatron-core's bf16 optimizer returns 0.0)
             grad_norm = self.exact_grad_norm()
         self.scheduler.step(increment=1)
         synchronize(self.device)          # queued optimizer work belongs to this step
@@ -165,6 +174,7 @@ class Trainer:
 
     @torch.no_grad()
     def exact_grad_norm(self):
+        """The global gradient norm, every element counted once, summed in float64."""
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for g in self.optimizer.get_main_grads_for_grad_norm():
             total += g.double().pow(2).sum()

@@ -192,13 +192,17 @@ def optimizer_entry(model, device, dtype, reps, layer_counts=(1, 3)):
     for n in layer_counts:
         st = Stage(model, shard_view(model, 1, n), 1, device, dtype)
         params = [p for p in st.net.parameters()]
-        for p in params:
-            p.grad = torch.randn_like(p) * 1e-3
-            p.main_grad = p.grad
+        bf16 = dtype == torch.bfloat16
+        for p in params:      # bf16: gradients live in fp32 main_grad, as in the runtime
+            g = torch.randn(p.shape, dtype=torch.float32, device=p.device) * 1e-3
+            if bf16:
+                p.main_grad = g
+            else:
+                p.grad = g
 
         class _Owned:
             def owned_grads(self):
-                return [p.grad for p in params]
+                return [p.main_grad if bf16 else p.grad for p in params]
         opt, _ = build_optimizer(st.net, _Owned(), args)
         times = []
         for i in range(reps + 2):

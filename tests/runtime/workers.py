@@ -114,3 +114,90 @@ def max_relative_difference(a, b):
     if isinstance(a, torch.Tensor):
         return ((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
     return abs(a - b) / max(abs(b), 1e-6)
+
+
+def _record_trainers():
+    """Keep every Trainer this process builds (the helpers below inspect it after `train`)."""
+    from megatron_hexi import training
+    made = []
+    real_init = training.Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+    training.Trainer.__init__ = init
+    return made
+
+
+def train_with_first_grads(plan_path, extra_flags=()):
+    """`train`, plus the first iteration's synced gradient (the mean over the global batch,
+    before clipping) gathered to full canonical fp32 tensors under "grads" on launch rank 0.
+    Not for the distributed optimizer, whose synced gradient lives in its master parts."""
+    import torch.distributed as dist
+
+    from megatron_hexi import training
+    from megatron_hexi.gather import gather_full_parameters
+
+    made = _record_trainers()
+    first = {}
+    real_finalize = training.Trainer._finalize_grads
+
+    def finalize(self, *args, **kwargs):
+        real_finalize(self, *args, **kwargs)
+        if not first:
+            first["grads"] = [(shard, (p.main_grad if getattr(p, "main_grad", None) is not None
+                                       else p.grad).detach().float().clone())
+                              for shard, p in self.params]
+    training.Trainer._finalize_grads = finalize
+    out = train(plan_path, extra_flags=extra_flags)
+    trainer = made[0]
+    full = gather_full_parameters(trainer.plan, trainer.rank, first["grads"], trainer.groups)
+    if dist.get_rank() == 0:
+        out["grads"] = full
+    return out
+
+
+class NonContiguousKernelInput(RuntimeError):
+    """A multi-tensor kernel was handed a strided tensor (apex and Transformer Engine refuse)."""
+
+
+def train_strict_kernels(plan_path, extra_flags=()):
+    """`train` with megatron-core's multi-tensor entry points (the l2norm and scale kernels of
+    grad clipping, the optimizer's copies) replaced by a stand-in that raises on any
+    non-contiguous tensor, as the fused CUDA kernels do; the CPU fallback accepts them, so the
+    CPU suite could not otherwise see such inputs. Adds, summed over the ranks: the stand-in's
+    calls and tensors, and how many owned gradient slices are strided views of their
+    parameter (column slices), i.e. inputs the norm must copy."""
+    import torch.distributed as dist
+
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as optimizer
+
+    counts = {"calls": 0, "tensors": 0}
+
+    def strict(applier):
+        def apply(op, noop_flag, tensor_lists, *args):
+            for i, tensors in enumerate(tensor_lists):
+                for j, t in enumerate(tensors):
+                    if not t.is_contiguous():
+                        raise NonContiguousKernelInput(
+                            f"{getattr(op, '__name__', op)}: tensor {j} of list {i} is not "
+                            f"contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+                counts["tensors"] += len(tensors)
+            counts["calls"] += 1
+            return applier(op, noop_flag, tensor_lists, *args)
+        return apply
+
+    for module in (clip_grads, optimizer):
+        module.multi_tensor_applier = strict(module.multi_tensor_applier)
+    made = _record_trainers()
+    out = train(plan_path, extra_flags=extra_flags)
+    trainer = made[0]
+    strided = sum(not s.param.narrow(s.dim, s.start, s.length).is_contiguous()
+                  for s in trainer.grad_sync.owned)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (counts["calls"], counts["tensors"], strided))
+    out["kernel_calls"] = sum(e[0] for e in everyone)
+    out["kernel_tensors"] = sum(e[1] for e in everyone)
+    out["strided_owned_slices"] = sum(e[2] for e in everyone)
+    return out
