@@ -25,18 +25,25 @@ one rank fails the save on every rank; a save that fails (a disk full while writ
 checkpoint.json) removes its temporary directory, and the next save removes what a killed one
 left.
 
-Integrity. Every tensor's checksum (CRC-32 of its bytes as written) is computed while its
-rank file is written; the file's safetensors metadata holds its index rows (with the checksums),
-the iteration and the save id (a random token rank 0 draws for each save and sends to every rank
-in the save's first status exchange). checkpoint.json lists the same rows per file, the iteration,
-the save id, and a checksum of its own content. Loading (--load under any plan, export, tests)
-refuses, with one error naming the file and the key or tensor:
+Integrity. Each tensor's bytes as written (row-major, in file order) are cut into blocks of
+`block_bytes` (BLOCK_BYTES, 1 MiB; the last block may be shorter), and each block's CRC-32 is
+computed while the rank file is written; the file's safetensors metadata holds its index rows
+(with the block checksums), the block size, the iteration and the save id (a random token rank 0
+draws for each save and sends to every rank in the save's first status exchange). checkpoint.json
+lists the same rows per file, the block size, the iteration, the save id, and a checksum of its
+own content. Blocks, not whole tensors, so that verifying costs what reading costs: a load checks
+only the blocks that overlap the bytes it reads (a slice along a tensor's first dimension is one
+byte range, a few blocks; one along an inner dimension touches every row, often every block),
+each block once per tensor however many slices of it a rank reads; a full read (export, a load
+under the saving plan) checks every block, so any changed byte is found. Damage in bytes that a
+rank does not read goes unseen by that rank: nothing wrong was loaded. Loading (--load under any
+plan, export, tests) refuses, with one error naming the file and the key or tensor:
   * a checkpoint.json with a missing or malformed key, an iteration that is not the one its
     directory and pointer name, or content that does not match its own checksum (edited);
   * a rank file of another save (iteration or save id differ from checkpoint.json's) or whose
     tensor list differs from checkpoint.json's;
-  * a tensor whose bytes do not match its checksum (the whole tensor is read and checked the first
-    time any slice of it is read), or that holds NaN or inf.
+  * a block of a tensor that does not match its checksum (naming the block and its bytes), or a
+    slice read that holds NaN or inf.
 `load` runs every check inside its status exchange, so all ranks report the same error.
 
 Fault injection, for tests only: HEXI_FAULT_INJECT="kill-in-save:ITERATION:PLAN_RANK:PHASE" makes
@@ -69,20 +76,27 @@ from planner.errors import SpecError
 from planner.layout import canonical_shards, gradient_segments, segment_numel
 
 FORMAT = "megatron-hexi-checkpoint"
-FORMAT_VERSION = 2     # 2: checksums, save id, iteration in every rank file
+FORMAT_VERSION = 3     # 2: checksums, save id, iteration in every rank file; 3: per block
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "checkpoint.json"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 # Model fields that do not change the parameters or the function the model computes.
 NOT_COMPARED = ("name", "seq_length")
-DTYPES = ("float32", "bfloat16", "float16", "float64")
 RANK_FILE = re.compile(r"rank_\d{5,}\.safetensors")
-# CRC-32 (zlib) of each tensor's bytes. The checksums guard against accidents (a bad disk, a copy
-# cut short, a file of another save, an edit): they sit next to the data, so a cryptographic hash
-# would add no protection against someone who rewrites both, and CRC-32 catches every burst of up
-# to 32 flipped bits. It is what keeps verification cheap: tools/bench/checkpoint_verify.py
-# measures 4.2 GB/s on one core, against 1.8 for sha256 and 0.9 for blake2b (docs/benchmarks.md).
+# CRC-32 (zlib) of each block of a tensor's bytes. The checksums guard against accidents (a bad
+# disk, a copy cut short, a file of another save, an edit): they sit next to the data, so a
+# cryptographic hash would add no protection against someone who rewrites both, and CRC-32
+# catches every burst of up to 32 flipped bits in a block. It is what keeps verification cheap:
+# tools/bench/checkpoint_verify.py measures 4.2 GB/s on one core, against 1.7 for sha256 and 0.9
+# for blake2b (docs/benchmarks.md).
 CHECKSUM = "crc32"
+# Bytes per checksum block. CRC-32 runs about as fast on blocks of 256 KiB and more as on whole
+# tensors (16 KiB: 18% slower, the per-call overhead); larger blocks make a rank check more bytes
+# than it reads at the ends of its slices, smaller ones a larger checkpoint.json (an 8-hex-digit
+# entry per block: under 2 MB per 100 GB of tensors at 1 MiB).
+BLOCK_BYTES = 1 << 20
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+HEX32 = re.compile(r"[0-9a-f]{8}")
 
 
 class CheckpointError(SpecError):
@@ -144,9 +158,43 @@ def entry_key(kind, name, start):
     return f"{kind}/{name}/{start}"
 
 
-def tensor_checksum(tensor):
-    """'crc32:HEX' of a contiguous CPU tensor's bytes, exactly as safetensors stores them."""
-    return f"{CHECKSUM}:{zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy()):08x}"
+def block_checksums(tensor, block_bytes=BLOCK_BYTES):
+    """CRC-32 (8 hex digits) of each `block_bytes` block of a contiguous CPU tensor's bytes,
+    exactly as safetensors stores them (the last block may be shorter; none if it is empty)."""
+    data = tensor.reshape(-1).view(torch.uint8).numpy()
+    return [f"{zlib.crc32(data[i:i + block_bytes]):08x}"
+            for i in range(0, data.size, block_bytes)]
+
+
+def tensor_bytes(row):
+    """Size in bytes of the tensor an index row describes."""
+    numel = row["length"]
+    for i, n in enumerate(row["shape"]):
+        if i != row["dim"]:
+            numel *= n
+    return numel * ITEMSIZE[row["dtype"]]
+
+
+def overlapping_blocks(shape, itemsize, dim, a, b, block_bytes):
+    """Boolean array over the blocks of a row-major tensor of `shape`: True where a block holds
+    bytes of the slice [a, b) along `dim` (one byte run per index of the dimensions before it)."""
+    inner = itemsize
+    for n in shape[dim + 1:]:
+        inner *= n
+    outer = 1
+    for n in shape[:dim]:
+        outer *= n
+    nbytes = outer * shape[dim] * inner
+    nblocks = -(-nbytes // block_bytes)
+    if nbytes == 0 or b <= a:
+        return np.zeros(nblocks, dtype=bool)
+    first = a * inner + shape[dim] * inner * np.arange(outer, dtype=np.int64)
+    last = first + (b - a) * inner - 1
+    # +1 where a run starts, -1 after the block where it ends: the running sum is > 0 on blocks
+    # some run overlaps (runs are sorted and disjoint).
+    marks = (np.bincount(first // block_bytes, minlength=nblocks + 1)
+             - np.bincount(last // block_bytes + 1, minlength=nblocks + 1))
+    return np.cumsum(marks[:nblocks]) > 0
 
 
 def meta_checksum(meta):
@@ -156,10 +204,10 @@ def meta_checksum(meta):
     return f"{CHECKSUM}:{zlib.crc32(text.encode()):08x}"
 
 
-def write_rank_file(path, entries, iteration, save_id):
+def write_rank_file(path, entries, iteration, save_id, block_bytes=BLOCK_BYTES):
     """entries: [(kind, name, dim, start, canonical shape, tensor)]; writes and fsyncs `path`,
-    with each tensor's checksum (of the bytes handed to the writer), the iteration and the save id
-    in its metadata. Returns the index rows for checkpoint.json."""
+    with each tensor's block checksums (of the bytes handed to the writer), the block size, the
+    iteration and the save id in its metadata. Returns the index rows for checkpoint.json."""
     from safetensors.torch import save_file
     tensors, index = {}, []
     for kind, name, dim, start, shape, tensor in entries:
@@ -168,10 +216,11 @@ def write_rank_file(path, entries, iteration, save_id):
         index.append({"key": key, "kind": kind, "name": name, "dim": dim, "start": start,
                       "length": tensor.shape[dim], "shape": list(shape),
                       "dtype": str(tensor.dtype).replace("torch.", ""),
-                      "checksum": tensor_checksum(tensors[key])})
+                      "checksums": block_checksums(tensors[key], block_bytes)})
     save_file(tensors, str(path), metadata={"format": FORMAT,
                                             "format_version": str(FORMAT_VERSION),
                                             "iteration": str(iteration), "save_id": save_id,
+                                            "block_bytes": str(block_bytes),
                                             "index": json.dumps(index)})
     os.chmod(path, 0o644)    # safetensors creates 0600; others on a shared file system read it
     _fsync_file(path)
@@ -310,7 +359,8 @@ def save(trainer, save_dir, iteration):
                 raise RuntimeError(f"parameters have different Adam step counts: {sorted(steps)}")
             meta = {
                 "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
-                "save_id": save_id, "consumed_samples": iteration * plan.global_batch_size,
+                "save_id": save_id, "block_bytes": BLOCK_BYTES,
+                "consumed_samples": iteration * plan.global_batch_size,
                 "global_batch_size": plan.global_batch_size,
                 "model": dataclasses.asdict(plan.model), "plan": plan.to_dict(),
                 "has_optimizer_state": bool(steps), "adam_step": steps.pop() if steps else None,
@@ -357,7 +407,8 @@ def save_params_only(out_dir, model, tensors, extra=None, iteration=None):
     index = write_rank_file(os.path.join(tmp_dir, rank_file_name(0)), entries, iteration or 0,
                             save_id)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration or 0,
-            "save_id": save_id, "consumed_samples": 0, "global_batch_size": None,
+            "save_id": save_id, "block_bytes": BLOCK_BYTES, "consumed_samples": 0,
+            "global_batch_size": None,
             "model": dataclasses.asdict(model), "plan": None, "has_optimizer_state": False,
             "adam_step": None, "scheduler": None, "rng": {},
             "files": {rank_file_name(0): index}, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -380,6 +431,7 @@ META_KEYS = (
     ("iteration", _is_int, "an integer >= 0"),
     ("save_id", lambda v: isinstance(v, str) and v != "", "a non-empty string"),
     ("checksum", lambda v: isinstance(v, str), "a string"),
+    ("block_bytes", lambda v: _is_int(v, 1), "an integer >= 1"),
     ("consumed_samples", _is_int, "an integer >= 0"),
     ("global_batch_size", lambda v: v is None or _is_int(v, 1), "null or an integer >= 1"),
     ("model", lambda v: isinstance(v, dict), "an object"),
@@ -401,9 +453,10 @@ ROW_KEYS = (
     ("length", _is_int, "an integer >= 0"),
     ("shape", lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
      "a list of integers >= 0"),
-    ("dtype", lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}"),
-    ("checksum", lambda v: isinstance(v, str) and v.startswith(CHECKSUM + ":"),
-     f"'{CHECKSUM}:' and a hex digest"),
+    ("dtype", lambda v: v in ITEMSIZE, f"one of {', '.join(ITEMSIZE)}"),
+    ("checksums", lambda v: isinstance(v, list) and all(isinstance(x, str) and HEX32.fullmatch(x)
+                                                        for x in v),
+     f"a list of {CHECKSUM}s (8 hex digits each)"),
 )
 
 
@@ -432,6 +485,11 @@ def check_meta(meta, path, iteration):
                     or row["start"] + row["length"] > row["shape"][row["dim"]]):
                 raise CheckpointError(f"{path}: {where[:-1]} ({row['key'][:80]}) is inconsistent "
                                       f"(key, dim, start, length and shape disagree)")
+            blocks = -(-tensor_bytes(row) // meta["block_bytes"])
+            if len(row["checksums"]) != blocks:
+                raise CheckpointError(f"{path}: {where}checksums has {len(row['checksums'])} "
+                                      f"entries, its {tensor_bytes(row)} bytes make {blocks} "
+                                      f"blocks of block_bytes {meta['block_bytes']}")
     if meta["has_optimizer_state"] and meta["adam_step"] is None:
         raise CheckpointError(f"{path}: adam_step must be an integer when has_optimizer_state")
     if meta["iteration"] != iteration:
@@ -445,8 +503,10 @@ def check_meta(meta, path, iteration):
 
 class Checkpoint:
     """One checkpoint directory, opened and checked (no torch.distributed needed). With `verify`
-    (off only to measure what verification costs), every tensor read is checked against its
-    checksum and for NaN/inf, and every rank file against checkpoint.json."""
+    (off only to measure what verification costs), every block of a tensor that a read overlaps
+    is checked against its checksum, every slice read for NaN/inf, and every rank file against
+    checkpoint.json. `read_bytes` and `checked_bytes` count what the verified reads read and
+    what they checked (tests and the benchmark compare them)."""
 
     def __init__(self, load_dir, step=None, verify=True):
         self.load_dir = load_dir
@@ -495,9 +555,11 @@ class Checkpoint:
             for row in rows:
                 self.index.setdefault((row["kind"], row["name"]), []).append((fname, row))
         self._files = {}
-        self._verified = set()    # (file, key) of tensors whose checks were started
-        self._pending = []        # their checks (futures), in reading order
+        self._tensors = {}        # (file, key): [mapped tensor, its bytes, blocks checks started]
+        self._pending = []        # the checks (futures), in reading order
         self._pool = None
+        self.read_bytes = 0
+        self.checked_bytes = 0
 
     @property
     def has_optimizer_state(self):
@@ -544,33 +606,60 @@ class Checkpoint:
         if index != self.meta["files"][fname]:
             raise CheckpointError(f"{path}: its tensor list and checksums differ from "
                                   f"{METADATA}'s (a file of another save, or edited)")
+        if header.get("block_bytes") != str(self.meta["block_bytes"]):
+            raise CheckpointError(f"{path}: checksum blocks of {header.get('block_bytes')} bytes, "
+                                  f"{METADATA} says {self.meta['block_bytes']}")
 
-    def _verified_tensor(self, path, f, row):
-        """The whole stored tensor (mapped, not copied); its checks run in the background and
-        `finish` reports them. Nothing read is used before `finish`: a load that fails it is
+    def _verified_slice(self, path, f, row, dim, a, b):
+        """Slice [a, b) along `dim` of a stored tensor, as a view of its mapping (only the pages
+        it touches are read). Schedules the checks of the blocks it overlaps that no earlier read
+        of this tensor scheduled, and the NaN/inf check of the slice; they run in the background
+        and `finish` reports them. Nothing read is used before `finish`: a load that fails it is
         refused as a whole."""
-        full = f.get_tensor(row["key"])
-        if str(full.dtype).replace("torch.", "") != row["dtype"]:
-            raise CheckpointError(f"{path}: {row['key']} is {full.dtype}, {METADATA} says "
-                                  f"{row['dtype']}")
+        state = self._tensors.get((path, row["key"]))
+        if state is None:
+            full = f.get_tensor(row["key"])
+            if str(full.dtype).replace("torch.", "") != row["dtype"]:
+                raise CheckpointError(f"{path}: {row['key']} is {full.dtype}, {METADATA} says "
+                                      f"{row['dtype']}")
+            nblocks = len(row["checksums"])
+            state = [full, full.reshape(-1).view(torch.uint8).numpy(), np.zeros(nblocks, bool)]
+            self._tensors[(path, row["key"])] = state
+        full, flat, started = state
+        block = self.meta["block_bytes"]
+        needed = overlapping_blocks(list(full.shape), full.element_size(), dim, a, b, block)
+        new = np.flatnonzero(needed & ~started)
+        started |= needed
+        idx = [slice(None)] * full.dim()
+        idx[dim] = slice(a, b)
+        data = full[tuple(idx)]
+        self.read_bytes += data.numel() * data.element_size()
+        self.checked_bytes += new.size * block
+        if new.size and new[-1] == started.size - 1:    # the tensor's last block may be shorter
+            self.checked_bytes -= started.size * block - flat.size
         if self._pool is None:
             # zlib.crc32 and torch.aminmax release the GIL: the checks overlap the copies into
             # the model, on as many threads as torch may use (one under torchrun's default).
             self._pool = ThreadPoolExecutor(max(1, torch.get_num_threads()),
                                             thread_name_prefix="checkpoint-verify")
-        self._pending.append(self._pool.submit(self._check_tensor, path, row, full))
-        return full
+        self._pending.append(self._pool.submit(self._check_slice, path, row, flat, block,
+                                               new.tolist(), data))
+        return data
 
     @staticmethod
-    def _check_tensor(path, row, full):
+    def _check_slice(path, row, flat, block, blocks, data):
         what = f"{path}: {row['kind']} of {row['name']} (tensor {row['key']})"
-        digest = tensor_checksum(full)
-        if digest != row["checksum"]:
-            raise CheckpointError(f"{what} does not match its checksum (stored {row['checksum']},"
-                                  f" read {digest}): changed or damaged after the save")
+        for i in blocks:
+            lo, hi = i * block, min((i + 1) * block, flat.size)
+            digest = f"{zlib.crc32(flat[lo:hi]):08x}"
+            if digest != row["checksums"][i]:
+                raise CheckpointError(
+                    f"{what} does not match its checksum (block {i}, bytes [{lo}, {hi}): stored "
+                    f"{CHECKSUM}:{row['checksums'][i]}, read {CHECKSUM}:{digest}): changed or "
+                    f"damaged after the save")
         # aminmax is one pass without a temporary and propagates NaN: the extremes are finite iff
         # every value is (isfinite(t).all() builds a bool tensor and is many times slower).
-        if full.numel() and not all(torch.isfinite(x).item() for x in torch.aminmax(full)):
+        if data.numel() and not all(torch.isfinite(x).item() for x in torch.aminmax(data)):
             raise CheckpointError(f"{what} holds NaN or inf")
 
     def finish(self):
@@ -609,13 +698,12 @@ class Checkpoint:
                 if list(sl.get_shape()) != want:
                     raise CheckpointError(f"{path}: {row['key']} has shape {sl.get_shape()}, "
                                           f"the index says {want}")
-                idx = [slice(None)] * len(shape)
-                idx[dim] = slice(lo - row["start"], hi - row["start"])
-                if self.verify and (fname, row["key"]) not in self._verified:
-                    # The first read of a tensor reads all of it, once, to check it whole.
-                    data = self._verified_tensor(path, f, row)[tuple(idx)]
-                    self._verified.add((fname, row["key"]))
+                if self.verify:
+                    data = self._verified_slice(path, f, row, dim, lo - row["start"],
+                                                hi - row["start"])
                 else:
+                    idx = [slice(None)] * len(shape)
+                    idx[dim] = slice(lo - row["start"], hi - row["start"])
                     data = sl[tuple(idx)]
             except CheckpointError:
                 raise
@@ -660,7 +748,7 @@ class Checkpoint:
                 self._pool.shutdown()
                 self._pool = None
             self._files.clear()
-            self._verified.clear()
+            self._tensors.clear()
 
 
 def read_full_model(load_dir, step=None):

@@ -1,10 +1,12 @@
-"""Checkpoints prove their integrity: checksums per tensor, the iteration and a save id in every
-rank file, checked on --load (under another plan: resharding), on export and on every read.
+"""Checkpoints prove their integrity: checksums per block of each tensor, the iteration and a save
+id in every rank file, checked on --load (under another plan: resharding), on export and on every
+read, block by block for what is read.
 
-Copies of the `straight` checkpoint (plan A, 4 ranks; iter_0000002 and iter_0000004) are damaged
-one way each: a flipped byte in a weight, a flipped byte in an Adam moment, a NaN written into a
-weight, a rank file copied from the other save, an edited iteration, checkpoint.json without
-"files". One 2-rank job (another plan) loads each and must get the same one-line error naming the
+Copies of the `straight` checkpoint (plan A, 4 ranks; iter_0000002 and iter_0000004), rewritten
+with 1 KiB checksum blocks so that the tiny model's tensors span many, are damaged one way each:
+a flipped byte in a weight, a flipped byte in an Adam moment, a NaN written into a weight (each
+past the first block of a tensor that a loading rank reads), a rank file copied from the other
+save, an edited iteration, checkpoint.json without "files". One 2-rank job (another plan) loads each and must get the same one-line error naming the
 file (and the tensor) on every rank; the same job fails a save with a full disk and checks that it
 left nothing behind. One pretrain_gpt.py launch shows the error as it reaches users: a
 `pretrain_gpt.py: error:` line and exit code 2 on every rank, also on the rank that read nothing
@@ -17,9 +19,11 @@ import re
 import shutil
 import struct
 import time
+import zlib
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from conftest import REPO
 from harness import run_distributed
@@ -33,6 +37,7 @@ from planner.models import load_model
 from runtime.plans import write_plan
 
 ITER = "iter_0000004"
+SMALL_BLOCK = 1024
 
 
 def data_range(path, key):
@@ -58,6 +63,36 @@ def patch(path, key, element, new_bytes=None):
     path.write_bytes(bytes(data))
 
 
+def reblock(root, block_bytes):
+    """Rewrite every checkpoint under `root` with checksum blocks of `block_bytes`: the same
+    tensors, iteration and save id, checkpoint.json updated and its checksum recomputed."""
+    for meta_path in sorted(root.glob(f"*/{METADATA}")):
+        d = meta_path.parent
+        meta = json.loads(meta_path.read_text())
+        for fname, rows in meta["files"].items():
+            with safe_open(str(d / fname), framework="pt") as f:
+                header = f.metadata()
+                entries = [(r["kind"], r["name"], r["dim"], r["start"], r["shape"],
+                            f.get_tensor(r["key"]).clone()) for r in rows]
+            os.unlink(d / fname)
+            meta["files"][fname] = ck.write_rank_file(d / fname, entries,
+                                                      int(header["iteration"]),
+                                                      header["save_id"], block_bytes)
+        meta["block_bytes"] = block_bytes
+        meta["checksum"] = ck.meta_checksum(meta)
+        meta_path.write_text(json.dumps(meta))
+
+
+def block_of(element, block_bytes=SMALL_BLOCK):
+    """Regex of the mismatch naming the block that holds fp32 element `element`."""
+    i = 4 * element // block_bytes
+    return rf"\(block {i}, bytes \[{i * block_bytes}, \d+\): stored crc32:"
+
+
+def numel(row):
+    return ck.tensor_bytes(row) // ck.ITEMSIZE[row["dtype"]]
+
+
 def find_row(ckpt_dir, kind, prefix):
     """(file name, index row) of the first `kind` tensor whose name starts with `prefix`."""
     meta = json.loads((ckpt_dir / METADATA).read_text())
@@ -81,7 +116,9 @@ def edit_meta(ckpt_dir, change, fix_checksum=False):
 def damaged(straight, tmp_path_factory):
     """{label: (directory, step, regex the error must match)}: damaged copies of `straight`."""
     root = tmp_path_factory.mktemp("damaged")
-    src = straight[0] / "ckpt"
+    src = root / "src"
+    shutil.copytree(straight[0] / "ckpt", src)
+    reblock(src, SMALL_BLOCK)
     cases = {}
 
     def copy(label):
@@ -92,22 +129,30 @@ def damaged(straight, tmp_path_factory):
     d = copy("intact")
     cases["intact"] = (d, None, "^ok$")
 
-    # Layer 3 is read only by launch rank 1 under the 2-stage plan the job loads with.
+    # The job's 2-stage plan holds whole layers (no TP): a rank reads every byte of the tensors
+    # of its stage. Layer 3 is read only by launch rank 1, layer 0 and the embedding by rank 0.
+    # The damage sits past the first block of a multi-block tensor.
     d = copy("weight")
-    fname, row = find_row(d / ITER, "param", "decoder.layers.3.")
-    patch(d / ITER / fname, row["key"], 5)
+    fname, row = find_row(d / ITER, "param", "decoder.layers.3.mlp.linear_fc2")
+    at = numel(row) // 2 + 5
+    patch(d / ITER / fname, row["key"], at)
     cases["weight"] = (d, None, rf"{ITER}/{fname}: param of {re.escape(row['name'])} \(tensor "
-                                rf"{re.escape(row['key'])}\) does not match its checksum")
+                                rf"{re.escape(row['key'])}\) does not match its checksum "
+                                + block_of(at))
     d = copy("moment")
     fname, row = find_row(d / ITER, "exp_avg_sq", "embedding.")
-    patch(d / ITER / fname, row["key"], 7)
+    at = numel(row) // 2 + 7
+    patch(d / ITER / fname, row["key"], at)
     cases["moment"] = (d, None, rf"{ITER}/{fname}: exp_avg_sq of {re.escape(row['name'])} "
-                                rf"\(tensor {re.escape(row['key'])}\) does not match its checksum")
+                                rf"\(tensor {re.escape(row['key'])}\) does not match its checksum "
+                                + block_of(at))
     d = copy("nan")
     fname, row = find_row(d / ITER, "param", "decoder.layers.0.mlp")
-    patch(d / ITER / fname, row["key"], 3, struct.pack("<f", math.nan))
+    at = numel(row) - 3
+    patch(d / ITER / fname, row["key"], at, struct.pack("<f", math.nan))
     cases["nan"] = (d, None, rf"{ITER}/{fname}: param of {re.escape(row['name'])} \(tensor "
-                             rf"{re.escape(row['key'])}\) does not match its checksum")
+                             rf"{re.escape(row['key'])}\) does not match its checksum "
+                             + block_of(at))
     d = copy("other_save")
     shutil.copy(d / "iter_0000002" / "rank_00001.safetensors", d / ITER)
     cases["other_save"] = (d, None, rf"{ITER}/rank_00001.safetensors: from another save "
@@ -173,19 +218,24 @@ def _read_everything(path, step=None):
 
 
 def test_checkpoint_records_checksums_iteration_and_save_id(straight):
-    from safetensors import safe_open
     saves = {}
     for it in (2, 4):
         d = straight[0] / "ckpt" / f"iter_{it:07d}"
         meta = json.loads((d / METADATA).read_text())
         assert meta["iteration"] == it and meta["checksum"] == ck.meta_checksum(meta)
+        assert meta["block_bytes"] == ck.BLOCK_BYTES
         for fname, rows in meta["files"].items():
             with safe_open(str(d / fname), framework="pt") as f:
                 header = f.metadata()
                 assert header["iteration"] == str(it) and header["save_id"] == meta["save_id"]
+                assert header["block_bytes"] == str(ck.BLOCK_BYTES)
                 assert json.loads(header["index"]) == rows
                 for row in rows:
-                    assert row["checksum"] == ck.tensor_checksum(f.get_tensor(row["key"]))
+                    t = f.get_tensor(row["key"])
+                    assert row["checksums"] == ck.block_checksums(t, ck.BLOCK_BYTES)
+                    # The tiny model's tensors fit in one block: its CRC-32 is the tensor's.
+                    data = t.reshape(-1).view(torch.uint8).numpy()
+                    assert row["checksums"] == [f"{zlib.crc32(data):08x}"]
         saves[it] = meta["save_id"]
     assert saves[2] != saves[4] and all(re.fullmatch(r"[0-9a-f]{16}", s) for s in saves.values())
 
@@ -248,7 +298,7 @@ def test_edited_checkpoint_json_is_refused(straight, tmp_path):
     d = tmp_path / "swapped"
     shutil.copytree(straight[0] / "ckpt", d)
     edit_meta(d / ITER, lambda m: m["files"]["rank_00000.safetensors"][0].update(
-        checksum=ck.CHECKSUM + ":00000000"), fix_checksum=True)
+        checksums=["00000000"]), fix_checksum=True)
     with pytest.raises(CheckpointError, match=rf"{ITER}/rank_00000.safetensors: its tensor list "
                                               rf"and checksums differ from checkpoint.json's"):
         _read_everything(d)
@@ -262,8 +312,14 @@ def test_edited_checkpoint_json_is_refused(straight, tmp_path):
     (lambda m: m.update(files=[]), r"files must be an object of file name -> list of index rows"),
     (lambda m: m["files"].update({"../x.safetensors": []}),
      r"files: '../x.safetensors' is not a rank file name"),
-    (lambda m: m["files"]["rank_00000.safetensors"][0].pop("checksum"),
-     r"key files.rank_00000.safetensors\[0\].'checksum' missing"),
+    (lambda m: m["files"]["rank_00000.safetensors"][0].pop("checksums"),
+     r"key files.rank_00000.safetensors\[0\].'checksums' missing"),
+    (lambda m: m["files"]["rank_00000.safetensors"][0].update(checksums=["crc32:0"]),
+     r"files.rank_00000.safetensors\[0\].checksums must be a list of crc32s"),
+    (lambda m: m["files"]["rank_00000.safetensors"][0]["checksums"].append("00000000"),
+     r"files.rank_00000.safetensors\[0\].checksums has 2 entries, its \d+ bytes make 1 blocks"),
+    (lambda m: m.update(block_bytes=0), r"block_bytes must be an integer >= 1, got 0"),
+    (lambda m: m.pop("block_bytes"), r"key 'block_bytes' missing"),
     (lambda m: m["files"]["rank_00000.safetensors"][1].update(dtype="int8"),
      r"files.rank_00000.safetensors\[1\].dtype must be one of float32"),
     (lambda m: m["files"]["rank_00000.safetensors"][0].update(start=10 ** 6),
@@ -291,7 +347,127 @@ def test_export_refuses_a_damaged_checkpoint(tmp_path, capsys):
     err = capsys.readouterr().err
     assert re.fullmatch(rf"convert_hf_llama.py: error: {re.escape(str(path))}: param of "
                         rf"{re.escape(name)} \(tensor param/{re.escape(name)}/0\) does not "
-                        rf"match its checksum \(stored crc32:[0-9a-f]{{8}}, read "
-                        rf"crc32:[0-9a-f]{{8}}\): changed "
+                        rf"match its checksum \(block 0, bytes \[0, \d+\): stored "
+                        rf"crc32:[0-9a-f]{{8}}, read crc32:[0-9a-f]{{8}}\): changed "
                         rf"or damaged after the save\n", err), err
     assert not (tmp_path / "bad" / "model.safetensors").exists()
+
+
+def test_previous_format_is_refused(straight, tmp_path):
+    """A checkpoint of format 2 (one checksum per tensor) is refused with the version named."""
+    d = _copy(straight, tmp_path)
+    edit_meta(d / ITER, lambda m: m.update(format_version=2), fix_checksum=True)
+    with pytest.raises(CheckpointError, match=rf"{ITER}/checkpoint.json: format_version 2, this "
+                                              rf"runtime reads {ck.FORMAT_VERSION}$"):
+        Checkpoint(str(d))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_overlapping_blocks_match_the_bytes_of_the_slice(seed):
+    """The blocks marked are exactly those holding a byte of the slice (brute force over bytes)."""
+    rng = torch.Generator().manual_seed(seed)
+    for _ in range(200):
+        ndim = int(torch.randint(1, 4, (1,), generator=rng))
+        shape = [int(x) for x in torch.randint(1, 7, (ndim,), generator=rng)]
+        itemsize = [2, 4, 8][int(torch.randint(0, 3, (1,), generator=rng))]
+        block = int(torch.randint(1, 40, (1,), generator=rng))
+        dim = int(torch.randint(0, ndim, (1,), generator=rng))
+        a = int(torch.randint(0, shape[dim] + 1, (1,), generator=rng))
+        b = int(torch.randint(a, shape[dim] + 1, (1,), generator=rng))
+        offsets = torch.arange(math.prod(shape) * itemsize).reshape(*shape, itemsize)
+        inside = offsets.narrow(dim, a, b - a).reshape(-1)
+        want = sorted(set((inside // block).tolist()))
+        got = ck.overlapping_blocks(shape, itemsize, dim, a, b, block).nonzero()[0].tolist()
+        assert got == want, (shape, itemsize, dim, a, b, block)
+
+
+def _blocked_copy(straight, tmp_path):
+    d = _copy(straight, tmp_path)
+    reblock(d, SMALL_BLOCK)
+    return d
+
+
+def _read(d, row, lo, hi):
+    """Read [lo, hi) of `row`'s stored range with a fresh Checkpoint; returns the Checkpoint."""
+    ckpt = Checkpoint(str(d))
+    want = list(row["shape"])
+    want[row["dim"]] = hi - lo
+    out = torch.empty(want)
+    ckpt.read_range(row["kind"], row["name"], row["dim"], row["start"] + lo, hi - lo,
+                    row["shape"], out)
+    ckpt.close()
+    return ckpt
+
+
+def test_a_slice_along_the_first_dimension_checks_only_its_blocks(straight, tmp_path):
+    """Reading the first half of a tensor stored along dim 0 checks about half of its blocks; a
+    flipped byte in the other half is not read (and not reported), one in the half read is, and
+    reading the whole tensor finds either."""
+    d = _blocked_copy(straight, tmp_path)
+    fname, row = find_row(d / ITER, "exp_avg", "decoder.layers.0.mlp.linear_fc1")
+    assert row["dim"] == 0 and len(row["checksums"]) >= 8
+    half = row["length"] // 2
+    nbytes = ck.tensor_bytes(row)
+    ckpt = _read(d, row, 0, half)
+    assert ckpt.read_bytes == nbytes * half // row["length"]
+    assert ckpt.read_bytes <= ckpt.checked_bytes < ckpt.read_bytes + SMALL_BLOCK
+    path = d / ITER / fname
+    late = numel(row) - 2                  # in the half not read
+    patch(path, row["key"], late)
+    _read(d, row, 0, half)
+    pattern = rf"{fname}: exp_avg of {re.escape(row['name'])} .* does not match its checksum "
+    with pytest.raises(CheckpointError, match=pattern + block_of(late)):
+        _read(d, row, half, row["length"])
+    with pytest.raises(CheckpointError, match=pattern + block_of(late)):
+        _read_everything(d)
+    patch(path, row["key"], late)          # flipped back: intact again
+    _read_everything(d)
+    patch(path, row["key"], 3)             # in the half read
+    with pytest.raises(CheckpointError, match=pattern + block_of(3)):
+        _read(d, row, 0, half)
+
+
+def test_slices_along_an_inner_dimension_check_each_block_once(straight, tmp_path):
+    """Two halves of a tensor split along dim 1 each touch every row, so every block; reading
+    both (as a rank holding two pieces does) checks each block once, not once per slice, and
+    either half finds a flipped byte anywhere."""
+    d = _blocked_copy(straight, tmp_path)
+    fname, row = find_row(d / ITER, "param", "decoder.layers.1.mlp.linear_fc2")
+    assert row["dim"] == 1 and len(row["checksums"]) >= 8
+    nbytes, half = ck.tensor_bytes(row), row["length"] // 2
+    ckpt = Checkpoint(str(d))
+    for lo, hi in ((0, half), (half, row["length"])):
+        out = torch.empty(row["shape"][0], hi - lo)
+        ckpt.read_range("param", row["name"], 1, row["start"] + lo, hi - lo, row["shape"], out)
+    ckpt.close()
+    assert ckpt.read_bytes == nbytes and ckpt.checked_bytes == nbytes
+    one = _read(d, row, half, row["length"])
+    assert one.checked_bytes == nbytes and one.read_bytes == nbytes - nbytes * half // row["length"]
+    patch(d / ITER / fname, row["key"], 0)       # element 0 lies in the first half's columns
+    with pytest.raises(CheckpointError, match=rf"{re.escape(row['key'])}\) does not match its "
+                                              rf"checksum {block_of(0)}"):
+        _read(d, row, half, row["length"])
+
+
+def test_a_full_read_finds_a_flipped_byte_anywhere(straight, tmp_path):
+    """Every block boundary, the first and last byte and a sample in between, each flipped alone,
+    is found by reading the whole checkpoint, naming its block."""
+    d = _blocked_copy(straight, tmp_path)
+    fname, row = find_row(d / ITER, "exp_avg_sq", "decoder.layers.2.self_attention.linear_qkv")
+    path = d / ITER / fname
+    offset, size = data_range(path, row["key"])
+    assert size == ck.tensor_bytes(row) and size > 4 * SMALL_BLOCK
+    spots = {0, size - 1, size // 3}
+    spots |= {b + e for b in range(SMALL_BLOCK, size, SMALL_BLOCK) for e in (-1, 0)}
+    for pos in sorted(spots):
+        data = bytearray(path.read_bytes())
+        data[offset + pos] ^= 0x80
+        path.write_bytes(bytes(data))
+        i = pos // SMALL_BLOCK
+        with pytest.raises(CheckpointError, match=rf"{re.escape(row['key'])}\) does not match "
+                                                  rf"its checksum \(block {i}, bytes "
+                                                  rf"\[{i * SMALL_BLOCK}, "):
+            _read_everything(d)
+        data[offset + pos] ^= 0x80
+        path.write_bytes(bytes(data))
+    _read_everything(d)

@@ -8,13 +8,17 @@ loaded `--rounds` times with verification and as many times without (megatron_he
 with verify=False: no checksums, no NaN/inf check, no rank-file metadata check), alternating which
 goes first to cancel drift:
   same plan   1 rank reads the file it wrote (the common resume);
-  resharded   2 ranks (one TP=2 stage) read halves of the tensors; verification reads and checks
-              each whole tensor a rank touches, so each tensor is hashed by both ranks.
-A load's time is the slowest rank's, from a barrier; the table shows medians over the rounds.
+  resharded   2 ranks (one TP=2 stage) read halves of the tensors; verification checks the
+              checksum blocks that overlap what a rank reads: half of each tensor split along its
+              first dimension, every block of one split along an inner dimension (each row).
+A load's time is the slowest rank's, from a barrier; the table shows medians over the rounds, and
+the bytes each rank read and checked in one more verified load.
 Then the parts of verification are timed alone over every tensor of the file: reading it
-(safetensors get_tensor), CRC-32 (what the checkpoint records) and the finite check
-(torch.aminmax), with blake2b-128, sha256 and torch.isfinite(t).all() for comparison (why not
-those).
+(safetensors get_tensor), CRC-32 per block as recorded and at other block sizes, and the finite
+check (torch.aminmax), with blake2b-128, sha256 and torch.isfinite(t).all() for comparison (why
+not those). With the bytes a resharded rank would check at each block size (computed from the
+plan, not timed), this is how the block size was chosen: small blocks slow CRC-32 down, large
+ones make a rank check more than it reads.
 
 The file is in the page cache (just written, then read once before timing), so the load times are
 memory and CPU bound: the worst case for the ratio. Reading from a disk adds the same I/O time to
@@ -67,7 +71,8 @@ def save_worker(plan_path, ckpt_dir):
 
 
 def load_worker(plan_path, ckpt_dir, rounds):
-    """{verify: [seconds per load]}: the slowest rank's time of each load."""
+    """{verify: [seconds per load], "bytes": (read, checked) by this rank in a verified load}:
+    the slowest rank's time of each load."""
     import contextlib
     import io
 
@@ -89,6 +94,18 @@ def load_worker(plan_path, ckpt_dir, rounds):
                 t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 times[verify].append(t.item())
+        opened, plain = [], checkpoint.Checkpoint
+
+        class Counted(plain):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                opened.append(self)
+        checkpoint.Checkpoint = Counted
+        try:
+            checkpoint.load(trainer, args, verify=True)
+        finally:
+            checkpoint.Checkpoint = plain
+    times["bytes"] = (opened[0].read_bytes, opened[0].checked_bytes)
     return times
 
 
@@ -99,7 +116,7 @@ def parts(ckpt_dir, repeats=3):
     import torch
     from safetensors import safe_open
 
-    from megatron_hexi.checkpoint import Checkpoint, tensor_checksum
+    from megatron_hexi.checkpoint import BLOCK_BYTES, Checkpoint, block_checksums
     torch.set_num_threads(1)
     ck = Checkpoint(str(ckpt_dir))
     keys = [(fname, row["key"]) for fname, rows in ck.meta["files"].items() for row in rows]
@@ -111,7 +128,13 @@ def parts(ckpt_dir, repeats=3):
         return t.reshape(-1).view(torch.uint8).numpy()
     jobs = {
         "read (get_tensor)": lambda: [handles[f].get_tensor(k) for f, k in keys],
-        "crc32 (recorded)": lambda: [tensor_checksum(t) for t in tensors],
+        f"crc32 per {BLOCK_BYTES >> 10} KiB (recorded)": lambda: [block_checksums(t)
+                                                             for t in tensors],
+        **{f"crc32 per {kib} KiB": (lambda kib=kib: [block_checksums(t, kib << 10)
+                                                     for t in tensors])
+           for kib in (16, 64, 256, 4096) if kib << 10 != BLOCK_BYTES},
+        "crc32 whole tensors": lambda: [block_checksums(t, max(1, t.numel() * t.element_size()))
+                                        for t in tensors],
         "finite check (aminmax)": lambda: [torch.aminmax(t) for t in tensors],
         "blake2b-128": lambda: [hashlib.blake2b(flat(t), digest_size=16).digest()
                                 for t in tensors],
@@ -127,6 +150,45 @@ def parts(ckpt_dir, repeats=3):
             best = min(best, time.perf_counter() - start)
         out[name] = best
     return size, out
+
+
+def checked_by_block_size(ckpt_dir, plan_path, sizes=(64 << 10, 256 << 10, 1 << 20, 4 << 20)):
+    """{block bytes: [(bytes read, bytes checked) per rank]} of a verified load under the plan:
+    each rank's pieces, the blocks of the stored tensors they overlap, each block counted once."""
+    import numpy as np
+
+    from megatron_hexi.checkpoint import Checkpoint, overlapping_blocks, tensor_bytes
+    from planner.layout import rank_param_shards
+    from planner.plan import load_plan
+    plan = load_plan(plan_path)
+    ck = Checkpoint(str(ckpt_dir))
+    out = {}
+    for block in sizes:
+        out[block] = []
+        for rank in range(plan.world_size):
+            read = checked = 0
+            for shard in rank_param_shards(plan, rank):
+                for kind in ("param", "exp_avg", "exp_avg_sq"):
+                    for _, row in ck.index.get((kind, shard.name), []):
+                        shape = list(row["shape"])
+                        shape[row["dim"]] = row["length"]
+                        itemsize = tensor_bytes(row) // max(1, int(np.prod(shape)))
+                        hit = np.zeros(-(-tensor_bytes(row) // block), dtype=bool)
+                        for piece in shard.pieces:
+                            lo = max(piece.global_start, row["start"]) - row["start"]
+                            hi = min(piece.global_start + piece.length,
+                                     row["start"] + row["length"]) - row["start"]
+                            if lo < hi:
+                                read += tensor_bytes(row) * (hi - lo) // row["length"]
+                                hit |= overlapping_blocks(shape, itemsize, row["dim"], lo, hi,
+                                                          block)
+                        whole = hit.sum() * block
+                        if hit.size and hit[-1]:
+                            whole -= hit.size * block - tensor_bytes(row)
+                        checked += int(whole)
+            out[block].append((read, checked))
+    ck.close()
+    return out
 
 
 def write_plans(directory, model_fields):
@@ -176,17 +238,26 @@ def main(argv=None):
               f"{size / 1e6:.0f} MB (fp32 weights + Adam moments, one rank file), saved in "
               f"{save_s:.2f} s with checksums", flush=True)
         ratios = {}
-        print(f"\n{'case':<11} {'ranks':>5} {'plain_s':>8} {'verified_s':>10} {'ratio':>6}")
+        print(f"\n{'case':<11} {'ranks':>5} {'plain_s':>8} {'verified_s':>10} {'ratio':>6}  "
+              f"MB read / checked per rank")
         for case, (plan, world) in plans.items():
-            times = run_distributed(me.load_worker, world, plan, ckpt, a.rounds,
-                                    timeout=a.timeout, env=env)[0]
+            results = run_distributed(me.load_worker, world, plan, ckpt, a.rounds,
+                                      timeout=a.timeout, env=env)
+            times = results[0]
             plain, verified = (statistics.median(times[v]) for v in (False, True))
             ratios[case] = verified / plain
-            print(f"{case:<11} {world:>5} {plain:8.3f} {verified:10.3f} {ratios[case]:5.2f}x",
-                  flush=True)
+            per_rank = ", ".join(f"{r['bytes'][0] / 1e6:.0f} / {r['bytes'][1] / 1e6:.0f}"
+                                 for r in results)
+            print(f"{case:<11} {world:>5} {plain:8.3f} {verified:10.3f} {ratios[case]:5.2f}x  "
+                  f"{per_rank}", flush=True)
+        by_size = checked_by_block_size(ckpt, plans["resharded"][0])
     print(f"\nparts, one thread, over all {size / 1e6:.0f} MB (best of 3):")
     for name, seconds in part.items():
-        print(f"  {name:<28} {seconds:7.3f} s  {size / seconds / 1e9:6.2f} GB/s")
+        print(f"  {name:<30} {seconds:7.3f} s  {size / seconds / 1e9:6.2f} GB/s")
+    print("\nresharded load, MB read / checked per rank, by block size (computed):")
+    for block, per_rank in by_size.items():
+        print(f"  {block >> 10:>5} KiB  " + ", ".join(f"{r / 1e6:.0f} / {c / 1e6:.0f}"
+                                                    for r, c in per_rank))
     load1 = os.getloadavg()
     print(f"\nverified / plain load: same plan ratio {ratios['same plan']:.2f}x, resharded ratio "
           f"{ratios['resharded']:.2f}x; total {time.monotonic() - start:.0f} s; load average "
