@@ -25,7 +25,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import REPO
 from harness import run_distributed
 from checkpoint.test_failures import TWO_STAGES, launch, wait_all
 from checkpoint.test_hf_llama import converter, tiny_llama

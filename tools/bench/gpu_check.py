@@ -34,8 +34,6 @@ import importlib.util
 import json
 import math
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,8 +42,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]     # the runtime, and the test harness's
+from harness import _kill_tree, free_port  # noqa: E402  process helpers (as the other benches)
 
 # Sizes per device. cuda: a ~270M-parameter llama-like model (bf16 + Adam ~5 GB, activations a
 # few GB: fits any 24 GB card); a step takes well under a second on an H100-class GPU.
@@ -164,40 +162,6 @@ def make_plans(preset, gpu, folder):
 
 # ------------------------------------------------------------------------------- launching
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def kill_tree(pid):
-    """SIGKILL `pid`'s process group and every process below it (torchrun starts its workers in
-    sessions of their own, so the group alone would leave them running)."""
-    children = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    below, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            below.append(child)
-            todo.append(child)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for child in below:
-        try:
-            os.kill(child, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def launch(entry, args, env, timeout):
     """torchrun, one process; returns (exit code, seconds, output tail). Past `timeout` the
     launch's whole process group is killed (exit code 124)."""
@@ -211,7 +175,7 @@ def launch(entry, args, env, timeout):
         out, _ = proc.communicate(timeout=timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
+        _kill_tree(proc.pid, group=True)
         out, _ = proc.communicate()
         code, out = 124, f"{out}\ntimed out after {timeout:g} s; process group killed"
     return code, time.monotonic() - start, out[-4000:]
