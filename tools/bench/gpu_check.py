@@ -196,7 +196,9 @@ def cases(device, preset, plans, work):
     ckpt = work / "ckpt"
     deterministic = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     cpu_env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
-    dev_env = cpu_env if device == "cpu" else {}
+    # Every tensor collective is checked against the run's device (NCCL's rule; see
+    # megatron_hexi/strict_collectives.py): a CPU tensor fails the case with its name.
+    dev_env = {**(cpu_env if device == "cpu" else {}), "HEXI_STRICT_COLLECTIVES": "1"}
     out = {
         "fp32": (pretrain, ["--hetero-plan-path", plans["plain"], *base], dev_env),
         "bf16": (pretrain, ["--hetero-plan-path", plans["plain"], "--bf16", *base], dev_env),
