@@ -44,6 +44,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_hexi.process_groups import group_order
+
 FORWARD_TAG = 1
 BACKWARD_TAG = 2
 STRICT_ENV = "HEXI_STRICT_P2P"
@@ -54,8 +56,8 @@ class Boundary:
 
     def __init__(self, senders, receivers, numel, launch_of, me):
         # Part order follows each group's rank order (torch sorts member launch ranks).
-        self.senders = sorted(senders, key=launch_of.__getitem__)
-        self.receivers = sorted(receivers, key=launch_of.__getitem__)
+        self.senders = group_order(senders, launch_of)
+        self.receivers = group_order(receivers, launch_of)
         a, b = len(self.senders), len(self.receivers)
         self.numel = numel
         self.padded = math.ceil(numel / math.lcm(a, b)) * math.lcm(a, b)

@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
+from megatron_hexi.grad_sync import global_norm
+from megatron_hexi.process_groups import group_order
 from planner.catalog import get_gpu
 from planner.plan import even_split
 
@@ -75,7 +77,7 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
             # Which part a member owns follows the plan (the same under every launch), but
             # reduce_scatter and all_gather order their chunks by group rank, which follows
             # launch rank: each member's chunk goes where its group rank says.
-            order = grad_sync.group_order(ranks)
+            order = group_order(ranks, grad_sync.launch_of)
             regions = [_Region([], 0, order.index(r)) for r in ranks]
             for k, slot in enumerate(slots):
                 starts = 0
@@ -199,13 +201,13 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         self._found_grads = False
         return success, grad_norm, None
 
+    def get_grad_norm(self):
+        """The exact global norm: every element's master gradient lives on exactly one rank."""
+        return global_norm(self.get_main_grads_for_grad_norm(), self.device)
+
     def clip_grad_norm(self, clip_grad):
         grads = self.get_main_grads_for_grad_norm()
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for g in grads:
-            total += g.double().pow(2).sum()
-        dist.all_reduce(total)
-        norm = total.sqrt().item()
+        norm = self.get_grad_norm()
         coeff = clip_grad / (norm + 1e-6)
         if coeff < 1.0:
             for g in grads:

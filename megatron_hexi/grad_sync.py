@@ -61,13 +61,9 @@ class FP32MainGrads:
             p.main_grad = self.buffer[offset:offset + p.numel()].view(p.shape)
             offset += p.numel()
             p.register_post_accumulate_grad_hook(_add_to_main_grad)
-        self.params = params
 
     def zero(self):
         self.buffer.zero_()
-
-    def nbytes(self):
-        return self.buffer.numel() * self.buffer.element_size()
 
 
 def _add_to_main_grad(param):
@@ -87,7 +83,7 @@ def reduced_together(seg, shard_optimizer_state):
 class GradientSync:
     def __init__(self, plan_rank, params, segments, groups, shard_optimizer_state=False):
         self.plan_rank = plan_rank
-        self._launch_of = groups.launch_of
+        self.launch_of = groups.launch_of          # plan rank -> launch rank
         by_name = {shard.name: [] for shard, _ in params}
         for shard, p in params:
             by_name[shard.name].append(p)
@@ -135,16 +131,21 @@ class GradientSync:
                 offset += view.numel()
         self.bytes_per_step = total
 
-    def group_order(self, ranks):
-        """The plan ranks of a rank set in the order its process group numbers them: torch
-        numbers a group's members by launch rank, which need not follow the plan."""
-        return sorted(ranks, key=self._launch_of.__getitem__)
-
     def owned_grads(self):
-        """The gradient slices this rank counts in the global norm (each element once), for
-        reading only. Contiguous, because fused multi-tensor kernels (apex's and Transformer
-        Engine's l2norm) refuse strided tensors, and a slice along dim 1 (a column range of
-        `linear_proj` or `linear_fc2`) is strided: such slices are copies. Clipping scales the
-        parameters' gradients themselves, never these."""
-        return [v if v.is_contiguous() else v.contiguous()
-                for v in (s.grad_view() for s in self.owned)]
+        """Views of the gradient slices this rank counts in the global norm (each element once).
+        A slice along dim 1 (a column range of `linear_proj` or `linear_fc2`) is strided: it goes
+        to `global_norm` only, never to a fused multi-tensor kernel, which would refuse it."""
+        return [s.grad_view() for s in self.owned]
+
+
+@torch.no_grad()
+def global_norm(tensors, device):
+    """The gradient norm over every rank: each rank passes the tensors it owns (every element is
+    owned by exactly one rank). Per-tensor fp32 norms, summed in float64 on `device`, then one
+    all-reduce. Strided slices are read in place: no copies, no float64 copy of a tensor, and no
+    multi-tensor kernel (apex's and Transformer Engine's refuse strided inputs)."""
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for t in tensors:
+        total += torch.linalg.vector_norm(t, dtype=torch.float32).double().square()
+    dist.all_reduce(total)
+    return total.sqrt().item()

@@ -8,17 +8,35 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_hexi.grad_sync import global_norm
 
 
 class _ExactNormMixin:
     grad_sync = None
 
     def get_main_grads_for_grad_norm(self):
-        """This rank's owned gradient slices: contiguous (copies of column slices), so they
-        may go to megatron-core's multi-tensor l2norm; clipping still scales the real grads."""
+        """This rank's owned gradient slices (views; some are strided column slices)."""
         return self.grad_sync.owned_grads()
+
+    def get_grad_norm(self):
+        """The exact global norm (grad_sync.global_norm), not megatron-core's multi-tensor one."""
+        grads = self.get_main_grads_for_grad_norm()
+        device = grads[0].device if grads else self.get_parameters()[0].device
+        return global_norm(grads, device)
+
+    def clip_grad_norm(self, clip_grad):
+        """megatron-core's clipping (it scales the whole, contiguous gradients) with the exact
+        norm."""
+        grad_norm = self.get_grad_norm()
+        params = self.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(params, clip_grad, grad_norm,
+                                         self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        return grad_norm
 
     def get_grad_stats_parallel_group(self):
         return dist.group.WORLD

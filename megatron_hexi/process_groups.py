@@ -9,6 +9,13 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 
+def group_order(ranks, launch_of):
+    """The plan ranks of a group in the order torch numbers its members: `new_group` sorts the
+    launch ranks, and launch order need not follow the plan. Collectives that cut a buffer into
+    per-member chunks (reduce-scatter, all-gather, boundary parts) must lay it out in this order."""
+    return sorted(ranks, key=launch_of.__getitem__)
+
+
 class StagePosition:
     """Stands in for a pipeline group where megatron-core only asks for rank() and size().
 

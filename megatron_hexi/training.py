@@ -146,40 +146,29 @@ class Trainer:
             pg_collection=pg)
         pipeline_time = self._pipeline_end - start
         success, grad_norm, _ = self.optimizer.step()
-        if grad_norm is None or not self.optimizer.config.clip_grad > 0.0:
-            # no clipping: no norm from the step (megatron-core's bf16 optimizer returns 0.0)
-            grad_norm = self.exact_grad_norm()
+        if not self.optimizer.config.clip_grad > 0.0:
+            # megatron-core computes the norm only to clip (its bf16 optimizer returns 0.0)
+            grad_norm = self.optimizer.get_grad_norm()
         self.scheduler.step(increment=1)
         synchronize(self.device)          # queued optimizer work belongs to this step
         step_time = time.perf_counter() - start
-        # One small all-reduce: loss sum (last stages, TP rank 0), how many ranks saw a
-        # non-finite gradient norm (so every rank takes the same decision on it), each rank's
-        # times and memory.
+        # One small all-reduce: loss sum (last stages, TP rank 0), each rank's times and memory.
+        # The grad norm is all-reduced already: the same on every rank.
         world = self.plan.world_size
-        stats = torch.zeros(2 + 3 * world, dtype=torch.float64, device=self.device)
+        stats = torch.zeros(1 + 3 * world, dtype=torch.float64, device=self.device)
         if v.holds_output and v.tp_rank == 0:
             stats[0] = float(sum(s["lm loss"][0] for s in store))
-        stats[1] = 0.0 if math.isfinite(grad_norm) else 1.0
-        per_rank = stats[2:].view(3, world)
+        per_rank = stats[1:].view(3, world)
         per_rank[0, self.rank] = pipeline_time
         per_rank[1, self.rank] = step_time
         per_rank[2, self.rank] = peak_memory_gb(self.device)
         dist.all_reduce(stats)
         loss = stats[0].item() / self.global_tokens
         pipelines = [max(per_rank[0, r].item() for r in p.ranks) for p in self.plan.pipelines]
-        return {"lm_loss": loss, "grad_norm": float(grad_norm) if stats[1] == 0 else math.nan,
+        return {"lm_loss": loss, "grad_norm": float(grad_norm),
                 "success": bool(success), "step_time_s": per_rank[1].max().item(),
                 "peak_memory_gb": per_rank[2].tolist(), "pipelines": pipelines,
                 "tokens": self.global_tokens, "lr": self.optimizer.param_groups[0]["lr"]}
-
-    @torch.no_grad()
-    def exact_grad_norm(self):
-        """The global gradient norm, every element counted once, summed in float64."""
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for g in self.optimizer.get_main_grads_for_grad_norm():
-            total += g.double().pow(2).sum()
-        dist.all_reduce(total)
-        return total.sqrt().item()
 
     def full_parameters(self):
         """Gather every parameter to its full canonical tensor (for tests and export)."""

@@ -15,6 +15,7 @@ import types
 
 import torch
 
+from megatron_hexi.grad_sync import param_grad
 from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.model import build_stage_model, seed_rng, stage_config
 
@@ -202,7 +203,7 @@ def optimizer_entry(model, device, dtype, reps, layer_counts=(1, 3)):
 
         class _Owned:
             def owned_grads(self):
-                return [p.main_grad if bf16 else p.grad for p in params]
+                return [param_grad(p) for p in params]
         opt, _ = build_optimizer(st.net, _Owned(), args)
         times = []
         for i in range(reps + 2):

@@ -129,7 +129,7 @@ def _record_trainers():
     return made
 
 
-def train_with_first_grads(plan_path, extra_flags=()):
+def train_with_first_grads(plan_path, extra_flags=(), defect=None):
     """`train`, plus the first iteration's synced gradient (the mean over the global batch,
     before clipping) gathered to full canonical fp32 tensors under "grads" on launch rank 0.
     Not for the distributed optimizer, whose synced gradient lives in its master parts."""
@@ -137,6 +137,7 @@ def train_with_first_grads(plan_path, extra_flags=()):
 
     from megatron_hexi import training
     from megatron_hexi.gather import gather_full_parameters
+    from megatron_hexi.grad_sync import param_grad
 
     made = _record_trainers()
     first = {}
@@ -145,11 +146,10 @@ def train_with_first_grads(plan_path, extra_flags=()):
     def finalize(self, *args, **kwargs):
         real_finalize(self, *args, **kwargs)
         if not first:
-            first["grads"] = [(shard, (p.main_grad if getattr(p, "main_grad", None) is not None
-                                       else p.grad).detach().float().clone())
+            first["grads"] = [(shard, param_grad(p).detach().float().clone())
                               for shard, p in self.params]
     training.Trainer._finalize_grads = finalize
-    out = train(plan_path, extra_flags=extra_flags)
+    out = train(plan_path, defect=defect, extra_flags=extra_flags)
     trainer = made[0]
     full = gather_full_parameters(trainer.plan, trainer.rank, first["grads"], trainer.groups)
     if dist.get_rank() == 0:
@@ -167,7 +167,7 @@ def train_strict_kernels(plan_path, extra_flags=()):
     non-contiguous tensor, as the fused CUDA kernels do; the CPU fallback accepts them, so the
     CPU suite could not otherwise see such inputs. Adds, summed over the ranks: the stand-in's
     calls and tensors, and how many owned gradient slices are strided views of their
-    parameter (column slices), i.e. inputs the norm must copy."""
+    parameter (column slices), i.e. inputs the norm must read in place."""
     import torch.distributed as dist
 
     import megatron.core.optimizer.clip_grads as clip_grads
