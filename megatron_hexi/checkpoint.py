@@ -23,7 +23,9 @@ leaves the previous checkpoint and its pointer untouched. Phases are separated b
 status exchange (a barrier under the --distributed-timeout-minutes timeout) so that a failure on
 one rank fails the save on every rank; a save that fails (a disk full while writing a rank file or
 checkpoint.json) removes its temporary directory, and the next save removes what a killed one
-left.
+left. A save refuses NaN or inf in any tensor it would write (weights or Adam moments, each rank
+checking its own before writing; the ranks agree in the status exchange), as loading would refuse
+them: the error names the tensor and the last complete checkpoint, which stays the one to resume.
 
 Integrity. Each tensor's bytes as written (row-major, in file order) are cut into blocks of
 `block_bytes` (BLOCK_BYTES, 1 MiB; the last block may be shorter), and each block's CRC-32 is
@@ -44,7 +46,9 @@ plan, export, tests) refuses, with one error naming the file and the key or tens
     tensor list differs from checkpoint.json's;
   * a block of a tensor that does not match its checksum (naming the block and its bytes), or a
     slice read that holds NaN or inf.
-`load` runs every check inside its status exchange, so all ranks report the same error.
+`load` runs every check inside its status exchange, so all ranks report the same error. The checks
+run on a few threads (VERIFY_THREADS) while the data is copied into the trainer; a failed load
+leaves the trainer unusable and ends the process.
 
 Fault injection, for tests only: HEXI_FAULT_INJECT="kill-in-save:ITERATION:PLAN_RANK:PHASE" makes
 that rank SIGKILL itself during the save of ITERATION, PHASE "written" (its file written, nothing
@@ -96,6 +100,9 @@ CHECKSUM = "crc32"
 # entry per block: under 2 MB per 100 GB of tensors at 1 MiB).
 BLOCK_BYTES = 1 << 20
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+# Most threads per process that verify a load's blocks (CRC-32 and the NaN/inf check): torchrun
+# starts one process per GPU, and each should leave the node's other cores to the other ranks.
+VERIFY_THREADS = 4
 HEX32 = re.compile(r"[0-9a-f]{8}")
 
 
@@ -197,6 +204,39 @@ def overlapping_blocks(shape, itemsize, dim, a, b, block_bytes):
     return np.cumsum(marks[:nblocks]) > 0
 
 
+def blocks_bytes(blocks, block_bytes, nbytes):
+    """Bytes in the blocks `blocks` (indices) of a tensor of `nbytes` bytes cut into blocks of
+    `block_bytes`, the last one shorter when `block_bytes` does not divide `nbytes` (what a
+    verified read checks; the benchmark computes the same for other block sizes)."""
+    blocks = np.asarray(blocks, dtype=np.int64).reshape(-1)
+    total = blocks.size * block_bytes
+    last = -(-nbytes // block_bytes) - 1
+    if blocks.size and blocks.max() == last:
+        total -= (last + 1) * block_bytes - nbytes
+    return int(total)
+
+
+# Rows of a bfloat16 tensor checked per numpy call (bounds the temporary of the bit test).
+FINITE_CHUNK = 1 << 20
+
+
+def non_finite(t):
+    """True if the CPU tensor `t` (any strides) holds NaN or inf. numpy, not torch: numpy runs a
+    reduction on the calling thread alone and releases the GIL, so the verification threads do
+    not each start a team of torch's intra-op threads. min and max propagate NaN and need no
+    temporary: the extremes are finite iff every value is. numpy has no bfloat16: its bits are
+    tested instead (exponent all ones: inf or NaN), a chunk of rows at a time."""
+    if t.numel() == 0:
+        return False
+    if t.dtype != torch.bfloat16:
+        a = t.numpy()
+        return not (np.isfinite(a.min()) and np.isfinite(a.max()))
+    bits = np.atleast_1d(t.view(torch.int16).numpy().view(np.uint16))
+    rows = max(1, FINITE_CHUNK // max(1, bits[0].size))
+    return any(int((bits[i:i + rows] & 0x7FFF).max()) >= 0x7F80
+               for i in range(0, bits.shape[0], rows))
+
+
 def meta_checksum(meta):
     """Checksum of checkpoint.json's content (every key but 'checksum'), in a canonical form."""
     text = json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True,
@@ -225,6 +265,14 @@ def write_rank_file(path, entries, iteration, save_id, block_bytes=BLOCK_BYTES):
     os.chmod(path, 0o644)    # safetensors creates 0600; others on a shared file system read it
     _fsync_file(path)
     return index
+
+
+def _cores():
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:     # not on Linux
+        return os.cpu_count() or 1
 
 
 def _fsync_file(path):
@@ -290,13 +338,17 @@ def _fault(iteration, rank, phase):
 
 def _agree(error, what, value=None):
     """Collective status exchange (also the barrier between save/load phases): every rank raises
-    the same CheckpointError if any rank failed. Returns every rank's `value` (rank 0's is how
+    the same CheckpointError if any rank failed (`error`: a line, or {line: [launch ranks]} for
+    failures gathered from other ranks), one line per distinct failure. Returns every rank's `value` (rank 0's is how
     the save id reaches the others without another collective)."""
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (error, value))
     failed = {}
     for r, (e, _) in enumerate(everyone):
-        if e:
+        if isinstance(e, dict):     # {error: [launch ranks]}: gathered from them by this rank
+            for text, ranks in e.items():
+                failed.setdefault(text, []).extend(ranks)
+        elif e:
             failed.setdefault(e, []).append(r)
     if failed:
         raise CheckpointError([f"{what}: {e} (launch rank{'s' if len(rs) > 1 else ''} "
@@ -304,8 +356,42 @@ def _agree(error, what, value=None):
     return [v for _, v in everyone]
 
 
+class _Failed(Exception):
+    """Another rank's save failed (the error is already gathered): rank 0 commits nothing."""
+
+
+def _first_non_finite(entries):
+    """(number of entries whose tensor holds NaN or inf, "KIND of NAME (tensor KEY)" of the
+    first). torch.aminmax on the tensors where they live (one pass each, NaN propagates: the
+    extremes are finite iff every value is), one transfer for all."""
+    extremes = [(i, torch.stack(torch.aminmax(e[5].detach()))) for i, e in enumerate(entries)
+                if e[5].numel()]
+    if not extremes:
+        return 0, None
+    finite = torch.stack([x for _, x in extremes]).isfinite().all(dim=1).cpu().tolist()
+    bad = [i for (i, _), ok in zip(extremes, finite) if not ok]
+    if not bad:
+        return 0, None
+    kind, name, _, start, _, _ = entries[bad[0]]
+    return len(bad), f"{kind} of {name} (tensor {entry_key(kind, name, start)})"
+
+
+def _last_complete(save_dir):
+    """What the pointer of `save_dir` names, for a failed save's message."""
+    try:
+        with open(os.path.join(save_dir, TRACKER)) as f:
+            text = f.read().strip()
+    except OSError:
+        return f"{save_dir} holds no complete checkpoint"
+    return ("the last complete checkpoint is "
+            + ("release" if text == "release" else f"iteration {text}"))
+
+
 def save(trainer, save_dir, iteration):
-    """Save the trainer's state after `iteration` steps (collective). Returns (seconds, bytes)."""
+    """Save the trainer's state after `iteration` steps (collective). Returns (seconds, bytes).
+    Refuses, on every rank, to save a tensor that holds NaN or inf (a run that keeps going with
+    --no-check-for-nan-in-loss-and-grad): a load would refuse it, so the previous checkpoint
+    stays the one to resume from."""
     start = time.perf_counter()
     plan, rank, launch_rank = trainer.plan, trainer.rank, dist.get_rank()
     tmp_dir = os.path.join(save_dir, f".{iteration_dir_name(iteration)}.tmp")
@@ -328,14 +414,15 @@ def save(trainer, save_dir, iteration):
     save_id = _agree(error, f"checkpoint save of iteration {iteration}",
                      secrets.token_hex(8) if launch_rank == 0 else None)[0]
 
-    index, size = [], 0
+    index, size, non_finite_count, first_non_finite = [], 0, 0, None
     try:
         entries = []
         for name, dim, shape, global_start, tensors in owned_ranges(trainer):
             for kind in KINDS:
                 if kind in tensors:
                     entries.append((kind, name, dim, global_start, shape, tensors[kind].detach()))
-        if entries:
+        non_finite_count, first_non_finite = _first_non_finite(entries)
+        if entries and not non_finite_count:
             path = os.path.join(tmp_dir, rank_file_name(rank))
             index = write_rank_file(path, entries, iteration, save_id)
             size = os.path.getsize(path)
@@ -344,16 +431,27 @@ def save(trainer, save_dir, iteration):
     except Exception as e:   # noqa: BLE001 - reported on every rank by _agree
         error = f"{type(e).__name__}: {e}"
     mine = {"plan_rank": rank, "index": index, "bytes": size, "rng": rng_state(),
-            "adam_steps": sorted(_adam_steps(trainer.optimizer)), "error": error}
+            "adam_steps": sorted(_adam_steps(trainer.optimizer)), "error": error,
+            "non_finite": (non_finite_count, first_non_finite)}
     everyone = [None] * dist.get_world_size() if launch_rank == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     error = None
     total = 0
     if launch_rank == 0:
         try:
-            bad = [f"launch rank {i}: {e['error']}" for i, e in enumerate(everyone) if e["error"]]
-            if bad:
-                raise RuntimeError("; ".join(bad))
+            failed = {}
+            for i, e in enumerate(everyone):
+                if e["error"]:
+                    failed.setdefault(e["error"], []).append(i)
+            bad = [(i, e["non_finite"]) for i, e in enumerate(everyone) if e["non_finite"][0]]
+            if bad:     # one line: the first tensor, the count, the ranks
+                count = sum(n for _, (n, _) in bad)
+                more = f", as are {count - 1} more tensors" if count > 1 else ""
+                failed[f"{bad[0][1][1]} is not finite{more}: not saved; "
+                       f"{_last_complete(save_dir)}"] = [i for i, _ in bad]
+            if failed:
+                error = failed
+                raise _Failed
             steps = {x for e in everyone for x in e["adam_steps"]}
             if len(steps) > 1:
                 raise RuntimeError(f"parameters have different Adam step counts: {sorted(steps)}")
@@ -377,7 +475,8 @@ def save(trainer, save_dir, iteration):
             _fault(iteration, rank, "renamed")
             write_pointer(save_dir, iteration)
         except Exception as e:   # noqa: BLE001
-            error = f"{type(e).__name__}: {e}"
+            if not isinstance(e, _Failed):
+                error = f"{type(e).__name__}: {e}"
             # Nothing of a failed save stays behind (gone already if it failed after the rename).
             shutil.rmtree(tmp_dir, ignore_errors=True)
     _agree(error, f"checkpoint save of iteration {iteration}")
@@ -391,10 +490,6 @@ def save_params_only(out_dir, model, tensors, extra=None, iteration=None):
     if set(names) != set(tensors):
         raise CheckpointError(f"params-only checkpoint: tensors {sorted(set(names) ^ set(tensors))}"
                               f" do not match the model's parameters")
-    os.makedirs(out_dir, exist_ok=True)
-    tmp_dir = os.path.join(out_dir, f".{iteration_dir_name(iteration)}.tmp")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
     shapes = {s.name: (s.shape, s.dim) for s in canonical_shards(model)}
     entries = []
     for name in names:
@@ -403,6 +498,15 @@ def save_params_only(out_dir, model, tensors, extra=None, iteration=None):
             raise CheckpointError(f"{name}: shape {tuple(tensors[name].shape)}, the model "
                                   f"needs {tuple(shape)}")
         entries.append(("param", name, dim, 0, shape, tensors[name]))
+    count, first = _first_non_finite(entries)
+    if count:
+        raise CheckpointError(f"{out_dir}: {first} is not finite"
+                              + (f", as are {count - 1} more tensors" if count > 1 else "")
+                              + ": not saved (a load would refuse it)")
+    os.makedirs(out_dir, exist_ok=True)
+    tmp_dir = os.path.join(out_dir, f".{iteration_dir_name(iteration)}.tmp")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    os.makedirs(tmp_dir)
     save_id = secrets.token_hex(8)
     index = write_rank_file(os.path.join(tmp_dir, rank_file_name(0)), entries, iteration or 0,
                             save_id)
@@ -613,9 +717,13 @@ class Checkpoint:
     def _verified_slice(self, path, f, row, dim, a, b):
         """Slice [a, b) along `dim` of a stored tensor, as a view of its mapping (only the pages
         it touches are read). Schedules the checks of the blocks it overlaps that no earlier read
-        of this tensor scheduled, and the NaN/inf check of the slice; they run in the background
-        and `finish` reports them. Nothing read is used before `finish`: a load that fails it is
-        refused as a whole."""
+        of this tensor scheduled, and the NaN/inf check of the slice; they run in the background,
+        overlapping the caller's copies, and `finish` reports them. The caller uses the data
+        before then: `load` copies it into the trainer and calls `finish` at the end, so a load
+        that fails leaves the trainer half overwritten and unusable, and the process ends with
+        the error (every caller does). Finishing before the copies would mean holding what a rank
+        reads a second time in host memory until its checks end; nothing needs the trainer after
+        a failed load."""
         state = self._tensors.get((path, row["key"]))
         if state is None:
             full = f.get_tensor(row["key"])
@@ -634,13 +742,13 @@ class Checkpoint:
         idx[dim] = slice(a, b)
         data = full[tuple(idx)]
         self.read_bytes += data.numel() * data.element_size()
-        self.checked_bytes += new.size * block
-        if new.size and new[-1] == started.size - 1:    # the tensor's last block may be shorter
-            self.checked_bytes -= started.size * block - flat.size
+        self.checked_bytes += blocks_bytes(new, block, flat.size)
         if self._pool is None:
-            # zlib.crc32 and torch.aminmax release the GIL: the checks overlap the copies into
-            # the model, on as many threads as torch may use (one under torchrun's default).
-            self._pool = ThreadPoolExecutor(max(1, torch.get_num_threads()),
+            # zlib.crc32 and numpy's reductions release the GIL: the checks overlap the copies
+            # into the model. Neither starts threads of its own (torch's intra-op threads, set
+            # process-wide, would run a team per worker: workers x threads), so the pool alone
+            # bounds the threads: at most VERIFY_THREADS, fewer on fewer cores.
+            self._pool = ThreadPoolExecutor(min(VERIFY_THREADS, _cores()),
                                             thread_name_prefix="checkpoint-verify")
         self._pending.append(self._pool.submit(self._check_slice, path, row, flat, block,
                                                new.tolist(), data))
@@ -657,9 +765,7 @@ class Checkpoint:
                     f"{what} does not match its checksum (block {i}, bytes [{lo}, {hi}): stored "
                     f"{CHECKSUM}:{row['checksums'][i]}, read {CHECKSUM}:{digest}): changed or "
                     f"damaged after the save")
-        # aminmax is one pass without a temporary and propagates NaN: the extremes are finite iff
-        # every value is (isfinite(t).all() builds a bool tensor and is many times slower).
-        if data.numel() and not all(torch.isfinite(x).item() for x in torch.aminmax(data)):
+        if non_finite(data):
             raise CheckpointError(f"{what} holds NaN or inf")
 
     def finish(self):
@@ -739,25 +845,42 @@ class Checkpoint:
                             shard.shape, out.narrow(shard.dim, piece.local_start, piece.length))
         return out
 
+    def release(self):
+        """Stop the checks not yet started, wait for those running (they read the mappings) and
+        release the thread pool and the mapped files; never raises, so that error paths can call
+        it without hiding their own error. Unfinished checks are dropped unreported."""
+        self._pending = []
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._files.clear()
+        self._tensors.clear()
+
     def close(self):
         """Finish the checks (raising a failure), then release the files."""
         try:
             self.finish()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown()
-                self._pool = None
-            self._files.clear()
-            self._tensors.clear()
+            self.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        """Leaving normally reports the checks (`close`); leaving on an error only releases."""
+        if exc_type is None:
+            self.close()
+        else:
+            self.release()
 
 
 def read_full_model(load_dir, step=None):
     """(Checkpoint, ModelSpec, {canonical name: full tensor}) of a checkpoint, one process."""
     from planner.models import model_from_dict
-    ckpt = Checkpoint(load_dir, step)
-    model = model_from_dict(ckpt.meta["model"], f"{ckpt.dir}/{METADATA}: model")
-    tensors = {s.name: ckpt.read_full(s.name, s.shape, s.dim) for s in canonical_shards(model)}
-    ckpt.close()
+    with Checkpoint(load_dir, step) as ckpt:
+        model = model_from_dict(ckpt.meta["model"], f"{ckpt.dir}/{METADATA}: model")
+        tensors = {s.name: ckpt.read_full(s.name, s.shape, s.dim)
+                   for s in canonical_shards(model)}
     return ckpt, model, tensors
 
 
@@ -780,24 +903,25 @@ def load(trainer, args, verify=True):
     load_rng = not (finetune or getattr(args, "no_load_rng", False))
     error, ckpt, notes = None, None, []
     try:
-        ckpt = Checkpoint(args.load, getattr(args, "ckpt_step", None), verify=verify)
-        ckpt.check_model(plan.model)
-        saved_gbs = ckpt.meta.get("global_batch_size")
-        if (not finetune and ckpt.iteration and saved_gbs is not None
-                and saved_gbs != plan.global_batch_size):
-            raise CheckpointError(
-                f"{ckpt.dir}: saved with global batch size {saved_gbs}, this plan has "
-                f"{plan.global_batch_size}: the data position (global batch i = samples "
-                f"[i x G, (i + 1) x G)) cannot continue; use --finetune to start at iteration 0 "
-                f"from these weights")
-        with torch.no_grad():
-            for shard, param in trainer.params:
-                param.copy_(ckpt.read_local(shard, "param", param.dtype))
-            moments = load_optim and ckpt.has_optimizer_state
-            restore_optimizer(trainer, ckpt, ckpt.meta["adam_step"] if moments else None)
+        # The checks run while the trainer is filled and are reported on leaving the `with`
+        # (Checkpoint._verified_slice: a failed load leaves the trainer unusable).
+        with Checkpoint(args.load, getattr(args, "ckpt_step", None), verify=verify) as ckpt:
+            ckpt.check_model(plan.model)
+            saved_gbs = ckpt.meta.get("global_batch_size")
+            if (not finetune and ckpt.iteration and saved_gbs is not None
+                    and saved_gbs != plan.global_batch_size):
+                raise CheckpointError(
+                    f"{ckpt.dir}: saved with global batch size {saved_gbs}, this plan has "
+                    f"{plan.global_batch_size}: the data position (global batch i = samples "
+                    f"[i x G, (i + 1) x G)) cannot continue; use --finetune to start at "
+                    f"iteration 0 from these weights")
+            with torch.no_grad():
+                for shard, param in trainer.params:
+                    param.copy_(ckpt.read_local(shard, "param", param.dtype))
+                moments = load_optim and ckpt.has_optimizer_state
+                restore_optimizer(trainer, ckpt, ckpt.meta["adam_step"] if moments else None)
         if load_optim and not moments:
             notes.append("no optimizer state in the checkpoint: Adam starts fresh")
-        ckpt.close()
         meta_path = os.path.join(ckpt.dir, METADATA)
         if not finetune and ckpt.meta["scheduler"]:
             try:

@@ -126,10 +126,10 @@ def _broken_copy(straight, tmp_path):
 
 
 def _read_everything(path, step=None):
-    ckpt = Checkpoint(str(path), step)
-    for s in canonical_shards(load_model("tiny")):
-        for kind in ("param", "exp_avg", "exp_avg_sq"):
-            ckpt.read_full(s.name, s.shape, s.dim, kind)
+    with Checkpoint(str(path), step) as ckpt:
+        for s in canonical_shards(load_model("tiny")):
+            for kind in ("param", "exp_avg", "exp_avg_sq"):
+                ckpt.read_full(s.name, s.shape, s.dim, kind)
 
 
 def test_missing_and_corrupt_checkpoints_are_clear_errors(straight, tmp_path):

@@ -113,11 +113,11 @@ def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
         assert (ckpt / TRACKER).read_text() == str(k1), "a broken save moved the pointer"
         assert not (ckpt / f"iter_{k2:07d}").exists()
         # The previous checkpoint is intact: every tensor of it reads.
-        previous = Checkpoint(str(ckpt))
-        assert previous.iteration == k1
-        for s in canonical_shards(load_model("tiny")):
-            for kind in ("param", "exp_avg", "exp_avg_sq"):
-                previous.read_full(s.name, s.shape, s.dim, kind)
+        with Checkpoint(str(ckpt)) as previous:
+            assert previous.iteration == k1
+            for s in canonical_shards(load_model("tiny")):
+                for kind in ("param", "exp_avg", "exp_avg_sq"):
+                    previous.read_full(s.name, s.shape, s.dim, kind)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -169,8 +169,9 @@ def damaged(straight, tmp_path_factory):
 
 def test_damaged_checkpoints_are_refused_on_every_rank(damaged, tmp_path):
     """Each damage is one error naming the file and the tensor, the same on both ranks (each reads
-    other parts: the plan differs from the saving one); a save failing on a full disk leaves no
-    `.iter_*.tmp` and the previous checkpoint loads."""
+    other parts: the plan differs from the saving one); a save failing on a full disk, and one
+    refused on both ranks for an inf that one rank holds, leave no `.iter_*.tmp` and the previous
+    checkpoint loads."""
     plan = write_plan(tmp_path, "two_stages", "tiny", 2, TWO_STAGES)
     save_dir = tmp_path / "save"
     shutil.copytree(damaged["intact"][0], save_dir)
@@ -184,9 +185,14 @@ def test_damaged_checkpoints_are_refused_on_every_rank(damaged, tmp_path):
         assert re.search(pattern, got[label]), (label, got[label])
     assert "checkpoint save of iteration 6" in got["disk full"], got["disk full"]
     assert "No space left on device" in got["disk full"], got["disk full"]
+    assert re.fullmatch(r"checkpoint save of iteration 8: exp_avg_sq of \S+ \(tensor "
+                        r"exp_avg_sq/\S+\) is not finite: not saved; the last complete "
+                        r"checkpoint is iteration 4 \(launch rank 1\)", got["non-finite"]), \
+        got["non-finite"]
     assert got["left over"] == [], got["left over"]
-    assert got["after disk full"] == 4
+    assert got["after failed saves"] == 4
     assert (save_dir / TRACKER).read_text() == "4"
+    assert not (save_dir / "iter_0000006").exists() and not (save_dir / "iter_0000008").exists()
 
 
 def test_pretrain_gpt_reports_a_damaged_checkpoint_on_every_rank(damaged, tmp_path):
@@ -210,10 +216,10 @@ def test_pretrain_gpt_reports_a_damaged_checkpoint_on_every_rank(damaged, tmp_pa
 
 
 def _read_everything(path, step=None):
-    ckpt = Checkpoint(str(path), step)
-    for s in canonical_shards(load_model("tiny")):
-        for kind in ck.KINDS:
-            ckpt.read_full(s.name, s.shape, s.dim, kind)
+    with Checkpoint(str(path), step) as ckpt:
+        for s in canonical_shards(load_model("tiny")):
+            for kind in ck.KINDS:
+                ckpt.read_full(s.name, s.shape, s.dim, kind)
 
 
 def test_checkpoint_records_checksums_iteration_and_save_id(straight):
@@ -261,14 +267,13 @@ def test_non_finite_values_are_refused(straight, tmp_path):
     fname, row = find_row(d / ITER, "exp_avg", "decoder.final_layernorm")
     path = d / ITER / fname
     meta = json.loads((d / ITER / METADATA).read_text())
-    ckpt = Checkpoint(str(d))
     entries = []
-    for r in meta["files"][fname]:
-        t = ckpt._open(fname).get_tensor(r["key"]).clone()
-        if r["key"] == row["key"]:
-            t.view(-1)[1] = math.inf
-        entries.append((r["kind"], r["name"], r["dim"], r["start"], r["shape"], t))
-    ckpt.close()
+    with Checkpoint(str(d)) as ckpt:
+        for r in meta["files"][fname]:
+            t = ckpt._open(fname).get_tensor(r["key"]).clone()
+            if r["key"] == row["key"]:
+                t.view(-1)[1] = math.inf
+            entries.append((r["kind"], r["name"], r["dim"], r["start"], r["shape"], t))
     os.unlink(path)
     rows = ck.write_rank_file(path, entries, 4, meta["save_id"])
     edit_meta(d / ITER, lambda m: m["files"].update({fname: rows}), fix_checksum=True)
@@ -378,6 +383,9 @@ def test_overlapping_blocks_match_the_bytes_of_the_slice(seed):
         want = sorted(set((inside // block).tolist()))
         got = ck.overlapping_blocks(shape, itemsize, dim, a, b, block).nonzero()[0].tolist()
         assert got == want, (shape, itemsize, dim, a, b, block)
+        nbytes = offsets.numel()
+        in_blocks = sum(1 for x in range(nbytes) if x // block in set(got))
+        assert ck.blocks_bytes(got, block, nbytes) == in_blocks, (got, block, nbytes)
 
 
 def _blocked_copy(straight, tmp_path):
@@ -388,13 +396,12 @@ def _blocked_copy(straight, tmp_path):
 
 def _read(d, row, lo, hi):
     """Read [lo, hi) of `row`'s stored range with a fresh Checkpoint; returns the Checkpoint."""
-    ckpt = Checkpoint(str(d))
     want = list(row["shape"])
     want[row["dim"]] = hi - lo
     out = torch.empty(want)
-    ckpt.read_range(row["kind"], row["name"], row["dim"], row["start"] + lo, hi - lo,
-                    row["shape"], out)
-    ckpt.close()
+    with Checkpoint(str(d)) as ckpt:
+        ckpt.read_range(row["kind"], row["name"], row["dim"], row["start"] + lo, hi - lo,
+                        row["shape"], out)
     return ckpt
 
 
@@ -434,11 +441,11 @@ def test_slices_along_an_inner_dimension_check_each_block_once(straight, tmp_pat
     fname, row = find_row(d / ITER, "param", "decoder.layers.1.mlp.linear_fc2")
     assert row["dim"] == 1 and len(row["checksums"]) >= 8
     nbytes, half = ck.tensor_bytes(row), row["length"] // 2
-    ckpt = Checkpoint(str(d))
-    for lo, hi in ((0, half), (half, row["length"])):
-        out = torch.empty(row["shape"][0], hi - lo)
-        ckpt.read_range("param", row["name"], 1, row["start"] + lo, hi - lo, row["shape"], out)
-    ckpt.close()
+    with Checkpoint(str(d)) as ckpt:
+        for lo, hi in ((0, half), (half, row["length"])):
+            out = torch.empty(row["shape"][0], hi - lo)
+            ckpt.read_range("param", row["name"], 1, row["start"] + lo, hi - lo, row["shape"],
+                            out)
     assert ckpt.read_bytes == nbytes and ckpt.checked_bytes == nbytes
     one = _read(d, row, half, row["length"])
     assert one.checked_bytes == nbytes and one.read_bytes == nbytes - nbytes * half // row["length"]
@@ -470,3 +477,84 @@ def test_a_full_read_finds_a_flipped_byte_anywhere(straight, tmp_path):
         data[offset + pos] ^= 0x80
         path.write_bytes(bytes(data))
     _read_everything(d)
+
+
+def test_non_finite_finds_nan_and_inf_in_every_dtype_and_layout():
+    """The loader's NaN/inf test: any float dtype, strided slices, huge finite values pass."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        big = torch.finfo(dtype).max
+        t = torch.full((6, 5), big, dtype=dtype)
+        t[1, 1] = -big
+        assert not ck.non_finite(t) and not ck.non_finite(t[:, 2:4])
+        assert not ck.non_finite(torch.empty(0, 3, dtype=dtype))
+        for bad in (math.nan, math.inf, -math.inf):
+            u = t.clone()
+            u[4, 3] = bad
+            assert ck.non_finite(u) and ck.non_finite(u[:, 3:]), (dtype, bad)
+            assert not ck.non_finite(u[:, :3]), (dtype, bad)     # the slice read is clean
+            assert ck.non_finite(u[4, 3]), (dtype, bad)          # zero dimensions
+
+
+def test_a_failed_read_releases_the_pool_and_files(damaged):
+    """A checksum failure leaves the `with` with the CheckpointError, the verification threads
+    stopped and the mappings released; the pool is bounded (VERIFY_THREADS, the cores)."""
+    d, step, pattern = damaged["weight"]
+    sizes = []
+    with pytest.raises(CheckpointError, match=pattern):
+        with Checkpoint(str(d), step) as ckpt:
+            for s in canonical_shards(load_model("tiny")):
+                ckpt.read_full(s.name, s.shape, s.dim)
+                sizes.append(ckpt._pool._max_workers)
+    assert set(sizes) == {min(ck.VERIFY_THREADS, len(os.sched_getaffinity(0)))}, sizes
+    assert ckpt._pool is None and not ckpt._files and not ckpt._tensors
+    # An error of the reader's own (not of the checks) is the one raised; release never raises.
+    with pytest.raises(KeyError, match="mine"):
+        with Checkpoint(str(d), step) as ckpt:
+            for s in canonical_shards(load_model("tiny")):
+                out = torch.empty(s.shape)
+                ckpt.read_range("param", s.name, s.dim, 0, s.shape[s.dim], s.shape, out)
+            raise KeyError("mine")
+    assert ckpt._pool is None and not ckpt._files
+
+
+def test_params_only_save_refuses_non_finite(tmp_path):
+    model = load_model("tiny")
+    tensors = {s.name: torch.zeros(s.shape) for s in canonical_shards(model)}
+    name = canonical_shards(model)[1].name
+    tensors[name][0] = math.nan
+    with pytest.raises(CheckpointError, match=rf"param of {re.escape(name)} \(tensor "
+                                              rf"param/{re.escape(name)}/0\) is not finite: not "
+                                              rf"saved"):
+        ck.save_params_only(str(tmp_path / "out"), model, tensors)
+    assert not (tmp_path / "out").exists()
+
+
+def test_pretrain_gpt_refuses_to_save_non_finite_weights(tmp_path):
+    """lr 1e30 without clipping, told to keep going: iteration 1 saves, iteration 2's weights are
+    NaN. The save of iteration 2 fails on both ranks with one line naming a tensor and the last
+    complete checkpoint (exit 2), which stays in place and loads."""
+    plan = write_plan(tmp_path, "two_stages", "tiny", 2, TWO_STAGES)
+    save = tmp_path / "ckpt"
+    argv = ["--hetero-plan-path", str(plan), *BASE_FLAGS, "--train-iters", "3", "--lr", "1e30",
+            "--clip-grad", "0", "--no-check-for-nan-in-loss-and-grad", "--save", str(save),
+            "--save-interval", "1", "--distributed-timeout-minutes", "1"]
+    procs = launch(tmp_path, "nan", argv, 2)
+    codes = wait_all(procs, time.monotonic() + 180)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for rank in range(2):
+        err = (tmp_path / f"nan.{rank}.err").read_text()
+        assert codes[rank] == 2, (rank, codes, err[-3000:])
+        assert "Traceback" not in err, err[-3000:]
+        lines = [x for x in err.splitlines() if x.startswith("pretrain_gpt.py: error:")]
+        assert len(lines) == 1 and re.fullmatch(
+            r"pretrain_gpt.py: error: checkpoint save of iteration 2: (param|exp_avg|exp_avg_sq) "
+            r"of \S+ \(tensor \S+\) is not finite(, as are \d+ more tensors)?: not saved; the "
+            r"last complete checkpoint is iteration 1 \(launch ranks? [01](, 1)?\)",
+            lines[0]), err[-3000:]
+    assert (save / TRACKER).read_text() == "1"
+    assert sorted(os.listdir(save)) == ["iter_0000001", TRACKER]
+    with Checkpoint(str(save)) as ckpt:
+        for s in canonical_shards(load_model("tiny")):
+            ckpt.read_full(s.name, s.shape, s.dim)

@@ -57,10 +57,14 @@ def max_relative_difference(a, b):
 def load_each(plan_path, cases, save_dir):
     """Under the plan, in one process group: load each (label, directory, step) of `cases`,
     {label: "ok" or the error}; then a save into `save_dir` whose checkpoint.json write fails
-    with a full disk (label "disk full"), what it left in `save_dir` ("left over") and the
-    iteration `save_dir` then loads ("after disk full")."""
+    with a full disk (label "disk full"), a save with an inf in an Adam moment of launch rank 1
+    only ("non-finite"), what they left in `save_dir` ("left over") and the iteration `save_dir`
+    then loads ("after failed saves")."""
     import errno
+    import math
     import os
+
+    import torch.distributed as dist
 
     from megatron_hexi import checkpoint
     from megatron_hexi.arguments import parse_args
@@ -80,6 +84,11 @@ def load_each(plan_path, cases, save_dir):
         except checkpoint.CheckpointError as e:
             out[label] = str(e)
 
+    # A failed load leaves the trainer half overwritten (the "nan" case put its NaN there): the
+    # saves start from the intact checkpoint.
+    args.load, args.ckpt_step = str(save_dir), None
+    checkpoint.load(trainer, args)
+
     def disk_full(*_):
         raise OSError(errno.ENOSPC, "No space left on device")
     write_json, checkpoint._write_json = checkpoint._write_json, disk_full
@@ -90,7 +99,19 @@ def load_each(plan_path, cases, save_dir):
         out["disk full"] = str(e)
     finally:
         checkpoint._write_json = write_json
+
+    moment = checkpoint.owned_ranges(trainer)[-1][4]["exp_avg_sq"]
+    first = (0,) * moment.dim()
+    kept = moment[first].item()
+    if dist.get_rank() == 1:
+        moment[first] = math.inf
+    try:
+        checkpoint.save(trainer, str(save_dir), 8)
+        out["non-finite"] = "saved"
+    except checkpoint.CheckpointError as e:
+        out["non-finite"] = str(e)
+    finally:
+        moment[first] = kept
     out["left over"] = sorted(n for n in os.listdir(save_dir) if n.startswith("."))
-    args.load, args.ckpt_step = str(save_dir), None
-    out["after disk full"] = checkpoint.load(trainer, args)[0]
+    out["after failed saves"] = checkpoint.load(trainer, args)[0]
     return out

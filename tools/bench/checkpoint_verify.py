@@ -15,7 +15,8 @@ A load's time is the slowest rank's, from a barrier; the table shows medians ove
 the bytes each rank read and checked in one more verified load.
 Then the parts of verification are timed alone over every tensor of the file: reading it
 (safetensors get_tensor), CRC-32 per block as recorded and at other block sizes, and the finite
-check (torch.aminmax), with blake2b-128, sha256 and torch.isfinite(t).all() for comparison (why
+check (numpy min and max, what the verification threads run: torch's ops would start a team of
+intra-op threads in each), with torch.aminmax, blake2b-128, sha256 and torch.isfinite(t).all() for comparison (why
 not those). With the bytes a resharded rank would check at each block size (computed from the
 plan, not timed), this is how the block size was chosen: small blocks slow CRC-32 down, large
 ones make a rank check more than it reads.
@@ -116,11 +117,12 @@ def parts(ckpt_dir, repeats=3):
     import torch
     from safetensors import safe_open
 
-    from megatron_hexi.checkpoint import BLOCK_BYTES, Checkpoint, block_checksums
+    from megatron_hexi.checkpoint import BLOCK_BYTES, Checkpoint, block_checksums, non_finite
     torch.set_num_threads(1)
-    ck = Checkpoint(str(ckpt_dir))
-    keys = [(fname, row["key"]) for fname, rows in ck.meta["files"].items() for row in rows]
-    handles = {f: safe_open(os.path.join(ck.dir, f), framework="pt") for f, _ in keys}
+    with Checkpoint(str(ckpt_dir)) as ck:
+        keys = [(fname, row["key"]) for fname, rows in ck.meta["files"].items() for row in rows]
+        directory = ck.dir
+    handles = {f: safe_open(os.path.join(directory, f), framework="pt") for f, _ in keys}
     tensors = [handles[f].get_tensor(k) for f, k in keys]
     size = sum(t.numel() * t.element_size() for t in tensors)
 
@@ -135,7 +137,8 @@ def parts(ckpt_dir, repeats=3):
            for kib in (16, 64, 256, 4096) if kib << 10 != BLOCK_BYTES},
         "crc32 whole tensors": lambda: [block_checksums(t, max(1, t.numel() * t.element_size()))
                                         for t in tensors],
-        "finite check (aminmax)": lambda: [torch.aminmax(t) for t in tensors],
+        "finite check (numpy min, max)": lambda: [non_finite(t) for t in tensors],
+        "torch.aminmax": lambda: [torch.aminmax(t) for t in tensors],
         "blake2b-128": lambda: [hashlib.blake2b(flat(t), digest_size=16).digest()
                                 for t in tensors],
         "sha256": lambda: [hashlib.sha256(flat(t)).digest() for t in tensors],
@@ -157,11 +160,13 @@ def checked_by_block_size(ckpt_dir, plan_path, sizes=(64 << 10, 256 << 10, 1 << 
     each rank's pieces, the blocks of the stored tensors they overlap, each block counted once."""
     import numpy as np
 
-    from megatron_hexi.checkpoint import Checkpoint, overlapping_blocks, tensor_bytes
+    from megatron_hexi.checkpoint import (ITEMSIZE, Checkpoint, blocks_bytes, overlapping_blocks,
+                                          tensor_bytes)
     from planner.layout import rank_param_shards
     from planner.plan import load_plan
     plan = load_plan(plan_path)
-    ck = Checkpoint(str(ckpt_dir))
+    with Checkpoint(str(ckpt_dir)) as ck:     # the index only: nothing is read
+        index = ck.index
     out = {}
     for block in sizes:
         out[block] = []
@@ -169,10 +174,10 @@ def checked_by_block_size(ckpt_dir, plan_path, sizes=(64 << 10, 256 << 10, 1 << 
             read = checked = 0
             for shard in rank_param_shards(plan, rank):
                 for kind in ("param", "exp_avg", "exp_avg_sq"):
-                    for _, row in ck.index.get((kind, shard.name), []):
+                    for _, row in index.get((kind, shard.name), []):
                         shape = list(row["shape"])
                         shape[row["dim"]] = row["length"]
-                        itemsize = tensor_bytes(row) // max(1, int(np.prod(shape)))
+                        itemsize = ITEMSIZE[row["dtype"]]
                         hit = np.zeros(-(-tensor_bytes(row) // block), dtype=bool)
                         for piece in shard.pieces:
                             lo = max(piece.global_start, row["start"]) - row["start"]
@@ -182,12 +187,9 @@ def checked_by_block_size(ckpt_dir, plan_path, sizes=(64 << 10, 256 << 10, 1 << 
                                 read += tensor_bytes(row) * (hi - lo) // row["length"]
                                 hit |= overlapping_blocks(shape, itemsize, row["dim"], lo, hi,
                                                           block)
-                        whole = hit.sum() * block
-                        if hit.size and hit[-1]:
-                            whole -= hit.size * block - tensor_bytes(row)
-                        checked += int(whole)
+                        checked += blocks_bytes(np.flatnonzero(hit), block,
+                                                tensor_bytes(row))
             out[block].append((read, checked))
-    ck.close()
     return out
 
 
