@@ -110,6 +110,11 @@ def sh(value):
     return shlex.quote(str(value))
 
 
+def entry_words(entry):
+    """What runs on every rank, as argv words: `-m MODULE` is two words, a script path one."""
+    return entry.split(" ", 1) if entry.startswith("-m ") else [entry]
+
+
 def quote_args(args):
     return " ".join(sh(a) for a in args)
 

@@ -16,7 +16,8 @@ import sys
 from dataclasses import dataclass, field
 
 from megatron_hexi.launch.common import (LaunchError, bash_array, comment, default_gres_type,
-                                         directive_value, lookup, plan_nodes, sh, shell_default)
+                                         directive_value, entry_words, lookup, plan_nodes, sh,
+                                         shell_default)
 
 
 @dataclass
@@ -154,7 +155,6 @@ def generate_sbatch(plan, plan_path, training_args=(), partitions=None, gres_typ
     python = python or ("python" if container_image else sys.executable)
     if not entry.startswith("-m ") and os.path.exists(entry):
         entry = os.path.abspath(entry)
-    entry_words = entry.split(" ", 1) if entry.startswith("-m ") else [entry]
     if job_name is None:   # from the plan's file name, reduced to characters safe anywhere
         stem = os.path.splitext(os.path.basename(plan_path))[0]
         job_name = "hexi-" + re.sub(r"[^A-Za-z0-9._-]", "_", stem)
@@ -204,7 +204,7 @@ def generate_sbatch(plan, plan_path, training_args=(), partitions=None, gres_typ
           "export PYTHON MASTER_PORT HEXI_TIMEOUT_S HEXI_PLAN", "",
           "# Training script, or -m module; HEXI_ENTRY in the environment replaces it (split at",
           "# spaces, e.g. HEXI_ENTRY=\"-m my.module\").",
-          bash_array("HEXI_ENTRY_WORDS", entry_words),
+          bash_array("HEXI_ENTRY_WORDS", entry_words(entry)),
           'if [[ -n "${HEXI_ENTRY:-}" ]]; then read -r -a HEXI_ENTRY_WORDS <<<"$HEXI_ENTRY"; fi',
           "",
           "# Training arguments (passed through after --hetero-plan-path):",

@@ -7,7 +7,8 @@ holds, so torch's global rank equals the plan rank too.
 import os
 import sys
 
-from megatron_hexi.launch.common import comment, plan_nodes, quote_args, sh, shell_default
+from megatron_hexi.launch.common import (comment, entry_words, plan_nodes, quote_args, sh,
+                                         shell_default)
 
 
 def _defaults(plan, master_addr, python):
@@ -15,10 +16,6 @@ def _defaults(plan, master_addr, python):
     if master_addr is None:
         master_addr = nodes[0].hostname      # None: must be given at run time
     return nodes, master_addr, python or sys.executable
-
-
-def _entry_words(entry):
-    return entry.split(" ", 1) if entry.startswith("-m ") else [entry]
 
 
 def _norm_entry(entry):
@@ -42,7 +39,7 @@ def torchrun_commands(plan, plan_path, training_args=(), master_addr=None, maste
         words += [sh(python), "-m torch.distributed.run", f"--nnodes {len(nodes)}",
                   f"--node-rank {n.node_rank}", f"--nproc-per-node {n.nproc}",
                   f"--master-addr {addr_word}", f"--master-port {int(master_port)}",
-                  quote_args(_entry_words(entry)), f"--hetero-plan-path {sh(plan_path)}"]
+                  quote_args(entry_words(entry)), f"--hetero-plan-path {sh(plan_path)}"]
         if training_args:
             words.append(quote_args(training_args))
         out.append((n, " ".join(words)))
@@ -84,7 +81,7 @@ def node_scripts(plan, plan_path, training_args=(), master_addr=None, master_por
             'exec timeout -k 10 "$HEXI_TIMEOUT_S" "$PYTHON" -m torch.distributed.run \\',
             f'    --nnodes {len(nodes)} --node-rank {n.node_rank} --nproc-per-node {n.nproc} \\',
             '    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \\',
-            f'    {quote_args(_entry_words(entry))} --hetero-plan-path {sh(plan_path)} '
+            f'    {quote_args(entry_words(entry))} --hetero-plan-path {sh(plan_path)} '
             '"${TRAINING_ARGS[@]}" "$@"',
             ""])
     return scripts
