@@ -97,3 +97,27 @@ def test_main_grad_sums_backward_passes_in_fp32(checkpointed):
         return ((t.double() - exact).norm() / exact.norm()).item()
     print(f"200 bf16 gradients summed in fp32: {error(main):.1e}, in bf16: {error(in_bf16):.1e}")
     assert error(main) < 1e-6 < 1e-4 < error(in_bf16)
+
+
+def test_bf16_tied_embeddings_with_recompute_match_fp32(tmp_path):
+    """main_grad where one parameter has two uses (a tied embedding and output layer on one
+    stage, and across stages of TP 2 and 1) and where recompute runs a second forward inside
+    the backward: the first gradient must still be the fp32 one-rank gradient to bf16
+    precision; a use counted twice, or one dropped, would be off by its whole size."""
+    from runtime.plans import PLANS
+    model, world, pipelines = PLANS["tied_embeddings_across_tp"]
+    ref_plan = build_plan(cpu_cluster(1), load_model(model), 8, [
+        {"micro_batch_size": 8, "num_microbatches": 1, "stages": [{"ranks": [0], "layers": [0, 4]}]}])
+    save_plan(ref_plan, tmp_path / "one-rank.json")
+    plan = build_plan(cpu_cluster(world), load_model(model), 8, pipelines, recompute=True)
+    save_plan(plan, tmp_path / "tied.json")
+    ref = run_distributed(train_with_first_grads, 1, tmp_path / "one-rank.json",
+                          extra_flags=FLAGS, timeout=300)[0]
+    result = run_distributed(train_with_first_grads, world, tmp_path / "tied.json",
+                             extra_flags=FLAGS + ["--bf16"], timeout=600)[0]
+    errors = {k: ((result["grads"][k] - ref["grads"][k]).norm() / ref["grads"][k].norm()).item()
+              for k in ref["grads"] if ref["grads"][k].norm() > 0}
+    worst = max(errors, key=errors.get)
+    print(f"bf16 tied + recompute: worst parameter gradient {worst} {errors[worst]:.2e}, "
+          f"embedding {errors['embedding.word_embeddings.weight']:.2e}")
+    assert errors[worst] < 3e-2, errors
