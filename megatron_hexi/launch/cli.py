@@ -7,21 +7,31 @@
 
 Problems with the plan or the options are one line each on stderr, exit code 2.
 """
-import argparse
 import os
 import stat
 import sys
 
 from megatron_hexi.launch.common import comment
+from planner.cli import ArgumentParser, bounded_int
 from planner.errors import SpecError
+
+# Bounds of the numeric flags, so that no value reaches a script where the tool reading it would
+# refuse it at run time or take it for something else. Ports: 1..65535; port 0 asks the OS for
+# any free port, which the other nodes could not find. --timeout-s: 0 means no limit (documented),
+# a negative number is no time; the upper bound (2**31 - 1 s, 68 years) is one every `timeout` and
+# shell takes as a number. --cpus-per-gpu: 0 omits --cpus-per-task (documented), which Slurm
+# takes only >= 1; 1024 is far above any machine's CPUs per GPU, so a larger value is a typo.
+PORT = bounded_int(1, 65535)
+TIMEOUT_S = bounded_int(0, 2**31 - 1)
+CPUS_PER_GPU = bounded_int(0, 1024)
 
 
 def _common(p):
     p.add_argument("plan", help="plan JSON (hexi-plan)")
     p.add_argument("--python", help="python on the nodes (default: this interpreter; "
                                     "`python` with --container-image)")
-    p.add_argument("--master-port", type=int, default=29500)
-    p.add_argument("--timeout-s", type=int, default=0,
+    p.add_argument("--master-port", type=PORT, default=29500, help="1..65535 (default 29500)")
+    p.add_argument("--timeout-s", type=TIMEOUT_S, default=0,
                    help="wall limit per node for torchrun, seconds (0: none)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--entry", default="pretrain_gpt.py",
@@ -30,8 +40,8 @@ def _common(p):
 
 
 def _parser():
-    ap = argparse.ArgumentParser(prog="hexi-launch", description=__doc__.split("\n")[0],
-                                 epilog="Arguments after `--` go to the training script.")
+    ap = ArgumentParser(prog="hexi-launch", description=__doc__.split("\n")[0],
+                        epilog="Arguments after `--` go to the training script.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("slurm", help="write an sbatch script (heterogeneous job if the plan "
                                      "spans several GPU types / partitions)")
@@ -46,7 +56,7 @@ def _parser():
     s.add_argument("--job-name")
     s.add_argument("--log", default="hexi-%j.out", help="Slurm output file (default hexi-%%j.out)")
     s.add_argument("--container-image", help="run in a container (pyxis --container-image)")
-    s.add_argument("--cpus-per-gpu", type=int, default=2,
+    s.add_argument("--cpus-per-gpu", type=CPUS_PER_GPU, default=2,
                    help="CPUs per requested GPU, for --cpus-per-task (default 2; 0: omit)")
     s.add_argument("--exclusive", action="store_true", help="whole nodes (#SBATCH --exclusive)")
     s.add_argument("--check-partitions", action="store_true",
@@ -78,20 +88,13 @@ def run(argv):
         training_args = []
     args = _parser().parse_args(argv)
     from planner.plan import load_plan
-    from megatron_hexi.launch.common import (LaunchError, directive_value, file_in,
-                                             parse_mapping, sh)
+    from megatron_hexi.launch.common import LaunchError, file_in, parse_mapping, sh
     plan = load_plan(args.plan)
     entry = f"-m {args.entry_module}" if args.entry_module else args.entry
     if args.cmd == "slurm":
         from megatron_hexi.launch import slurm
         partitions = parse_mapping(args.partition, "--partition", True)
         gres_types = parse_mapping(args.gres_type, "--gres-type")
-        for mapping, flag in ((partitions, "--partition"), (gres_types, "--gres-type")):
-            for key, value in mapping.items():   # also those that match no node group
-                if not key.isprintable():
-                    raise LaunchError(f"{flag} {key!r}: a GPU type or node group name has no "
-                                      f"control characters")
-                directive_value(value, flag)
         comps = slurm.components(plan, partitions, gres_types)
         if args.check_partitions:
             slurm.check_partitions(comps)
@@ -115,19 +118,12 @@ def run(argv):
     if args.output:
         if os.path.exists(args.output) and not os.path.isdir(args.output):
             raise LaunchError(f"-o {args.output!r}: exists and is not a directory")
-        scripts = torchrun.node_scripts(plan, args.plan, **kw)
-        paths, problems = {}, []
-        for name in scripts:    # every file name checked before anything is written
-            try:
-                paths[name] = file_in(args.output, name, ".sh", f"-o {args.output}")
-            except LaunchError as e:
-                problems += e.problems
-        if problems:
-            raise LaunchError(problems)
+        scripts = torchrun.node_scripts(plan, args.plan, **kw)   # refuses bad node names
         os.makedirs(args.output, exist_ok=True)
         for name, text in scripts.items():
-            _write(paths[name], text)
-            print(comment(paths[name]))
+            path = file_in(args.output, name, ".sh")
+            _write(path, text)
+            print(comment(path))
         return 0
     for node, cmd in torchrun.torchrun_commands(plan, args.plan, **kw):
         host = f" (host {node.hostname})" if node.hostname else ""

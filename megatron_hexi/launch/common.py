@@ -1,7 +1,8 @@
 """What both launchers need from a plan: the nodes it uses, in plan order, with their process
 counts; and the one way values enter generated text (`sh`, `shell_default`, `comment`,
-`directive_value`, `file_in`), so that no name, path or option can run as a command or make a
-file outside its folder.
+`directive_value`), so that no name, path or option can run as a command. Node names are checked
+once, in `plan_nodes`, by the planner's name rule: a name that passes is one shell word, one word
+of the sbatch node table and a file name inside its folder (`file_in`).
 
 The runtime maps a process to its plan rank from (HEXI_PLAN_NODE, LOCAL_RANK), falling back to the
 host name and then to launch order. The launchers give every node torchrun node rank = its index
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from planner.errors import SpecError
+from planner.inputs import name_problem
 
 
 class LaunchError(SpecError):
@@ -35,7 +37,8 @@ class PlanNode:
 
 
 def plan_nodes(plan):
-    """The plan's nodes in plan order (by first rank). Refuses layouts torchrun cannot start."""
+    """The plan's nodes in plan order (by first rank). Refuses node names that are not safe
+    names and layouts torchrun cannot start."""
     cluster_nodes = {n.name: n for n in plan.cluster.nodes}
     groups = {g.name: g for g in plan.cluster.groups}
     order, ranks_of = [], {}
@@ -44,7 +47,13 @@ def plan_nodes(plan):
             order.append(r.node)
             ranks_of[r.node] = []
         ranks_of[r.node].append(r)
-    problems, out = [], []
+    # Node names become shell words, words of the sbatch node table and file names: the one
+    # check of them is here, by the planner's rule, also for a plan that skipped its validation.
+    problems = [name_problem(name, "plan node", "node name") for name in order]
+    problems = [p for p in problems if p]
+    if problems:
+        raise LaunchError(problems)
+    out = []
     for i, name in enumerate(order):
         rs = ranks_of[name]
         node = cluster_nodes[name]
@@ -81,7 +90,8 @@ def default_gres_type(gpu):
 
 
 def parse_mapping(items, flag, allow_bare=False):
-    """--flag KEY=VALUE (repeatable) -> {key.lower(): value}; a bare VALUE goes to key '*'."""
+    """--flag KEY=VALUE (repeatable) -> {key.lower(): value}; a bare VALUE goes to key '*'.
+    Values are checked where they are used (slurm.components)."""
     out = {}
     for item in items or []:
         key, eq, value = item.partition("=")
@@ -92,6 +102,11 @@ def parse_mapping(items, flag, allow_bare=False):
             raise LaunchError(f"{flag} {item!r}: expected GPU=VALUE (e.g. {flag} RTX-4090=...)")
         if not key or not value:
             raise LaunchError(f"{flag} {item!r}: expected GPU=VALUE with both sides non-empty")
+        # GPU types and node group names follow the planner's name rule: a key outside it (a
+        # bare value with '=' in it, a line break) would silently match nothing
+        bad = name_problem(key.strip(), f"{flag} {item!r}", "GPU type or node group name")
+        if bad:
+            raise LaunchError(bad)
         out[key.strip().lower()] = value.strip()
     return out
 
@@ -152,18 +167,13 @@ def directive_value(value, what):
     return value
 
 
-def file_in(folder, name, suffix, what):
-    """Path of the file `name + suffix` directly inside `folder`. Refuses a name that would put
-    it anywhere else (a '/', '..', an absolute path) or that holds control characters."""
-    fname = f"{name}{suffix}"
-    base = os.path.realpath(folder)
-    target = os.path.normpath(os.path.join(base, fname))
-    seps = [s for s in (os.sep, os.altsep) if s]
-    if (not name or any(s in name for s in seps) or name in (".", "..")
-            or any(not c.isprintable() for c in name) or os.path.dirname(target) != base):
-        raise LaunchError(f"{what}: plan node {name!r} does not give a file name inside the "
-                          f"folder ({fname!r}); node names are letters, digits, '.', '_' and '-'")
-    return os.path.join(folder, fname)
+def file_in(folder, name, suffix):
+    """Path of the file `name + suffix` directly inside `folder`, for a plan node's name.
+
+    No confinement check here: it would be redundant. `plan_nodes` lets through only names of
+    the planner's rule (letters, digits, '.', '_', '-'), which hold no separator, and with a
+    non-empty suffix not even '.' or '..' names a folder ('.sh', '...sh')."""
+    return os.path.join(folder, f"{name}{suffix}")
 
 
 def bash_array(name, items, indent="    ", width=96):

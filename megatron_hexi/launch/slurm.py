@@ -36,13 +36,15 @@ def components(plan, partitions=None, gres_types=None):
     in the cluster spec (`partition:` of a node group) is used when no option names one.
     """
     partitions, gres_types = partitions or {}, gres_types or {}
+    for mapping, flag in ((partitions, "--partition"), (gres_types, "--gres-type")):
+        for value in mapping.values():   # also those that match no node group: a typo shows
+            directive_value(value, flag)
     nodes = plan_nodes(plan)
-    _check_node_names(nodes)
     comps = {}
     part_of = {}
     for n in nodes:
         if lookup(partitions, n):
-            part_of[n.name] = directive_value(lookup(partitions, n), "--partition")
+            part_of[n.name] = lookup(partitions, n)
         elif n.partition is not None:
             part_of[n.name] = directive_value(n.partition, f"partition of node group {n.group}")
         else:
@@ -57,7 +59,7 @@ def components(plan, partitions=None, gres_types=None):
                 missing.append(n.gpu)
             continue
         if lookup(gres_types, n):
-            gres = directive_value(lookup(gres_types, n), "--gres-type")
+            gres = lookup(gres_types, n)
         else:
             gres = default_gres_type(n.gpu)
             if gres is not None:
@@ -73,16 +75,6 @@ def components(plan, partitions=None, gres_types=None):
                           f"--partition GPU=PARTITION for each (e.g. --partition {missing[0]}=...) "
                           f"or `partition:` in the cluster spec's node group")
     return list(comps.values())
-
-
-def _check_node_names(nodes):
-    """The script's node table is whitespace-separated words: refuse names it cannot hold."""
-    problems = [f"plan node {n.name!r}: the sbatch script needs node names without whitespace or "
-                f"control characters (letters, digits, '.', '_' and '-')"
-                for n in nodes if not n.name or any(c.isspace() or not c.isprintable()
-                                                    for c in n.name)]
-    if problems:
-        raise LaunchError(problems)
 
 
 def check_partitions(comps, run=subprocess.run):

@@ -7,7 +7,6 @@ order; LOCAL_RANK), does a gloo all_reduce and has rank 0 write everyone's view 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -4,7 +4,9 @@ Each hostile string would run `touch PWNED` if it reached the shell unquoted. Th
 printout, per-node scripts and sbatch script are run with stand-in `srun`, `scontrol`, `python`
 and `torchrun` that record their arguments, so the tests check both that no marker file appears
 and that every value arrives intact, as one argument. Plans with names a cluster file may not
-carry are built valid, then renamed in memory: the generators must be safe on their own.
+carry are built valid, then renamed in memory: the launcher must be safe on its own. Node names
+outside the planner's rule are refused (one line, nothing written); host names, paths, options
+and training arguments are carried, quoted.
 """
 from __future__ import annotations
 
@@ -23,14 +25,15 @@ from hexi_launch_helpers import hexi_launch, make_plan  # noqa: E402
 from megatron_hexi.launch import cli  # noqa: E402
 
 MARK = "PWNED"
-# node names for the torchrun printout and -o scripts (any text but '/' and control characters
-# goes into a file name; the printout also takes a newline)
-NAMES = [f"r$(touch {MARK})", f"r;touch {MARK}", f"r`touch {MARK}`", f"r'\"$(touch {MARK})\"'",
-         f"r}}$(touch {MARK})", f"r\\$(touch {MARK})", f"r]=0)$(touch {MARK})", "-rf"]
-NEWLINE_NAME = f"r\ntouch {MARK}"
-# the sbatch script's node table is whitespace-separated: these carry no whitespace
-WORD_NAMES = [f"r$(touch${{IFS}}{MARK})", f"r;touch${{IFS}}{MARK}", f"r`touch${{IFS}}{MARK}`",
-              f"r]=0)$(touch${{IFS}}{MARK})", f"r'\"`touch${{IFS}}{MARK}`\"'", "r\\x"]
+# node names the planner's rule allows (letters, digits, '.', '_', '-') that a shell, an option
+# parser or a file system could still misread
+NAMES = ["-rf", "--help", ".", "..", "a.b_c-d", "0"]
+# node names outside the rule: refused by every command
+BAD_NAMES = [f"r$(touch {MARK})", f"r;touch {MARK}", f"r`touch {MARK}`",
+             f"r'\"$(touch {MARK})\"'", f"r}}$(touch {MARK})", f"r\\$(touch {MARK})",
+             f"r]=0)$(touch {MARK})", f"r$(touch${{IFS}}{MARK})", f"r\ntouch {MARK}", "a\tb", "a b",
+             "../../x", "../x", "a/b", "ABSOLUTE", "n\x00ul", "", "ümlaut"]
+NEWLINE_HOST = f"h\ntouch {MARK}"
 HOST = f"h;touch {MARK}"
 PY = f"py $(touch {MARK});`touch {MARK}`"          # --python: a stand-in of this name is on PATH
 ENTRY = f"train $(touch {MARK}).py"
@@ -156,8 +159,8 @@ def torch_argv(nnodes, node_rank, addr, plan_path, entry=ENTRY, args=ARGS):
 # ---- hexi-launch torchrun: the printout ----
 
 def test_torchrun_printout(tmp_path, work, monkeypatch, capsys):
-    names = NAMES + [NEWLINE_NAME]
-    hosts = [HOST] + [f"h{i}$(touch {MARK})" for i in range(1, len(names))]
+    names = NAMES
+    hosts = [HOST] + [f"h{i}$(touch {MARK})" for i in range(1, len(names) - 1)] + [NEWLINE_HOST]
     path, plan = hostile_plan(tmp_path, names, hosts)
     rc, out, err = launch(monkeypatch, capsys, path, plan, "torchrun", path, "--python", PY,
                           "--entry", ENTRY, "--", *ARGS)
@@ -169,9 +172,9 @@ def test_torchrun_printout(tmp_path, work, monkeypatch, capsys):
     for i, c in enumerate(calls):
         assert c["prog"] == PY
         assert c["argv"] == torch_argv(len(names), i, HOST, path)
-    # a line break in a name does not end the comment line that names the node
+    # a line break in a host name does not end the comment line that names the node
     assert sum(ln.startswith("# on plan node ") for ln in out.splitlines()) == len(names)
-    assert "# on plan node r\\ntouch PWNED (host " in out
+    assert "# on plan node 0 (host h\\ntouch PWNED): 1 process(es)\n" in out
 
 
 # ---- hexi-launch torchrun -o DIR ----
@@ -200,17 +203,34 @@ def test_torchrun_node_scripts(tmp_path, work, monkeypatch, capsys, with_host):
         assert calls[0]["argv"] == torch_argv(len(NAMES), i, HOST, path)
 
 
-@pytest.mark.parametrize("bad", ["../../x", "../x", "a/b", "ABSOLUTE", NEWLINE_NAME, "n\x00ul", ""])
-def test_torchrun_output_stays_in_its_folder(tmp_path, work, monkeypatch, capsys, bad):
+def test_torchrun_output_stays_in_its_folder(tmp_path, work, monkeypatch, capsys):
+    """Names the rule allows make files directly inside -o DIR, '.' and '..' too."""
+    path, plan = hostile_plan(tmp_path, NAMES)
+    d = tmp_path / "a" / "b" / "nodes"
+    rc, out, err = launch(monkeypatch, capsys, path, plan, "torchrun", path, "-o", d)
+    assert rc == 0, err
+    assert sorted(p.name for p in tmp_path.rglob("*.sh")) == sorted(f"{n}.sh" for n in NAMES)
+    assert sorted(p.name for p in d.iterdir()) == sorted(f"{n}.sh" for n in NAMES)
+
+
+# ---- node names outside the planner's rule: every command refuses them ----
+
+@pytest.mark.parametrize("cmd", ["printout", "scripts", "sbatch"])
+@pytest.mark.parametrize("bad", BAD_NAMES)
+def test_bad_node_names_refused(tmp_path, work, monkeypatch, capsys, cmd, bad):
+    """One line naming the node, nothing on stdout, nothing written (not even the -o folder)."""
     if bad == "ABSOLUTE":   # a node name that is an absolute path
         bad = str(tmp_path / "abs")
-    path, plan = hostile_plan(tmp_path, ["ok", bad])
-    d = tmp_path / "a" / "b" / "nodes"
+    path, plan = hostile_plan(tmp_path, ["ok", bad], gpus=["a100", "rtx4090"])
+    args = {"printout": ["torchrun", path],
+            "scripts": ["torchrun", path, "-o", tmp_path / "a" / "nodes"],
+            "sbatch": ["slurm", path, "--partition", "p", "-o", tmp_path / "job.sbatch"]}[cmd]
     before = sorted(tmp_path.rglob("*"))
-    rc, out, err = launch(monkeypatch, capsys, path, plan, "torchrun", path, "-o", d)
-    one_line_error(rc, err, "-o", repr(bad))
+    rc, out, err = launch(monkeypatch, capsys, path, plan, *args)
+    one_line_error(rc, err, "plan node", repr(bad))
     assert out == ""
-    assert sorted(tmp_path.rglob("*")) == before   # nothing written, not even the folder
+    assert sorted(tmp_path.rglob("*")) == before
+    assert_untouched(tmp_path)
 
 
 # ---- hexi-launch slurm ----
@@ -219,7 +239,7 @@ def test_sbatch_script(tmp_path, work, monkeypatch, capsys):
     """A heterogeneous job (two GPU types) with hostile node names, partitions and options."""
     gpus = ["rtx4090", "rtx4090", "a100", "a100", "a100", "a100"]
     parts = [SB_VALUE + "-4090"] * 2 + [SB_VALUE + "-a100"] * 4
-    path, plan = hostile_plan(tmp_path, WORD_NAMES, partitions=parts, gpus=gpus)
+    path, plan = hostile_plan(tmp_path, NAMES, partitions=parts, gpus=gpus)
     job = tmp_path / "job.sbatch"
     rc, out, err = launch(monkeypatch, capsys, path, plan, "slurm", path, "--python", PY,
                           "--entry", ENTRY, "--account", SB_VALUE, "--time", SB_VALUE,
@@ -240,19 +260,10 @@ def test_sbatch_script(tmp_path, work, monkeypatch, capsys):
     srun = [c for c in calls if c["prog"] == "srun"]
     assert len(srun) == 1 and f"--container-image={IMAGE}" in srun[0]["argv"], srun
     runs = [c for c in calls if c["prog"] != "srun"]
-    assert [c["plan_node"] for c in runs] == WORD_NAMES, r.stdout
+    assert [c["plan_node"] for c in runs] == NAMES, r.stdout
     for i, c in enumerate(runs):
         assert c["prog"] == PY
-        assert c["argv"] == torch_argv(len(WORD_NAMES), i, "n0", path)
-
-
-@pytest.mark.parametrize("name", [f"r;touch {MARK}", f"r$(touch {MARK})", NEWLINE_NAME, "a\tb"])
-def test_sbatch_refuses_names_its_node_table_cannot_hold(tmp_path, work, monkeypatch, capsys, name):
-    path, plan = hostile_plan(tmp_path, ["ok", name])
-    job = tmp_path / "job.sbatch"
-    rc, out, err = launch(monkeypatch, capsys, path, plan, "slurm", path, "-o", job)
-    one_line_error(rc, err, repr(name))
-    assert out == "" and not job.exists()
+        assert c["argv"] == torch_argv(len(NAMES), i, "n0", path)
 
 
 @pytest.mark.parametrize("flag,value", [
@@ -260,6 +271,8 @@ def test_sbatch_refuses_names_its_node_table_cannot_hold(tmp_path, work, monkeyp
     ("--partition", "A100-SXM-80GB=a100\n#SBATCH --wrap=x"), ("--account", "myhetjob"),
     ("--account", "acct\ntouch PWNED"), ("--time", "1:00\r"), ("--job-name", "my job"),
     ("--job-name", "j'q"), ("--log", "out\n%j"), ("--log", "a#b"), ("--gres-type", "a100=x\\y"),
+    ("--gres-type", "RTX-4090=a b"),     # a GPU type the plan does not use: still checked
+    ("--partition", "a b=x"),            # a key no GPU type or node group name can match
 ])
 def test_sbatch_refuses_unsafe_directive_values(tmp_path, flag, value):
     """#SBATCH lines are not shell: a value that could end the line or be split is refused."""

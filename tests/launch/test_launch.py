@@ -353,3 +353,60 @@ def test_example_template_runs_with_stub_slurm(tmp_path):
     assert argv[argv.index("pretrain_gpt.py"):] == [
         "pretrain_gpt.py", "--hetero-plan-path", "/p/plan.json", "--train-iters", "100", "--lr",
         "1e-4", "--mock-data"]
+
+
+# ---- numeric flags: bounded, refused in one line naming the flag, nothing written ----
+
+@pytest.mark.parametrize("cmd,flag,value", [
+    ("slurm", "--timeout-s", "-4"), ("torchrun", "--timeout-s", "-1"),
+    ("slurm", "--master-port", "999999"), ("torchrun", "--master-port", "65536"),
+    ("torchrun", "--master-port", "0"), ("slurm", "--master-port", "-1"),
+    ("slurm", "--cpus-per-gpu", "-3"), ("slurm", "--cpus-per-gpu", "100000"),
+    ("torchrun", "--timeout-s", "1e3"), ("slurm", "--master-port", "http"),
+    ("slurm", "--timeout-s", "9" * 40),
+])
+@pytest.mark.parametrize("joined", [True, False])
+def test_bad_numeric_flag_one_line(plain_plan, tmp_path, cmd, flag, value, joined):
+    """`--flag=-4` and `--flag -4` alike: exit 2, one line naming the flag, no usage text."""
+    path, _ = plain_plan
+    out = tmp_path / "out"
+    args = [f"{flag}={value}"] if joined else [flag, value]
+    r = hexi_launch(cmd, path, *args, "-o", out)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hexi-launch: error: "), r.stderr
+    assert flag in lines[0] and "usage:" not in r.stderr, r.stderr
+    assert r.stdout == "" and not out.exists()
+
+
+@pytest.mark.parametrize("args", [["--bogus"], ["slurm"], ["nosuch", "x"], []])
+def test_bad_flag_one_line(plain_plan, args):
+    """Unknown flags, missing arguments and subcommands: one line too, not argparse's usage."""
+    path, _ = plain_plan
+    r = hexi_launch(*[a if a != "x" else path for a in args])
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hexi-launch"), r.stderr
+    assert "error: " in lines[0] and "usage:" not in r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["slurm", "--help"], ["torchrun", "-h"]])
+def test_help_still_works(args):
+    r = hexi_launch(*args)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.startswith("usage: hexi-launch")
+
+
+def test_numeric_flags_at_their_bounds(plain_plan):
+    """The edges are accepted: port 1 and 65535, no time limit (0), no --cpus-per-task (0)."""
+    path, _ = plain_plan
+    r = hexi_launch("slurm", path, "--master-port", "65535", "--timeout-s", "0",
+                    "--cpus-per-gpu", "0")
+    assert r.returncode == 0, r.stderr
+    assert "\nMASTER_PORT=${MASTER_PORT:-65535}\n" in r.stdout
+    assert "\nHEXI_TIMEOUT_S=${HEXI_TIMEOUT_S:-0} " in r.stdout
+    assert "--cpus-per-task" not in r.stdout
+    r = hexi_launch("torchrun", path, "--master-port", "1", "--timeout-s", "1")
+    assert r.returncode == 0, r.stderr
+    assert "timeout -k 10 1 " in r.stdout and "--master-port 1 " in r.stdout
