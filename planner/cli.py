@@ -3,12 +3,13 @@
 Every user error is printed to stderr as one line per problem, with exit code 2 and no traceback.
 """
 import argparse
+import re
 import sys
 
 from planner.cluster import load_cluster
 from planner.errors import SpecError
 from planner.inputs import read_json
-from planner.limits import MAX_BATCH, MAX_SEQ_LENGTH
+from planner.limits import MAX_BATCH, MAX_NUMBER_CHARS, MAX_REPORTED_PROBLEMS, MAX_SEQ_LENGTH
 from planner.models import load_model, model_from_dict
 from planner.plan import build_plan, load_plan, save_plan
 
@@ -24,7 +25,7 @@ def bounded_int(lo, hi):
     """An argparse type: an integer in [lo, hi], refused in one line naming the flag otherwise."""
     def parse(text):
         try:
-            value = int(text) if len(text) <= 20 else None
+            value = int(text) if len(text) <= MAX_NUMBER_CHARS else None
         except ValueError:
             value = None
         if value is None or not lo <= value <= hi:
@@ -164,14 +165,29 @@ def _extra_commands():
 
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def error_lines(problems):
+    """The stderr lines for a SpecError: one per problem, control characters escaped (so one
+    problem is always one line), at most MAX_REPORTED_PROBLEMS and then a count of the rest."""
+    def escape(line):
+        return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], line)
+    lines = [f"hexi-plan: error: {escape(str(p))}" for p in problems[:MAX_REPORTED_PROBLEMS]]
+    if len(problems) > MAX_REPORTED_PROBLEMS:
+        lines.append(f"hexi-plan: error: ... and {len(problems) - MAX_REPORTED_PROBLEMS:,} more "
+                     f"problems")
+    return lines
+
+
 def main(argv=None):
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
         args.func(args)
     except SpecError as e:
-        for line in e.problems:
-            print(f"hexi-plan: error: {line}", file=sys.stderr)
+        for line in error_lines(e.problems):
+            print(line, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hexi-plan: interrupted", file=sys.stderr)

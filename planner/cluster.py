@@ -11,8 +11,8 @@ from typing import Optional
 
 from planner.catalog import get_gpu
 from planner.errors import ClusterError, SpecError
-from planner.inputs import document_problems, int_problem, name_problem, read_yaml
-from planner.limits import MAX_GPUS, MAX_GPUS_PER_NODE, MAX_NODES
+from planner.inputs import document_problems, int_problem, name_problem, read_yaml, short
+from planner.limits import MAX_GPUS, MAX_GPUS_PER_NODE, MAX_LINKS, MAX_NODES
 from planner.units import (format_bandwidth, format_latency, parse_bandwidth, parse_latency)
 
 # Stated assumptions, used when a cluster file gives no measured latency:
@@ -69,6 +69,19 @@ class ClusterSpec:
     groups: list
     links: list = field(default_factory=list)
     description: str = ""
+    _index: tuple = field(default=None, init=False, repr=False, compare=False)
+
+    def _lookup(self):
+        """(node by name, latest link by unordered pair of names), built once per shape: `link`
+        is called for every pair of machines, so it must not scan nodes or links."""
+        key = (len(self.groups), len(self.links))
+        if self._index is None or self._index[0] != key:
+            by_name = {n.name: n for n in self.nodes}
+            by_pair = {}
+            for i, lk in enumerate(self.links):     # later overrides win
+                by_pair[frozenset(lk.between)] = (i, lk)
+            self._index = (key, by_name, by_pair)
+        return self._index[1], self._index[2]
 
     @property
     def nodes(self):
@@ -83,9 +96,9 @@ class ClusterSpec:
         return out
 
     def node(self, name):
-        for n in self.nodes:
-            if n.name == name:
-                return n
+        node = self._lookup()[0].get(name)
+        if node is not None:
+            return node
         raise SpecError(f"cluster {self.name!r} has no node {name!r}")
 
     @property
@@ -101,12 +114,14 @@ class ClusterSpec:
         a, b = self.node(node_a), self.node(node_b)
         if a.name == b.name:
             return a.intra_node_bw, DEFAULT_INTRA_NODE_LATENCY_S
-        for lk in reversed(self.links):   # later overrides win
-            x, y = lk.between
-            if ({x, y} == {a.name, b.name} or {x, y} == {a.group, b.group}
-                    or {x, y} == {a.name, b.group} or {x, y} == {a.group, b.name}):
-                return lk.bandwidth, (lk.latency if lk.latency is not None
-                                      else max(a.nic_latency, b.nic_latency))
+        by_pair = self._lookup()[1]
+        candidates = [by_pair.get(frozenset(pair)) for pair in
+                      ((a.name, b.name), (a.group, b.group), (a.name, b.group), (a.group, b.name))]
+        found = [c for c in candidates if c is not None]
+        if found:
+            lk = max(found, key=lambda c: c[0])[1]
+            return lk.bandwidth, (lk.latency if lk.latency is not None
+                                  else max(a.nic_latency, b.nic_latency))
         return min(a.nic_bw, b.nic_bw), max(a.nic_latency, b.nic_latency)
 
     def to_dict(self):
@@ -254,9 +269,16 @@ def load_cluster_dict(data, source="cluster"):
             hosts[node.hostname] = node.name
     group_names = {g.name for g in groups}
     nodes_ok = not problems     # else unknown names in links may only echo a broken node
-    links = data.get("links") or []
+    links = data.get("links", [])
+    if links is None:       # `links:` with nothing after it
+        links = []
     if not isinstance(links, list):
-        problems.append("links: must be a list of {between, bandwidth, latency}")
+        problems.append(f"links: must be a list of {{between, bandwidth, latency}}, got "
+                        f"{short(links)}")
+        links = []
+    elif len(links) > MAX_LINKS:
+        problems.append(f"links: {len(links):,} link overrides, above the limit of {MAX_LINKS:,} "
+                        f"(limits in planner/limits.py)")
         links = []
     for j, raw in enumerate(links):
         where = f"links[{j}]"

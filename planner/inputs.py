@@ -9,7 +9,6 @@ Field validators (cluster, models, plan) add the bounds and types of each field.
 import json
 import math
 import re
-import sys
 
 import yaml
 from yaml.composer import ComposerError
@@ -17,14 +16,17 @@ from yaml.constructor import ConstructorError
 
 from planner.errors import SpecError
 from planner.limits import (MAX_JSON_FILE_BYTES, MAX_NESTING, MAX_NUMBER_CHARS,
-                            MAX_YAML_FILE_BYTES)
+                            MAX_REPORTED_PROBLEMS, MAX_SHOWN_CHARS, MAX_YAML_FILE_BYTES,
+                            MAX_YAML_NODES)
 
 # Names that end up in host lists, file names and generated shell text (DESIGN: safe by
 # construction): nodes, node groups, host names, partitions.
 NAME_RE = re.compile(r"[A-Za-z0-9._-]+\Z")
 NAME_RULE = "letters, digits, '.', '_' and '-'"
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")    # tab, LF and CR are text
-_MAX_REPORTED = 10
+# In string values tab, LF and CR are text (descriptions, comments); keys become parts of the
+# one-line paths in error messages, so they hold no control character at all.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_KEY_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def is_int(v):
@@ -38,11 +40,17 @@ def is_number(v):
             and (isinstance(v, int) or math.isfinite(v)))
 
 
+def short(value):
+    """repr(value), cut to limits.MAX_SHOWN_CHARS, for quoting a value in an error line."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS - 3] + "..."
+
+
 def name_problem(value, where, what="name"):
     """None, or the one line saying why `value` is not a safe name."""
     if isinstance(value, str) and NAME_RE.match(value):
         return None
-    return f"{where}: must be a non-empty {what} of {NAME_RULE}, got {value!r}"
+    return f"{where}: must be a non-empty {what} of {NAME_RULE}, got {short(value)}"
 
 
 def int_problem(value, where, lo, hi):
@@ -51,50 +59,86 @@ def int_problem(value, where, lo, hi):
         return None
     kind = "a positive integer" if lo == 1 else f"an integer >= {lo}"
     if is_int(value) and value > hi:
-        return (f"{where}: {_short(value)} is above the limit of {hi:,} (limits in "
+        return (f"{where}: {short(value)} is above the limit of {hi:,} (limits in "
                 f"planner/limits.py)")
-    return f"{where}: must be {kind}, got {_short(value)}"
+    return f"{where}: must be {kind}, got {short(value)}"
 
 
-def _short(value):
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+def _path_text(prefix, segments):
+    """'a.b[3].c' from the walk's segments; formatted only when a problem is reported."""
+    out = prefix
+    for seg in segments:
+        if isinstance(seg, int):
+            out += f"[{seg}]"
+        else:
+            seg = seg if len(seg) <= MAX_SHOWN_CHARS else seg[:MAX_SHOWN_CHARS - 3] + "..."
+            out = f"{out}.{seg}" if out else seg
+    return out or "document"
+
+
+_END = object()
+_PLAIN_SCALARS = {int, bool, type(None)}
 
 
 def document_problems(data, prefix=""):
     """One-line problems of a parsed document, independent of its schema (empty if none).
 
-    Walks iteratively (no recursion) in document order; reports at most a few problems.
+    Walks in document order with a stack of iterators (no recursion, no per-element copies: a
+    flat list of millions of values costs one pass) and stops after MAX_REPORTED_PROBLEMS.
     """
     problems = []
-    stack = [(data, prefix, 0)]
-    while stack and len(problems) < _MAX_REPORTED:
-        value, path, depth = stack.pop()
-        where = path or "document"
-        if depth > MAX_NESTING:
-            problems.append(f"{where}: nested more than {MAX_NESTING} levels deep")
+    stack = [iter(((None, data),))]     # one iterator of (key or index, value) per open level
+    in_map = [False]                    # whether that level is a mapping (keys to check)
+    path = [None]                       # the key or index being visited at each level
+    while stack and len(problems) < MAX_REPORTED_PROBLEMS:
+        item = next(stack[-1], _END)
+        if item is _END:
+            stack.pop()
+            in_map.pop()
+            path.pop()
+            continue
+        seg, value = item
+        path[-1] = seg
+        if in_map[-1] and not isinstance(seg, str):
+            problems.append(f"{_path_text(prefix, path[1:-1])}: key {short(seg)} must be a "
+                            f"string")
+            continue
+        if in_map[-1] and _KEY_CONTROL.search(seg):
+            problems.append(f"{_path_text(prefix, path[1:-1])}: key {short(seg)} contains a "
+                            f"control character")
+            continue
+        if len(stack) - 1 > MAX_NESTING:
+            problems.append(f"{_path_text(prefix, path[1:])}: nested more than {MAX_NESTING} "
+                            f"levels deep")
         elif isinstance(value, dict):
-            children = []
-            for k, v in value.items():
-                if not isinstance(k, str):
-                    problems.append(f"{where}: key {_short(k)} must be a string")
-                    continue
-                if _CONTROL.search(k):
-                    problems.append(f"{where}: key {_short(k)} contains a control character")
-                    continue
-                children.append((v, f"{path}.{k}" if path else k, depth + 1))
-            stack.extend(reversed(children))
+            stack.append(iter(value.items()))
+            in_map.append(True)
+            path.append(None)
         elif isinstance(value, list):
-            stack.extend(reversed([(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]))
+            if len(stack) < MAX_NESTING:     # a list of plain numbers: checked at C speed
+                kinds = set(map(type, value))
+                if kinds <= _PLAIN_SCALARS or (kinds == {float}
+                                               and all(map(math.isfinite, value))):
+                    continue
+            stack.append(enumerate(value))
+            in_map.append(False)
+            path.append(None)
         elif isinstance(value, float):
             if not math.isfinite(value):
-                problems.append(f"{where}: {value!r} is not a finite number")
+                problems.append(f"{_path_text(prefix, path[1:])}: {value!r} is not a finite "
+                                f"number")
         elif isinstance(value, str):
             if _CONTROL.search(value):
-                problems.append(f"{where}: {_short(value)} contains a control character")
+                problems.append(f"{_path_text(prefix, path[1:])}: {short(value)} contains a "
+                                f"control character")
+        elif isinstance(value, LongNumber):
+            problems.append(f"{_path_text(prefix, path[1:])}: a number of {len(value.text):,} "
+                            f"characters, above the limit of {MAX_NUMBER_CHARS} (limits in "
+                            f"planner/limits.py)")
         elif not (value is None or isinstance(value, (bool, int))):
-            problems.append(f"{where}: a {type(value).__name__} value is not allowed here; "
-                            f"write a string, number, true/false, list or mapping")
+            problems.append(f"{_path_text(prefix, path[1:])}: a {type(value).__name__} value is "
+                            f"not allowed here; write a string, number, true/false, list or "
+                            f"mapping")
     return problems
 
 
@@ -118,54 +162,141 @@ def read_text(path, what, limit):
     return text
 
 
+class _JSONRefusal(Exception):
+    """Raised from json.loads hooks: an object the planner refuses (one line)."""
+
+
+class LongNumber:
+    """A JSON number literal longer than MAX_NUMBER_CHARS, kept unconverted (conversion time
+    grows quadratically with the digits) so that document_problems refuses it with its path."""
+
+    def __init__(self, text):
+        self.text = text
+
+
+def _json_int(text):
+    return int(text) if len(text) <= MAX_NUMBER_CHARS else LongNumber(text)
+
+
+def _json_float(text):
+    # 1e999 becomes inf, reported with its path by document_problems
+    return float(text) if len(text) <= MAX_NUMBER_CHARS else LongNumber(text)
+
+
+def _json_constant(text):
+    """NaN, Infinity, -Infinity: read as floats so that document_problems refuses them with the
+    field's path (refusing here could not name the field)."""
+    return float(text)
+
+
+def _json_object(pairs):
+    """A dict, refusing a key given twice (json would silently keep the last)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _JSONRefusal(f"key {short(k)} appears twice in one object")
+            seen.add(k)
+    return out
+
+
 def read_json(path, what):
     """Parse a JSON file within the limits; SpecError lines name the file."""
     text = read_text(path, what, MAX_JSON_FILE_BYTES)
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_int=_json_int, parse_float=_json_float,
+                          parse_constant=_json_constant, object_pairs_hook=_json_object)
     except json.JSONDecodeError as e:
         raise SpecError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}")
+    except _JSONRefusal as e:
+        raise SpecError(f"{path}: not valid JSON here: {e}")
     except RecursionError:
         raise SpecError(f"{path}: not valid JSON: nested too deeply (at most {MAX_NESTING} "
                         f"levels)")
-    except ValueError:      # an integer beyond Python's conversion limit
-        raise SpecError(f"{path}: not valid JSON: an integer of more than "
-                        f"{sys.get_int_max_str_digits()} digits")
     problems = document_problems(data)
     if problems:
         raise SpecError([f"{path}: {p}" for p in problems])
     return data
 
 
+# YAML 1.1 reads some plain scalars as numbers that nobody means: `1:0` (base 60: 60), `010`
+# (octal: 8), `0x10`, `0b1`. They are refused, so a number always means its decimal reading.
+# `_` between digits (`1_000`) is accepted as a digit separator, as Python reads it; `+5` and
+# `-5` keep their sign; floats like `1.5`, `.5`, `1.0e+3` are accepted, `.inf`/`.nan` are read
+# and then refused as not finite by document_problems.
+_DECIMAL_INT = re.compile(r"[-+]?(?:0|[1-9][0-9]*(?:_[0-9]+)*)\Z")
+_PLAIN_FLOAT = re.compile(r"[-+]?(?:[0-9]+(?:_[0-9]+)*)?\.[0-9_]*(?:[eE][-+][0-9]+)?\Z"
+                          r"|[-+]?\.(?:inf|Inf|INF)\Z|\.(?:nan|NaN|NAN)\Z")
+
+
 class _StrictLoader(yaml.SafeLoader):
     """SafeLoader without aliases (each `*name` could copy a whole subtree: billion laughs),
-    without timestamps (dates stay strings), with bounded nesting and number length."""
+    without explicit tags, duplicate keys, timestamps (dates stay strings) or surprising YAML 1.1
+    numbers, and with bounded nesting, node count and number length."""
 
     depth = 0
+    nodes = 0
 
     def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
             raise ComposerError(None, None, "aliases (*name) are not allowed; write the value "
-                                "out", self.peek_event().start_mark)
+                                "out", event.start_mark)
+        # an explicit tag (`!!int abc`, `!!python/...`, `!x`) would bypass the checks below
+        tag = getattr(event, "tag", None)
+        if tag is not None:
+            shown = "!!" + tag[18:] if tag.startswith("tag:yaml.org,2002:") else tag
+            raise ComposerError(None, None, f"explicit tags ({shown[:MAX_SHOWN_CHARS]}) are not allowed; "
+                                f"write the plain value", event.start_mark)
         if self.depth >= MAX_NESTING:     # before Python's recursion limit, which is slow here
             raise ComposerError(None, None, f"nested more than {MAX_NESTING} levels deep",
-                                self.peek_event().start_mark)
+                                event.start_mark)
+        self.nodes += 1
+        if self.nodes > MAX_YAML_NODES:   # counted while composing: bounds time and memory
+            raise ComposerError(None, None, f"more than {MAX_YAML_NODES:,} values (limits in "
+                                f"planner/limits.py)", event.start_mark)
         self.depth += 1
         try:
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1
 
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:   # an unhashable key: refused by the base class, one line
+                continue
+            if duplicate:
+                raise ConstructorError(None, None, f"key {short(key)} appears twice in one "
+                                       f"mapping", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
     def construct_bounded_int(self, node):
-        if len(node.value) > MAX_NUMBER_CHARS:
+        text = node.value
+        if len(text) > MAX_NUMBER_CHARS:
             raise ConstructorError(None, None, f"a number longer than {MAX_NUMBER_CHARS} digits",
                                    node.start_mark)
+        if not _DECIMAL_INT.match(text):
+            raise ConstructorError(None, None, f"{short(text)} is a YAML 1.1 octal, hex, binary "
+                                   f"or base-60 number; write it in decimal, or quote it for "
+                                   f"text", node.start_mark)
         return self.construct_yaml_int(node)
 
     def construct_bounded_float(self, node):
-        if len(node.value) > MAX_NUMBER_CHARS:
+        text = node.value
+        if len(text) > MAX_NUMBER_CHARS:
             raise ConstructorError(None, None, f"a number longer than {MAX_NUMBER_CHARS} digits",
                                    node.start_mark)
+        if not _PLAIN_FLOAT.match(text):
+            raise ConstructorError(None, None, f"{short(text)} is a YAML 1.1 base-60 number; "
+                                   f"write it in decimal, or quote it for text", node.start_mark)
         return self.construct_yaml_float(node)
 
 
@@ -194,6 +325,8 @@ def parse_yaml(text, source):
     except RecursionError:
         raise SpecError(f"{source}: not valid YAML: nested too deeply (at most {MAX_NESTING} "
                         f"levels)")
+    except (ValueError, TypeError) as e:    # a constructor's own error: still one line
+        raise SpecError(f"{source}: not valid YAML: {short(' '.join(str(e).split()))}")
 
 
 def read_yaml(path, what):

@@ -14,7 +14,7 @@ from typing import Optional
 from planner.cluster import ClusterSpec, load_cluster_dict
 from planner.errors import PlanError, SpecError
 from planner.inputs import document_problems, int_problem, is_int, is_number, name_problem, \
-    read_json
+    read_json, short
 from planner.limits import MAX_BATCH, MAX_GPUS
 from planner.models import ModelSpec, model_from_dict
 
@@ -140,6 +140,7 @@ class Plan:
     estimate: Optional[dict] = None
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)   # unknown-but-allowed top-level keys (comment)
+    _starts: tuple = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def world_size(self):
@@ -183,8 +184,16 @@ class Plan:
         raise PlanError(f"ranks: rank {rank} is in no stage of the plan")
 
     def sample_range(self, pipeline_index):
-        start = sum(p.num_samples for p in self.pipelines[:pipeline_index])
-        return start, start + self.pipelines[pipeline_index].num_samples
+        """[start, end) of a pipeline's samples; prefix sums computed once per pipelines list, as
+        `show` asks for every pipeline."""
+        key = (id(self.pipelines), len(self.pipelines))
+        if self._starts is None or self._starts[0] != key:
+            starts = [0]
+            for p in self.pipelines:
+                starts.append(starts[-1] + p.num_samples)
+            self._starts = (key, starts)
+        starts = self._starts[1]
+        return starts[pipeline_index], starts[pipeline_index + 1]
 
     def rank_view(self, rank):
         p, s = self.locate(rank)
@@ -216,9 +225,6 @@ class Plan:
 
 # ----------------------------------------------------------------------------------- validation
 
-_is_int = is_int
-
-
 def _check_stage(stage, where, model, problems):
     """Structural checks of one stage; returns (ranks, layers) or None if unusable."""
     if not isinstance(stage, dict):
@@ -228,9 +234,9 @@ def _check_stage(stage, where, model, problems):
         problems.append(f"{where}.{k}: unknown field (known: ranks, layers, shards)")
     ranks, layers = stage.get("ranks"), stage.get("layers")
     ok = True
-    if not isinstance(ranks, list) or not ranks or not all(_is_int(r) and r >= 0 for r in ranks):
+    if not isinstance(ranks, list) or not ranks or not all(is_int(r) and r >= 0 for r in ranks):
         problems.append(f"{where}.ranks: must be a non-empty list of rank numbers, got "
-                        f"{_short(ranks)}")
+                        f"{short(ranks)}")
         ok = False
     elif max(ranks) >= MAX_GPUS:
         problems.append(f"{where}.ranks: rank {max(ranks)} is above the limit of {MAX_GPUS:,} "
@@ -239,9 +245,9 @@ def _check_stage(stage, where, model, problems):
     elif len(set(ranks)) != len(ranks):
         problems.append(f"{where}.ranks: lists a rank twice: {ranks}")
         ok = False
-    if (not isinstance(layers, list) or len(layers) != 2 or not all(_is_int(x) for x in layers)):
+    if (not isinstance(layers, list) or len(layers) != 2 or not all(is_int(x) for x in layers)):
         problems.append(f"{where}.layers: must be [first, last) as two integers, got "
-                        f"{_short(layers)}")
+                        f"{short(layers)}")
         ok = False
     elif not 0 <= layers[0] < layers[1] <= model.num_layers:
         problems.append(f"{where}.layers: {layers} is not a non-empty range within "
@@ -271,9 +277,9 @@ def _check_stage(stage, where, model, problems):
                 problems.append(f"{where}.shards.{kind}: an even split of {field_name} {total} "
                                 f"over {len(ranks)} ranks leaves a rank empty")
             continue
-        if not isinstance(sizes, list) or not all(_is_int(x) for x in sizes):
+        if not isinstance(sizes, list) or not all(is_int(x) for x in sizes):
             problems.append(f"{where}.shards.{kind}: must be a list of integers, got "
-                            f"{_short(sizes)}")
+                            f"{short(sizes)}")
         elif len(sizes) != len(ranks):
             problems.append(f"{where}.shards.{kind}: has {len(sizes)} entries for {len(ranks)} "
                             f"ranks")
@@ -285,11 +291,6 @@ def _check_stage(stage, where, model, problems):
     return ranks, layers
 
 
-def _short(value):
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _estimate_problems(est):
     """Types of the estimate fields that `show` and `simulate` print (all finite: see
     document_problems)."""
@@ -298,18 +299,18 @@ def _estimate_problems(est):
     problems = []
     for k in _ESTIMATE_NUMBERS:
         if k in est and not (is_number(est[k]) and est[k] >= 0):
-            problems.append(f"estimate.{k}: must be a number >= 0, got {_short(est[k])}")
+            problems.append(f"estimate.{k}: must be a number >= 0, got {short(est[k])}")
     for k in _ESTIMATE_LISTS:
         if k in est and not (isinstance(est[k], list)
                              and all(is_number(x) and x >= 0 for x in est[k])):
             problems.append(f"estimate.{k}: must be a list of numbers >= 0, got "
-                            f"{_short(est[k])}")
+                            f"{short(est[k])}")
     for k in _ESTIMATE_STRINGS:
         if k in est and not isinstance(est[k], str):
-            problems.append(f"estimate.{k}: must be a string, got {_short(est[k])}")
+            problems.append(f"estimate.{k}: must be a string, got {short(est[k])}")
     if "fits_memory" in est and not isinstance(est["fits_memory"], bool):
         problems.append(f"estimate.fits_memory: must be true or false, got "
-                        f"{_short(est['fits_memory'])}")
+                        f"{short(est['fits_memory'])}")
     return problems
 
 
@@ -322,11 +323,11 @@ def validate_plan_dict(data):
         return ["plan: must be a JSON object"]
     for k in sorted(set(data) - _TOP_KEYS):
         problems.append(f"{k}: unknown top-level field")
-    if not _is_int(data.get("format_version")) or data.get("format_version") != FORMAT_VERSION:
+    if not is_int(data.get("format_version")) or data.get("format_version") != FORMAT_VERSION:
         problems.append(f"format_version: must be {FORMAT_VERSION}, got "
-                        f"{_short(data.get('format_version'))}")
+                        f"{short(data.get('format_version'))}")
     if "comment" in data and not isinstance(data["comment"], str):
-        problems.append(f"comment: must be a string, got {_short(data['comment'])}")
+        problems.append(f"comment: must be a string, got {short(data['comment'])}")
     for k in ("model", "training", "cluster", "pipelines", "ranks"):
         if k not in data:
             problems.append(f"{k}: missing required field")
@@ -434,8 +435,8 @@ def validate_plan_dict(data):
         if missing:
             problems.append(f"{where}: missing {', '.join(missing)}")
             continue
-        if not _is_int(entry["rank"]) or entry["rank"] != i:
-            problems.append(f"{where}.rank: is {_short(entry['rank'])}; ranks must be listed as "
+        if not is_int(entry["rank"]) or entry["rank"] != i:
+            problems.append(f"{where}.rank: is {short(entry['rank'])}; ranks must be listed as "
                             f"the integers 0..{len(ranks) - 1} in order")
         bad_name = name_problem(entry["node"], f"{where}.node", "node name")
         if bad_name:
@@ -447,15 +448,15 @@ def validate_plan_dict(data):
                             f"{cluster.name!r}")
             continue
         lr = entry["local_rank"]
-        if not _is_int(lr) or not 0 <= lr < node.gpus_per_node:
-            problems.append(f"{where}.local_rank: {_short(lr)} is outside node {node.name}'s "
+        if not is_int(lr) or not 0 <= lr < node.gpus_per_node:
+            problems.append(f"{where}.local_rank: {short(lr)} is outside node {node.name}'s "
                             f"{node.gpus_per_node} GPUs")
         elif (node.name, lr) in slots:
             problems.append(f"{where}: GPU {node.name}:{lr} is also used by ranks[{slots[node.name, lr]}]")
         else:
             slots[node.name, lr] = i
         if entry["gpu"] != node.gpu:
-            problems.append(f"{where}.gpu: {_short(entry['gpu'])}, but node {node.name} holds "
+            problems.append(f"{where}.gpu: {short(entry['gpu'])}, but node {node.name} holds "
                             f"{node.gpu}")
     world = len(ranks)
     for r, where in sorted(owner.items()):
@@ -517,7 +518,7 @@ def build_plan(cluster, model, global_batch_size, pipelines, recompute=False, es
     """
     used = sorted({r for p in pipelines if isinstance(p, dict)
                    for s in (p.get("stages") or []) if isinstance(s, dict)
-                   for r in (s.get("ranks") or []) if _is_int(r)})
+                   for r in (s.get("ranks") or []) if is_int(r)})
     slots = cluster.gpu_slots()
     world = (used[-1] + 1) if used else 0
     if world > len(slots):

@@ -6,7 +6,7 @@ import math
 import re
 
 from planner.errors import SpecError
-from planner.limits import MAX_BANDWIDTH, MAX_LATENCY_S, MIN_BANDWIDTH
+from planner.limits import MAX_BANDWIDTH, MAX_LATENCY_S, MAX_UNIT_TEXT_CHARS, MIN_BANDWIDTH
 
 # Named link presets: usable one-direction bandwidth per GPU in bytes/s, with sources.
 #   nvlink  : NVLink 3 (A100), 600 GB/s total per GPU, 300 GB/s per direction (NVIDIA A100 datasheet)
@@ -25,11 +25,8 @@ LINK_PRESETS = {
     "host": 12e9,
 }
 
-_BW_UNITS = {
-    "bit/s": 1 / 8, "kbit/s": 1e3 / 8, "mbit/s": 1e6 / 8, "gbit/s": 1e9 / 8, "tbit/s": 1e12 / 8,
-    "b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
-    "gbps": 1e9 / 8, "mbps": 1e6 / 8,     # lower-case b only: "GBps" is refused as ambiguous
-}
+_BW_PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_BW_UNIT = re.compile(r"([kKmMgGtT]?)([bB].*)")
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 _SIZE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -39,11 +36,32 @@ _NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z
 
 def _split(text, where):
     text = str(text)
-    m = _NUMBER_UNIT.match(text) if len(text) <= 64 else None
+    m = _NUMBER_UNIT.match(text) if len(text) <= MAX_UNIT_TEXT_CHARS else None
     if not m:
-        shown = repr(text) if len(text) <= 64 else repr(text[:60]) + "..."
+        shown = repr(text) if len(text) <= MAX_UNIT_TEXT_CHARS else \
+            repr(text[:MAX_UNIT_TEXT_CHARS - 4]) + "..."
         raise SpecError(f"{where}: cannot read {shown}: expected a number with a unit")
     return float(m.group(1)), m.group(2)
+
+
+def _bandwidth_factor(unit, value, where):
+    """Bytes/s per unit of `unit`. Bits or bytes is decided by the b/B letter alone, the rest of
+    the unit in any case: `bit`/`bits` and lower-case `bps` are bits, `B/s` and `byte/s` bytes;
+    `b/s` and `Bps` (any case of the rest) could be either and are refused."""
+    m = _BW_UNIT.fullmatch(unit)
+    if m:
+        scale = _BW_PREFIXES[m.group(1).lower()]
+        body, folded = m.group(2), m.group(2).lower()
+        if folded in ("bit/s", "bits/s") or body == "bps":
+            return scale / 8
+        if folded in ("byte/s", "bytes/s") or (body[0] == "B" and folded == "b/s"):
+            return scale
+        if folded in ("b/s", "bps"):
+            prefix = m.group(1).upper()
+            raise SpecError(f"{where}: unit {unit!r} is ambiguous; write {prefix}bit/s or "
+                            f"{prefix}B/s")
+    raise SpecError(f"{where}: unknown bandwidth unit {unit!r} in {value!r} "
+                    f"(use Gbit/s, GB/s, Mbit/s, MB/s or a preset)")
 
 
 def parse_bandwidth(value, where="bandwidth"):
@@ -58,15 +76,7 @@ def parse_bandwidth(value, where="bandwidth"):
         raise SpecError(f"{where}: {value!r} has no unit; write e.g. \"25 Gbit/s\" or \"16 GB/s\" "
                         f"or a preset ({', '.join(sorted(LINK_PRESETS))})")
     number, unit = _split(value, where)
-    ambiguous = re.fullmatch(r"([kmgtKMGT]?)(b/s|Bps|BPS|BPs|bPS)", unit)
-    if ambiguous:
-        prefix = ambiguous.group(1)
-        raise SpecError(f"{where}: unit {unit!r} is ambiguous; write "
-                        f"{prefix.upper()}bit/s or {prefix.upper()}B/s")
-    factor = _BW_UNITS.get(unit.lower())
-    if factor is None:
-        raise SpecError(f"{where}: unknown bandwidth unit {unit!r} in {value!r} "
-                        f"(use Gbit/s, GB/s, Mbit/s, MB/s or a preset)")
+    factor = _bandwidth_factor(unit, value, where)
     result = number * factor
     if number <= 0:
         raise SpecError(f"{where}: bandwidth must be positive, got {value!r}")

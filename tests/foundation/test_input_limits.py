@@ -22,9 +22,9 @@ def test_cluster_at_the_gpu_limit_loads():
 
 
 @pytest.mark.parametrize("count, per_node, field", [
-    (limits.MAX_NODES + 1, 1, "nodes[0] (h).count: 131073 is above the limit"),
+    (limits.MAX_NODES + 1, 1, f"nodes[0] (h).count: {limits.MAX_NODES + 1} is above the limit"),
     (1, limits.MAX_GPUS_PER_NODE + 1, "nodes[0] (h).gpus_per_node: 1025 is above the limit"),
-    (limits.MAX_GPUS // 16 + 1, 16, "nodes: 1,048,592 GPUs in all"),
+    (limits.MAX_GPUS // 16 + 1, 16, f"nodes: {limits.MAX_GPUS + 16:,} GPUs in all"),
 ])
 def test_cluster_one_beyond_a_limit_is_refused(count, per_node, field):
     with pytest.raises(SpecError) as info:
