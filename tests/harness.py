@@ -255,6 +255,30 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
         results.join_thread()
 
 
+def run_ranks(argv, world, timeout=240, env=None, cwd=None):
+    """`python ARGV...` as `world` plain processes with torchrun's environment (RANK, LOCAL_RANK,
+    WORLD_SIZE, a free MASTER_PORT, one thread each, CUDA hidden). Not torchrun itself: its agent
+    stops the other workers as soon as one fails, so each rank's own exit code and error would
+    depend on timing. Returns [(exit code, stdout, stderr)] per rank."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        e = {**os.environ, **CPU_ONLY_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank),
+             "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+             "OMP_NUM_THREADS": "1", **(env or {})}
+        procs.append(subprocess.Popen([sys.executable, *map(str, argv)], env=e, cwd=cwd,
+                                      text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            out.append((p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            p.kill()
+    return out
+
+
 def run_torchrun(args, nproc, timeout, env=None, hide_cuda=True):
     """`python -m torch.distributed.run --nproc-per-node N --master-port FREE ARGS...`.
 

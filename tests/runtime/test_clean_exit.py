@@ -9,11 +9,8 @@ launches at a time, which is such a load.
 import concurrent.futures
 import json
 import math
-import os
-import subprocess
-import sys
 
-from harness import free_port
+from harness import run_ranks
 from runtime.plans import write_plan
 
 LAUNCHES = 20
@@ -23,27 +20,9 @@ FLAGS = ["--mock-data", "--lr", "1e-3", "--lr-decay-style", "constant", "--atten
          "0", "--hidden-dropout", "0"]
 
 
-def launch(repo_root, args, world=2, timeout=240):
-    """pretrain_gpt.py as `world` plain processes (torchrun's environment, not its agent, so each
-    rank's own exit code is seen). Returns [(exit code, stdout, stderr)] per rank."""
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(repo_root / "pretrain_gpt.py"),
-                                       *map(str, args)], env=env, cwd=repo_root, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    out = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            out.append((p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            p.kill()
-    return out
+def launch(repo_root, args, world=2):
+    """pretrain_gpt.py on `world` ranks as plain processes: [(exit code, stdout, stderr)]."""
+    return run_ranks([repo_root / "pretrain_gpt.py", *args], world, cwd=repo_root)
 
 
 def test_every_launch_exits_zero(repo_root, tmp_path):

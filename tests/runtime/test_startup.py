@@ -2,13 +2,12 @@
 (exit code 2, no traceback, no hang), and processes map to plan ranks whatever their launch order.
 """
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from harness import free_port
+import harness
 from megatron_hexi.rank_mapping import Identity, LaunchError, resolve_ranks
 from planner.plan import load_plan
 
@@ -91,29 +90,11 @@ def test_plan_errors(repo_root, tmp_path):
     assert code == 2 and len(err.splitlines()) == 1 and "UTF-8" in err, err
 
 
-def run_ranks(repo_root, world, args, env=None, timeout=240):
-    """pretrain_gpt.py as `world` plain processes with torchrun's environment.
-
-    Not torchrun itself: its agent stops the other workers as soon as one fails, so whether every
-    rank got to print its error would depend on timing. Returns [(exit code, stderr)] per rank."""
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        e = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
-             "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-             "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(repo_root / "pretrain_gpt.py"),
-                                       *map(str, args)], env=e, cwd=repo_root, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    out = []
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=timeout)
-            out.append((p.returncode, err))
-    finally:
-        for p in procs:
-            p.kill()
-    return out
+def run_ranks(repo_root, world, args, env=None):
+    """pretrain_gpt.py on `world` ranks as plain processes: [(exit code, stderr)] per rank."""
+    return [(code, err) for code, _, err in
+            harness.run_ranks([repo_root / "pretrain_gpt.py", *args], world, env=env,
+                              cwd=repo_root)]
 
 
 def test_world_size_mismatch_fails_on_every_rank(repo_root, plan_path):
