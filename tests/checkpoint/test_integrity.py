@@ -195,24 +195,34 @@ def test_damaged_checkpoints_are_refused_on_every_rank(damaged, tmp_path):
     assert not (save_dir / "iter_0000006").exists() and not (save_dir / "iter_0000008").exists()
 
 
+def error_line_of_each_rank(tmp_path, tag, argv):
+    """pretrain_gpt.py on 2 ranks (plain processes): each must exit 2 with exactly one error line
+    and no traceback. Returns each rank's error line."""
+    procs = launch(tmp_path, tag, argv, 2)
+    codes = wait_all(procs, time.monotonic() + 180)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    found = []
+    for rank in range(2):
+        err = (tmp_path / f"{tag}.{rank}.err").read_text()
+        assert codes[rank] == 2, (rank, codes, err[-3000:])
+        assert "Traceback" not in err, err[-3000:]
+        lines = [x for x in err.splitlines() if x.startswith("pretrain_gpt.py: error:")]
+        assert len(lines) == 1, err[-3000:]
+        found.append(lines[0])
+    return found
+
+
 def test_pretrain_gpt_reports_a_damaged_checkpoint_on_every_rank(damaged, tmp_path):
     """Only launch rank 1 reads the damaged layer; both ranks print the error and exit 2."""
     d, _, pattern = damaged["weight"]
     plan = write_plan(tmp_path, "two_stages", "tiny", 2, TWO_STAGES)
     argv = ["--hetero-plan-path", str(plan), *BASE_FLAGS, "--train-iters", "4", "--load", str(d),
             "--distributed-timeout-minutes", "1"]
-    procs = launch(tmp_path, "load", argv, 2)
-    codes = wait_all(procs, time.monotonic() + 180)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    for rank in range(2):
-        err = (tmp_path / f"load.{rank}.err").read_text()
-        assert codes[rank] == 2, (rank, codes, err[-3000:])
-        assert "Traceback" not in err, err[-3000:]
-        lines = [x for x in err.splitlines() if x.startswith("pretrain_gpt.py: error:")]
-        assert len(lines) == 1 and re.search(pattern, lines[0]), err[-3000:]
-        assert lines[0].endswith("(launch rank 1)"), lines[0]
+    for line in error_line_of_each_rank(tmp_path, "load", argv):
+        assert re.search(pattern, line), line
+        assert line.endswith("(launch rank 1)"), line
 
 
 def _read_everything(path, step=None):
@@ -538,21 +548,12 @@ def test_pretrain_gpt_refuses_to_save_non_finite_weights(tmp_path):
     argv = ["--hetero-plan-path", str(plan), *BASE_FLAGS, "--train-iters", "3", "--lr", "1e30",
             "--clip-grad", "0", "--no-check-for-nan-in-loss-and-grad", "--save", str(save),
             "--save-interval", "1", "--distributed-timeout-minutes", "1"]
-    procs = launch(tmp_path, "nan", argv, 2)
-    codes = wait_all(procs, time.monotonic() + 180)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    for rank in range(2):
-        err = (tmp_path / f"nan.{rank}.err").read_text()
-        assert codes[rank] == 2, (rank, codes, err[-3000:])
-        assert "Traceback" not in err, err[-3000:]
-        lines = [x for x in err.splitlines() if x.startswith("pretrain_gpt.py: error:")]
-        assert len(lines) == 1 and re.fullmatch(
+    for line in error_line_of_each_rank(tmp_path, "nan", argv):
+        assert re.fullmatch(
             r"pretrain_gpt.py: error: checkpoint save of iteration 2: (param|exp_avg|exp_avg_sq) "
             r"of \S+ \(tensor \S+\) is not finite(, as are \d+ more tensors)?: not saved; the "
             r"last complete checkpoint is iteration 1 \(launch ranks? [01](, 1)?\)",
-            lines[0]), err[-3000:]
+            line), line
     assert (save / TRACKER).read_text() == "1"
     assert sorted(os.listdir(save)) == ["iter_0000001", TRACKER]
     with Checkpoint(str(save)) as ckpt:
