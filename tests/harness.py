@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -83,7 +84,8 @@ def _resolve(module, qualname, path):
     return obj
 
 
-def _worker(ref, rank, world_size, port, env, args, kwargs, results, deadline, pg_timeout):
+def _worker(ref, rank, world_size, port, env, args, kwargs, results, deadline, pg_timeout,
+            stacks):
     """Body of one rank (a spawned process). Puts exactly one message unless it is killed."""
     dist = None
     try:
@@ -92,9 +94,12 @@ def _worker(ref, rank, world_size, port, env, args, kwargs, results, deadline, p
                            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
         os.environ.setdefault("OMP_NUM_THREADS", "1")   # N ranks share the CPU cores
         os.environ.update(env or {})
-        # If this rank is still running just before the parent kills it, print its stacks to
-        # stderr: that is where a hang is.
-        faulthandler.dump_traceback_later(max(deadline - time.time() - 1.0, 0.5), exit=False)
+        # If this rank is still running just before the parent kills it, dump its stacks (where
+        # a hang is) to a file of its own: ranks dumping to one stderr at the same moment
+        # interleave their lines. The parent prints the files one after another.
+        stack_file = open(stacks, "w")
+        faulthandler.dump_traceback_later(max(deadline - time.time() - 1.0, 0.5), exit=False,
+                                          file=stack_file)
         fn = _resolve(*ref)
         import datetime
 
@@ -188,11 +193,13 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
     start = time.monotonic()
     deadline = time.time() + timeout
     procs = []
+    stack_dir = tempfile.TemporaryDirectory(prefix="harness-stacks-")
+    stacks = [os.path.join(stack_dir.name, f"rank{r}") for r in range(world_size)]
     try:
         for rank in range(world_size):
             p = ctx.Process(target=_worker, name=f"rank{rank}",
                             args=(ref, rank, world_size, port, env, args, kwargs, results,
-                                  deadline, timeout))
+                                  deadline, timeout, stacks[rank]))
             p.start()
             procs.append(p)
         done = {}
@@ -223,6 +230,11 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
             left = timeout - (time.monotonic() - start)
             if left <= 0:
                 missing = [r for r in range(world_size) if r not in done]
+                _kill(procs)
+                for r in missing:
+                    dump = open(stacks[r]).read() if os.path.exists(stacks[r]) else ""
+                    sys.stderr.write(f"--- stacks of rank {r} just before the kill ---\n{dump}")
+                sys.stderr.flush()
                 raise DistributedTimeout(
                     f"run_distributed({fn.__qualname__}, world_size={world_size}) timed out after "
                     f"{timeout:g} s: rank(s) {missing} had not finished (finished: "
@@ -251,6 +263,7 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
         return [done[r] for r in range(world_size)]
     finally:
         _kill(procs)
+        stack_dir.cleanup()
         results.close()
         results.join_thread()
 
