@@ -31,7 +31,9 @@ setup(
                  "tokenizers>=0.21,<1",
                  # HF Llama import/export tests; transformers needs no torch of its own, so the
                  # environment's torch stays.
-                 "transformers>=5.0,<6", "tensorboard>=2.15,<3"],
+                 "transformers>=5.0,<6", "tensorboard>=2.15,<3",
+                 # Lint, format and type checks (tools/test.sh); config in pyproject.toml.
+                 "ruff>=0.17,<0.18", "mypy>=2.4,<2.5", "types-PyYAML>=6.0.12,<7"],
         "tensorboard": ["tensorboard>=2.15,<3"],
         "plot": ["matplotlib>=3.8,<4"],
         "gpu": ["transformer-engine[pytorch]"],

@@ -4,20 +4,23 @@ Importing this package silences megatron-core's notices about optional GPU extra
 expected to be absent on CPU machines (Apex, Transformer Engine) and about CUDA-only settings;
 every other warning is left alone.
 """
+
 import logging
 import warnings
 
-for _message in (r".*Transformer Engine and Apex are not installed.*",
-                 r".*Apex is not installed.*",
-                 r".*full scope is deprecated.*",
-                 r".*CUDA_DEVICE_MAX_CONNECTIONS.*"):
+for _message in (
+    r".*Transformer Engine and Apex are not installed.*",
+    r".*Apex is not installed.*",
+    r".*full scope is deprecated.*",
+    r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+):
     warnings.filterwarnings("ignore", message=_message)
 
 
 class _NoMockCacheNotice(logging.Filter):
     """Mock datasets are never cached; megatron-core says so once per split."""
 
-    def filter(self, record):
+    def filter(self, record: logging.LogRecord) -> bool:
         return "indexes because path_to_cache is None" not in record.getMessage()
 
 

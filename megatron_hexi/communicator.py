@@ -38,23 +38,46 @@ consistent peer order alone makes them safe.
 send already waits for the matching receive to be posted, whatever its size, so this runs the
 worst NCCL case on CPU: a bad order hangs instead of slipping through.
 """
+
+from __future__ import annotations
+
 import math
 import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from megatron_hexi.process_groups import group_order
+from megatron_hexi.process_groups import StagePosition, group_order
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
 
 FORWARD_TAG = 1
 BACKWARD_TAG = 2
 STRICT_ENV = "HEXI_STRICT_P2P"
 
+# Which side of a boundary this rank is on.
+Side = Literal["sender", "receiver"]
+# One posted point-to-point operation: (dist.isend or dist.irecv, buffer, peer launch rank, tag).
+P2POp = tuple[Callable[..., Any], torch.Tensor, int, int]
+# What the schedule passes as shapes, and gets back: one tensor or a list of one.
+Shapes = Sequence[int] | list[Sequence[int]]
+Received = torch.Tensor | None | list[torch.Tensor | None]
+
 
 class Boundary:
     """One stage boundary seen from one rank: which slices go to or come from which peer."""
 
-    def __init__(self, senders, receivers, numel, launch_of, me):
+    def __init__(
+        self,
+        senders: Sequence[int],
+        receivers: Sequence[int],
+        numel: int,
+        launch_of: Mapping[int, int],
+        me: int,
+    ) -> None:
         # Part order follows each group's rank order (torch sorts member launch ranks).
         self.senders = group_order(senders, launch_of)
         self.receivers = group_order(receivers, launch_of)
@@ -66,11 +89,11 @@ class Boundary:
         self.send_part = self.padded // a
         self.recv_part = self.padded // b
 
-    def _range(self, peer_list, part, rank):
+    def _range(self, peer_list: list[int], part: int, rank: int) -> tuple[int, int]:
         i = peer_list.index(rank)
         return i * part, (i + 1) * part
 
-    def overlaps(self, my_side):
+    def overlaps(self, my_side: Side) -> list[tuple[int, int, int]]:
         """[(peer plan rank, start, end)] of the flat buffer this rank exchanges."""
         if my_side == "sender":
             mine = self._range(self.senders, self.send_part, self.me)
@@ -86,7 +109,7 @@ class Boundary:
                 out.append((peer, start, end))
         return out
 
-    def my_part(self, my_side):
+    def my_part(self, my_side: Side) -> tuple[int, int]:
         if my_side == "sender":
             return self._range(self.senders, self.send_part, self.me)
         return self._range(self.receivers, self.recv_part, self.me)
@@ -95,48 +118,67 @@ class Boundary:
 class StageCommunicator:
     """Point-to-point for one pipeline, usable as megatron-core's `p2p_communicator`."""
 
-    def __init__(self, config, position, tp_group, tp_size, prev_boundary, next_boundary,
-                 dtype, device):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        position: StagePosition,
+        tp_group: dist.ProcessGroup | None,
+        tp_size: int,
+        prev_boundary: Boundary | None,
+        next_boundary: Boundary | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.config = config
         self.pp_group = position
         self.tp_group = tp_group
         self.tp_size = tp_size
-        self.prev = prev_boundary        # this rank is a receiver there
-        self.next = next_boundary        # this rank is a sender there
+        self.prev = prev_boundary  # this rank is a receiver there
+        self.next = next_boundary  # this rank is a sender there
         self.dtype = dtype
         self.device = device
         self.strict = os.environ.get(STRICT_ENV) == "1"
 
     # -- primitives -------------------------------------------------------------------------
     @staticmethod
-    def _ops(post, flat, boundary, side, tag):
+    def _ops(
+        post: Callable[..., Any], flat: torch.Tensor, boundary: Boundary, side: Side, tag: int
+    ) -> list[P2POp]:
         """(post, slice, peer launch rank, tag) for each peer, in increasing launch rank."""
-        ops = [(post, flat[s:e], boundary.launch_of[peer], tag)
-               for peer, s, e in boundary.overlaps(side)]
+        ops = [
+            (post, flat[s:e], boundary.launch_of[peer], tag)
+            for peer, s, e in boundary.overlaps(side)
+        ]
         return sorted(ops, key=lambda op: op[2])
 
-    def _order(self, sends, recvs):
+    def _order(self, sends: list[P2POp], recvs: list[P2POp]) -> list[P2POp]:
         """Even stages send first, odd stages receive first (module docstring: why)."""
         return sends + recvs if self.pp_group.rank() % 2 == 0 else recvs + sends
 
-    def _assemble(self, flat, boundary, side, shape):
+    def _assemble(
+        self, flat: torch.Tensor, boundary: Boundary, side: Side, shape: tuple[int, ...]
+    ) -> torch.Tensor:
         """All-gather every rank's part inside this stage's TP group, then shape the tensor."""
         if self.tp_size > 1:
             lo, hi = boundary.my_part(side)
             part = hi - lo
             pieces = list(flat.split(part))
             dist.all_gather(pieces, flat[lo:hi].clone(), group=self.tp_group)
-        out = flat[:boundary.numel].view(shape).clone()
+        out = flat[: boundary.numel].view(shape).clone()
         return out
 
-    def _exchange(self, send=None, recv=None):
+    def _exchange(
+        self,
+        send: tuple[torch.Tensor, Boundary, Side, int] | None = None,
+        recv: tuple[Boundary, Side, int, tuple[int, ...]] | None = None,
+    ) -> torch.Tensor | None:
         """Post the sends and receives of one schedule step in `_order`, then wait for them all
         (strict mode: wait on each as soon as it is posted)."""
         sends, recvs, received = [], [], None
         if send is not None:
             tensor, boundary, side, tag = send
             flat = torch.zeros(boundary.padded, dtype=self.dtype, device=self.device)
-            flat[:boundary.numel] = tensor.detach().reshape(-1)
+            flat[: boundary.numel] = tensor.detach().reshape(-1)
             sends = self._ops(dist.isend, flat, boundary, side, tag)
         if recv is not None:
             boundary, side, tag, _ = recv
@@ -156,48 +198,68 @@ class StageCommunicator:
         return None
 
     @staticmethod
-    def _one(tensors):
+    def _one(tensors: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         return tensors[0] if isinstance(tensors, list) else tensors
 
     @staticmethod
-    def _shape(shapes):
+    def _shape(shapes: Shapes) -> tuple[int, ...]:
         return tuple(shapes[0]) if isinstance(shapes, list) else tuple(shapes)
 
     # -- the schedule's interface -----------------------------------------------------------
-    def recv_forward(self, tensor_shapes, is_first_stage):
+    def recv_forward(self, tensor_shapes: Shapes, is_first_stage: bool) -> Received:
         t = None
         if not is_first_stage:
-            t = self._exchange(recv=(self.prev, "receiver", FORWARD_TAG, self._shape(tensor_shapes)))
+            t = self._exchange(
+                recv=(self.prev, "receiver", FORWARD_TAG, self._shape(tensor_shapes))
+            )
             t.requires_grad_(True)
         return [t] if isinstance(tensor_shapes, list) else t
 
-    def recv_backward(self, tensor_shapes, is_last_stage):
+    def recv_backward(self, tensor_shapes: Shapes, is_last_stage: bool) -> Received:
         t = None
         if not is_last_stage:
             t = self._exchange(recv=(self.next, "sender", BACKWARD_TAG, self._shape(tensor_shapes)))
         return [t] if isinstance(tensor_shapes, list) else t
 
-    def send_forward(self, output_tensors, is_last_stage):
+    def send_forward(
+        self, output_tensors: torch.Tensor | list[torch.Tensor], is_last_stage: bool
+    ) -> None:
         if not is_last_stage:
             self._exchange(send=(self._one(output_tensors), self.next, "sender", FORWARD_TAG))
 
-    def send_backward(self, input_tensor_grads, is_first_stage):
+    def send_backward(
+        self, input_tensor_grads: torch.Tensor | list[torch.Tensor], is_first_stage: bool
+    ) -> None:
         if not is_first_stage:
-            self._exchange(send=(self._one(input_tensor_grads), self.prev, "receiver",
-                                 BACKWARD_TAG))
+            self._exchange(
+                send=(self._one(input_tensor_grads), self.prev, "receiver", BACKWARD_TAG)
+            )
 
-    def send_forward_recv_backward(self, output_tensors, tensor_shapes, is_last_stage):
+    def send_forward_recv_backward(
+        self,
+        output_tensors: torch.Tensor | list[torch.Tensor],
+        tensor_shapes: Shapes,
+        is_last_stage: bool,
+    ) -> Received:
         t = None
         if not is_last_stage:
-            t = self._exchange(send=(self._one(output_tensors), self.next, "sender", FORWARD_TAG),
-                               recv=(self.next, "sender", BACKWARD_TAG, self._shape(tensor_shapes)))
+            t = self._exchange(
+                send=(self._one(output_tensors), self.next, "sender", FORWARD_TAG),
+                recv=(self.next, "sender", BACKWARD_TAG, self._shape(tensor_shapes)),
+            )
         return [t] if isinstance(tensor_shapes, list) else t
 
-    def send_backward_recv_forward(self, input_tensor_grads, tensor_shapes, is_first_stage):
+    def send_backward_recv_forward(
+        self,
+        input_tensor_grads: torch.Tensor | list[torch.Tensor],
+        tensor_shapes: Shapes,
+        is_first_stage: bool,
+    ) -> Received:
         t = None
         if not is_first_stage:
-            t = self._exchange(send=(self._one(input_tensor_grads), self.prev, "receiver",
-                                     BACKWARD_TAG),
-                               recv=(self.prev, "receiver", FORWARD_TAG, self._shape(tensor_shapes)))
+            t = self._exchange(
+                send=(self._one(input_tensor_grads), self.prev, "receiver", BACKWARD_TAG),
+                recv=(self.prev, "receiver", FORWARD_TAG, self._shape(tensor_shapes)),
+            )
             t.requires_grad_(True)
         return [t] if isinstance(tensor_shapes, list) else t

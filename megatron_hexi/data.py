@@ -4,16 +4,35 @@ Global batch i is samples [i x G, (i + 1) x G) of the training dataset, the same
 Pipeline p reads only its range [start_p, end_p) of each global batch (Plan.sample_range), in
 micro-batches of its own size.
 """
+
+from __future__ import annotations
+
+import argparse
 import os
+import types
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import (
+    GPTDataset,
+    GPTDatasetConfig,
+    MockGPTDataset,
+    MockGPTLowLevelDataset,
+)
 
 from planner.errors import SpecError
 
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import (GPTDataset, GPTDatasetConfig, MockGPTDataset,
-                                                MockGPTLowLevelDataset)
+if TYPE_CHECKING:
+    from megatron.core.datasets.blended_megatron_dataset_builder import TopLevelDataset
+
+    from megatron_hexi.tokenizer import HuggingFaceTokenizer
+    from planner.plan import Plan, RankView
+
+# Megatron's flag names: train_iters, seed, mock_data, data_path, split, data_cache_path.
+DataArgs = argparse.Namespace | types.SimpleNamespace
 
 
 class _SizedMockDocuments(MockGPTLowLevelDataset):
@@ -23,6 +42,7 @@ class _SizedMockDocuments(MockGPTLowLevelDataset):
     8M tokens) are plenty for mock runs, and GPTDataset starts a new epoch when they run out. The
     size is fixed so that the data order never depends on the run's length.
     """
+
     size = 4000
 
 
@@ -30,14 +50,16 @@ class SizedMockGPTDataset(MockGPTDataset):
     """MockGPTDataset over the smaller mock corpus."""
 
     @staticmethod
-    def build_low_level_dataset(dataset_path, config):
+    def build_low_level_dataset(
+        dataset_path: str | None, config: GPTDatasetConfig
+    ) -> _SizedMockDocuments:
         return _SizedMockDocuments(config.tokenizer)
 
 
 class MockTokenizer:
     """What megatron-core's mock dataset needs of a tokenizer: vocabulary size and EOD id."""
 
-    def __init__(self, vocab_size):
+    def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.eod = 0
         self.pad = -1
@@ -45,41 +67,54 @@ class MockTokenizer:
         self.unique_identifiers = OrderedDict({"class": "MockTokenizer", "vocab": vocab_size})
 
 
-def build_train_dataset(args, plan, tokenizer=None):
+def build_train_dataset(
+    args: DataArgs, plan: Plan, tokenizer: HuggingFaceTokenizer | None = None
+) -> TopLevelDataset:
     """The training split, long enough for every iteration of this run."""
     num_samples = args.train_iters * plan.global_batch_size
     if not args.mock_data:
         return _build_real_train_dataset(args, plan, tokenizer, num_samples)
     config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=plan.model.seq_length,
-        split="1,0,0", blend=None, tokenizer=tokenizer or MockTokenizer(plan.model.vocab_size),
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-        create_attention_mask=False, path_to_cache=args.data_cache_path)
+        random_seed=args.seed,
+        sequence_length=plan.model.seq_length,
+        split="1,0,0",
+        blend=None,
+        tokenizer=tokenizer or MockTokenizer(plan.model.vocab_size),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        path_to_cache=args.data_cache_path,
+    )
     config.mock = True
-    train, _, _ = BlendedMegatronDatasetBuilder(SizedMockGPTDataset, [num_samples, None, None],
-                                                lambda: True, config).build()
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        SizedMockGPTDataset, [num_samples, None, None], lambda: True, config
+    ).build()
     return train
 
 
-def data_blend(data_path):
+def data_blend(data_path: Sequence[object]) -> tuple[list[str], list[float] | None]:
     """--data-path in Megatron's syntax -> (prefixes, weights or None); SpecError if malformed.
 
     `PREFIX [PREFIX ...]` (blended in proportion to their sizes) or `W1 PREFIX1 W2 PREFIX2 ...`.
     """
     from megatron.core.datasets.utils import get_blend_from_list
+
     items = [str(x) for x in data_path]
     numeric = [_is_number(x) for x in items]
     if any(numeric[0::2]) and (len(items) % 2 or not all(numeric[0::2])):
-        raise SpecError(f"--data-path {' '.join(items)}: give either prefixes only or "
-                        f"'weight prefix' pairs")
+        raise SpecError(
+            f"--data-path {' '.join(items)}: give either prefixes only or 'weight prefix' pairs"
+        )
     prefixes, weights = get_blend_from_list(items)
     if weights is not None and (any(w < 0 for w in weights) or sum(weights) <= 0):
-        raise SpecError(f"--data-path: blend weights must be >= 0 with a positive sum, got "
-                        f"{weights}")
+        raise SpecError(
+            f"--data-path: blend weights must be >= 0 with a positive sum, got {weights}"
+        )
     return prefixes, weights
 
 
-def _is_number(text):
+def _is_number(text: str) -> bool:
     try:
         float(text)
         return True
@@ -87,50 +122,71 @@ def _is_number(text):
         return False
 
 
-def check_indexed_datasets(prefixes):
+def check_indexed_datasets(prefixes: Sequence[str]) -> None:
     """Every prefix has a readable .bin/.idx pair. Checked on every rank before megatron-core's
     builder, which builds on rank 0 first while the others wait in a barrier (a failure there
     would leave them waiting until the timeout)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
+
     for prefix in prefixes:
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
-            hint = (f"; did you mean {prefix}_text_document (tools/preprocess_data.py names its "
-                    f"output PREFIX_KEY_document)?"
-                    if os.path.isfile(prefix + "_text_document.bin") else
-                    " (make it with tools/preprocess_data.py)")
+            hint = (
+                f"; did you mean {prefix}_text_document (tools/preprocess_data.py names its "
+                f"output PREFIX_KEY_document)?"
+                if os.path.isfile(prefix + "_text_document.bin")
+                else " (make it with tools/preprocess_data.py)"
+            )
             raise SpecError(f"--data-path {prefix}: {' and '.join(missing)} not found{hint}")
         try:
             index = IndexedDataset(prefix).index
             # The last document ends where the .bin must still have bytes: a truncated or
             # replaced .bin would otherwise fail (or read garbage) deep inside the builder.
-            needed = (int(index.sequence_pointers[-1])
-                      + int(index.sequence_lengths[-1]) * index.dtype_size
-                      if len(index) else 0)
+            needed = (
+                int(index.sequence_pointers[-1])
+                + int(index.sequence_lengths[-1]) * index.dtype_size
+                if len(index)
+                else 0
+            )
         except Exception as e:
-            raise SpecError(f"--data-path {prefix}: not a megatron-core indexed dataset "
-                            f"({type(e).__name__}: {e})") from None
+            raise SpecError(
+                f"--data-path {prefix}: not a megatron-core indexed dataset "
+                f"({type(e).__name__}: {e})"
+            ) from None
         size = os.path.getsize(prefix + ".bin")
         if size < needed:
-            raise SpecError(f"--data-path {prefix}: {prefix}.bin has {size} bytes, its .idx "
-                            f"needs {needed} (truncated, or not the .bin of this .idx)")
+            raise SpecError(
+                f"--data-path {prefix}: {prefix}.bin has {size} bytes, its .idx "
+                f"needs {needed} (truncated, or not the .bin of this .idx)"
+            )
 
 
-def _build_real_train_dataset(args, plan, tokenizer, num_samples):
+def _build_real_train_dataset(
+    args: DataArgs, plan: Plan, tokenizer: HuggingFaceTokenizer | None, num_samples: int
+) -> TopLevelDataset:
     """megatron-core's GPTDataset (BlendedDataset over several prefixes) on --data-path."""
     from megatron_hexi.tokenizer import check_vocab_fits
+
     if tokenizer is None:
-        raise SpecError("--data-path needs --tokenizer-type HuggingFaceTokenizer and "
-                        "--tokenizer-model PATH")
+        raise SpecError(
+            "--data-path needs --tokenizer-type HuggingFaceTokenizer and --tokenizer-model PATH"
+        )
     check_vocab_fits(tokenizer, plan.model.vocab_size)
     prefixes, weights = data_blend(args.data_path)
     check_indexed_datasets(prefixes)
     try:
         config = GPTDatasetConfig(
-            random_seed=args.seed, sequence_length=plan.model.seq_length, split=args.split,
-            blend=(prefixes, weights), tokenizer=tokenizer,
-            reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-            create_attention_mask=False, path_to_cache=args.data_cache_path)
+            random_seed=args.seed,
+            sequence_length=plan.model.seq_length,
+            split=args.split,
+            blend=(prefixes, weights),
+            tokenizer=tokenizer,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            create_attention_mask=False,
+            path_to_cache=args.data_cache_path,
+        )
     except (AssertionError, ValueError) as e:
         raise SpecError(f"--split {args.split}: {e or 'malformed'}") from None
     if config.split_matrix[0] is None:
@@ -139,23 +195,33 @@ def _build_real_train_dataset(args, plan, tokenizer, num_samples):
     # sample order is the one megatron-core gives it whatever the other splits are (the random
     # state depends only on the seed); validation and test are not used by this runtime.
     config.split_matrix = [config.split_matrix[0], None, None]
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: True,
-                                                config).build()
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [num_samples, 0, 0], lambda: True, config
+    ).build()
     if train is None or len(train) < num_samples:
         have = 0 if train is None else len(train)
-        raise SpecError(f"--data-path: the training split gives {have} samples, {num_samples} "
-                        f"are needed"
-                        + ("; prefixes without weights are read once each (Megatron's rule): "
-                           "give weights ('W1 PREFIX1 W2 PREFIX2') to repeat them"
-                           if weights is None and len(prefixes) > 1 else ""))
+        raise SpecError(
+            f"--data-path: the training split gives {have} samples, {num_samples} "
+            f"are needed"
+            + (
+                "; prefixes without weights are read once each (Megatron's rule): "
+                "give weights ('W1 PREFIX1 W2 PREFIX2') to repeat them"
+                if weights is None and len(prefixes) > 1
+                else ""
+            )
+        )
     return train
 
 
-def pipeline_microbatches(dataset, plan, view, iteration):
+def pipeline_microbatches(
+    dataset: TopLevelDataset, plan: Plan, view: RankView, iteration: int
+) -> Iterator[dict[str, torch.Tensor]]:
     """Micro-batches of this rank's pipeline for one iteration (0-based), as dicts of tensors."""
     base = iteration * plan.global_batch_size + view.samples[0]
     mbs = view.micro_batch_size
     for m in range(view.num_microbatches):
         samples = [dataset[base + m * mbs + k] for k in range(mbs)]
-        yield {key: torch.stack([s[key] for s in samples]) for key in
-               ("tokens", "labels", "loss_mask", "position_ids")}
+        yield {
+            key: torch.stack([s[key] for s in samples])
+            for key in ("tokens", "labels", "loss_mask", "position_ids")
+        }

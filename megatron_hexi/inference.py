@@ -4,50 +4,78 @@ Each pipeline runs its own samples of the batch (the plan's cut) through megatro
 schedule with forward_only=True; the last stages' vocabulary shards are gathered on launch
 rank 0 and written at their offsets into one [batch, sequence, vocabulary] fp32 tensor.
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from megatron_hexi.training import Trainer
+
 
 @torch.no_grad()
-def forward_logits(trainer, tokens):
+def forward_logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
     """tokens: [global batch, seq_length] int64, the same on every rank. Collective.
 
     Returns the full fp32 logits on launch rank 0, None elsewhere."""
     from megatron.core.pipeline_parallel.schedules import (
-        forward_backward_pipelining_without_interleaving)
+        forward_backward_pipelining_without_interleaving,
+    )
     from megatron.core.process_groups_config import ProcessGroupCollection
+
     from megatron_hexi.process_groups import SingleRank
 
     plan, v, device = trainer.plan, trainer.view, trainer.device
     G, s = plan.global_batch_size, plan.model.seq_length
     if tuple(tokens.shape) != (G, s):
-        raise ValueError(f"forward_logits: tokens {tuple(tokens.shape)}, the plan runs "
-                         f"({G}, {s}) (global batch, sequence)")
+        raise ValueError(
+            f"forward_logits: tokens {tuple(tokens.shape)}, the plan runs "
+            f"({G}, {s}) (global batch, sequence)"
+        )
     first, mbs = v.samples[0], v.micro_batch_size
 
-    def batches():
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for m in range(v.num_microbatches):
-            t = tokens[first + m * mbs:first + (m + 1) * mbs]
+            t = tokens[first + m * mbs : first + (m + 1) * mbs]
             yield t, torch.arange(s).unsqueeze(0).expand_as(t)
 
-    def keep(output, non_loss_data=True):
+    def keep(output: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
         return output.detach().float().cpu()
 
-    def forward_step(data_iterator, model):
+    def forward_step(
+        data_iterator: Iterator[tuple[torch.Tensor, torch.Tensor]], model: torch.nn.Module
+    ) -> tuple[torch.Tensor, Callable[..., torch.Tensor]]:
         tok = pos = None
         if v.holds_embedding:
             tok, pos = (x.to(device) for x in next(data_iterator))
         return model(tok, pos, None), keep
 
-    pg = ProcessGroupCollection(tp=trainer.groups.tp, cp=SingleRank(), pp=trainer.position,
-                                embd=None, pos_embd=None, dp_cp=SingleRank())
+    pg = ProcessGroupCollection(
+        tp=trainer.groups.tp,
+        cp=SingleRank(),
+        pp=trainer.position,
+        embd=None,
+        pos_embd=None,
+        dp_cp=SingleRank(),
+    )
     trainer.model.eval()
     try:
         store = forward_backward_pipelining_without_interleaving(
-            forward_step_func=forward_step, data_iterator=batches(), model=[trainer.model],
-            num_microbatches=v.num_microbatches, seq_length=s, micro_batch_size=mbs,
-            p2p_communicator=trainer.communicator, pg_collection=pg, forward_only=True,
-            collect_non_loss_data=True)
+            forward_step_func=forward_step,
+            data_iterator=batches(),
+            model=[trainer.model],
+            num_microbatches=v.num_microbatches,
+            seq_length=s,
+            micro_batch_size=mbs,
+            p2p_communicator=trainer.communicator,
+            pg_collection=pg,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
     finally:
         trainer.model.train()
     mine = (first, v.vocab[1], torch.cat(list(store), dim=0)) if v.holds_output else None
@@ -59,7 +87,9 @@ def forward_logits(trainer, tokens):
     for entry in everyone:
         if entry is not None:
             start, vocab_start, logits = entry
-            full[start:start + logits.shape[0], :, vocab_start:vocab_start + logits.shape[2]] = logits
+            full[
+                start : start + logits.shape[0], :, vocab_start : vocab_start + logits.shape[2]
+            ] = logits
     if torch.isnan(full).any():
         raise RuntimeError("forward_logits: some logits were produced by no rank")
     return full

@@ -17,11 +17,15 @@ costs its own elements plus at most a partial block at each end. Norm weights an
 generator. Start-up thus costs a shard, not the full tensors (a 128k-vocabulary embedding is
 2.1 GB in fp32, on every rank of a node).
 """
+
+from __future__ import annotations
+
 import hashlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -29,18 +33,36 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
-from planner.layout import canonical_shards, rank_param_shards
 from megatron_hexi.process_groups import SingleRank
+from planner.layout import canonical_shards, rank_param_shards
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from planner.layout import ParamShard
+    from planner.models import ModelSpec
+    from planner.plan import Plan, RankView
+
+# {canonical name: (block dimension, number of its first block)}: see init_blocks.
+Blocks = Mapping[str, tuple[int, int]]
 
 
-def stage_config(plan, view, *, params_dtype=torch.float32, hidden_dropout=0.0,
-                 attention_dropout=0.0, recompute=False):
+def stage_config(
+    plan: Plan,
+    view: RankView,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    hidden_dropout: float = 0.0,
+    attention_dropout: float = 0.0,
+    recompute: bool = False,
+) -> TransformerConfig:
     """The TransformerConfig of one rank's stage (see the module docstring for the sizes)."""
     m, tp = plan.model, view.tp_size
     kwargs = {}
     if recompute:
-        kwargs.update(recompute_granularity="full", recompute_method="uniform",
-                      recompute_num_layers=1)
+        kwargs.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
     return TransformerConfig(
         num_layers=view.layers[1] - view.layers[0],
         hidden_size=m.hidden_size,
@@ -77,12 +99,18 @@ def stage_config(plan, view, *, params_dtype=torch.float32, hidden_dropout=0.0,
     )
 
 
-def build_stage_model(plan, view, tp_group, config, device):
+def build_stage_model(
+    plan: Plan,
+    view: RankView,
+    tp_group: dist.ProcessGroup | None,
+    config: TransformerConfig,
+    device: torch.device,
+) -> GPTModel:
     """A GPTModel holding exactly `view`'s layers and shards, on `device`, not yet initialised."""
     m, tp = plan.model, view.tp_size
     pg = ProcessGroupCollection(tp=tp_group, cp=SingleRank(), pp=None, embd=None, pos_embd=None)
     vocab = view.vocab[0] * tp if view.vocab else m.vocab_size
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:    # attention's scratch buffer
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # attention's scratch buffer
         parallel_state._set_global_memory_buffer()
     model = GPTModel(
         config=config,
@@ -109,7 +137,7 @@ def build_stage_model(plan, view, tp_group, config, device):
     return model
 
 
-def seed_rng(seed, tp_rank):
+def seed_rng(seed: int, tp_rank: int) -> None:
     """Megatron's RNG tracker (dropout in TP regions), seeded the way Megatron-LM does."""
     model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
 
@@ -117,10 +145,10 @@ def seed_rng(seed, tp_rank):
 # Rows (or columns) per independently seeded block of a canonical tensor. A constant of the
 # initial model, never of a plan: changing it changes every initial weight.
 INIT_BLOCK = 64
-_SEED_STRIDE = 0x9E3779B1            # odd, so block number -> seed is a bijection modulo 2**32
+_SEED_STRIDE = 0x9E3779B1  # odd, so block number -> seed is a bijection modulo 2**32
 
 
-def init_blocks(m):
+def init_blocks(m: ModelSpec) -> dict[str, tuple[int, int]]:
     """{canonical name: (block dimension, number of its first block)} for model spec `m`.
 
     A parameter is cut into blocks along the dimension the layout splits it along (rows of the
@@ -128,7 +156,8 @@ def init_blocks(m):
     blocks except at most one partial block at each end of each piece. Block numbers run through
     the model in canonical order, so no two blocks of one model share a seed.
     """
-    out, k = {}, 0
+    out: dict[str, tuple[int, int]] = {}
+    k = 0
     for s in canonical_shards(m):
         out[s.name] = (s.dim, k)
         k += -(-s.shape[s.dim] // INIT_BLOCK)
@@ -137,7 +166,7 @@ def init_blocks(m):
     return out
 
 
-def block_seed(seed, block):
+def block_seed(seed: int, block: int) -> int:
     """The generator seed of one block. torch's CPU generator keeps only 32 bits of a seed, so
     seeds are made distinct by construction (a bijection of the block number) rather than by a
     wide hash, whose 32-bit truncations would collide in models with ~100k blocks."""
@@ -145,24 +174,27 @@ def block_seed(seed, block):
     return (base + block * _SEED_STRIDE) % 2**32
 
 
-def _init_scale(shard, std, num_layers):
+def _init_scale(shard: ParamShard, std: float, num_layers: int) -> float:
     """Megatron's init: N(0, std), output projections N(0, std / sqrt(2 x layers))."""
     return std / (2.0 * num_layers) ** 0.5 if shard.init == "scaled_normal" else std
 
 
-def _draw_block(shape, seed32, scale):
+def _draw_block(shape: Sequence[int], seed32: int, scale: float) -> torch.Tensor:
     """One block's values, fp32 on CPU: the same wherever and whenever it is drawn."""
     gen = torch.Generator().manual_seed(seed32)
     return torch.empty(shape).normal_(0.0, scale, generator=gen)
 
 
-def _range_blocks(shard, start, length, seed, m, blocks):
+def _range_blocks(
+    shard: ParamShard, start: int, length: int, seed: int, m: ModelSpec, blocks: Blocks
+) -> Iterator[tuple[int, torch.Tensor]]:
     """(offset from `start`, values) for elements [start, start + length) along the block
     dimension of `shard`'s canonical tensor, one overlapping block at a time."""
     dim, first = blocks[shard.name]
     if dim != shard.dim:
-        raise ValueError(f"{shard.name}: pieces along dimension {shard.dim}, initialisation "
-                         f"blocks along {dim}")
+        raise ValueError(
+            f"{shard.name}: pieces along dimension {shard.dim}, initialisation blocks along {dim}"
+        )
     scale = _init_scale(shard, m.init_method_std, m.num_layers)
     size = shard.shape[dim]
     for j in range(start // INIT_BLOCK, -(-(start + length) // INIT_BLOCK)):
@@ -174,7 +206,9 @@ def _range_blocks(shard, start, length, seed, m, blocks):
         yield lo - start, block.narrow(dim, lo - b0, hi - lo)
 
 
-def fill_range(out, shard, start, seed, m, blocks):
+def fill_range(
+    out: torch.Tensor, shard: ParamShard, start: int, seed: int, m: ModelSpec, blocks: Blocks
+) -> torch.Tensor:
     """Write elements [start, start + out.shape[dim]) of `shard`'s canonical tensor into `out`
     (any device and dtype), drawing only the blocks that overlap them. `blocks`: init_blocks(m)."""
     if shard.init in ("ones", "zeros"):
@@ -186,18 +220,23 @@ def fill_range(out, shard, start, seed, m, blocks):
     return out
 
 
-def full_tensor(shard, seed, m, blocks=None):
+def full_tensor(
+    shard: ParamShard, seed: int, m: ModelSpec, blocks: Blocks | None = None
+) -> torch.Tensor:
     """The canonical full tensor of a parameter: the same on every rank under every plan."""
     return fill_range(torch.empty(shard.shape), shard, 0, seed, m, blocks or init_blocks(m))
 
 
-def take_pieces(full, shard):
+def take_pieces(full: torch.Tensor, shard: ParamShard) -> torch.Tensor:
     """This rank's local tensor cut out of a canonical tensor, pieces concatenated."""
-    return torch.cat([full.narrow(shard.dim, p.global_start, p.length) for p in shard.pieces],
-                     dim=shard.dim)
+    return torch.cat(
+        [full.narrow(shard.dim, p.global_start, p.length) for p in shard.pieces], dim=shard.dim
+    )
 
 
-def local_parameters(plan, rank, model):
+def local_parameters(
+    plan: Plan, rank: int, model: torch.nn.Module
+) -> list[tuple[ParamShard, torch.nn.Parameter]]:
     """[(ParamShard, parameter)] for every parameter of the stage model, checked against the plan.
 
     A mismatch means the layout and megatron-core disagree: fail loudly rather than train wrong.
@@ -206,20 +245,25 @@ def local_parameters(plan, rank, model):
     shards = rank_param_shards(plan, rank)
     expected = {s.local_name for s in shards}
     if set(params) != expected:
-        raise RuntimeError(f"stage model parameters {sorted(set(params) ^ expected)} do not match "
-                           f"the plan's layout (megatron-core version mismatch?)")
+        raise RuntimeError(
+            f"stage model parameters {sorted(set(params) ^ expected)} do not match "
+            f"the plan's layout (megatron-core version mismatch?)"
+        )
     out = []
     for s in shards:
         p = params[s.local_name]
         if tuple(p.shape) != s.local_shape:
-            raise RuntimeError(f"{s.local_name}: local shape {tuple(p.shape)}, layout says "
-                               f"{s.local_shape}")
+            raise RuntimeError(
+                f"{s.local_name}: local shape {tuple(p.shape)}, layout says {s.local_shape}"
+            )
         out.append((s, p))
     return out
 
 
 @torch.no_grad()
-def initialise_weights(plan, params, seed):
+def initialise_weights(
+    plan: Plan, params: Iterable[tuple[ParamShard, torch.Tensor]], seed: int
+) -> None:
     """Fill every local parameter with its slices of the canonical initial tensors.
 
     Each piece is drawn on its own (only the blocks it overlaps), so host memory and time are
@@ -229,5 +273,11 @@ def initialise_weights(plan, params, seed):
     blocks = init_blocks(plan.model)
     for shard, p in params:
         for piece in shard.pieces:
-            fill_range(p.narrow(shard.dim, piece.local_start, piece.length), shard,
-                       piece.global_start, seed, plan.model, blocks)
+            fill_range(
+                p.narrow(shard.dim, piece.local_start, piece.length),
+                shard,
+                piece.global_start,
+                seed,
+                plan.model,
+                blocks,
+            )

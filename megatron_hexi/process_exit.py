@@ -14,12 +14,14 @@ fsynced when saved, metrics files closed by the training loop), `exit_process` d
 process groups, flushes logging and the standard streams, and leaves with `os._exit`, which skips
 interpreter finalisation. No thread can meet a finalising interpreter, because there is none.
 """
+
 import logging
 import os
 import sys
+from typing import NoReturn
 
 
-def exit_process(code):
+def exit_process(code: int | None) -> NoReturn:
     """Destroy the process groups, flush every stream, and end the process with `code`.
 
     Safe with or without an initialised process group; never returns.
@@ -27,11 +29,11 @@ def exit_process(code):
     code = 0 if code is None else int(code)
     try:
         import torch.distributed as dist
+
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    except Exception as e:   # noqa: BLE001 - tearing down must not change the exit code
-        print(f"warning: process group teardown failed: {type(e).__name__}: {e}",
-              file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - tearing down must not change the exit code
+        print(f"warning: process group teardown failed: {type(e).__name__}: {e}", file=sys.stderr)
     finally:
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):

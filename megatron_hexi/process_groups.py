@@ -4,12 +4,21 @@ Every rank creates every group in the same order (torch.distributed requires it)
 no group is ever created inside the training step. Plan ranks are translated to launch ranks
 here, so the rest of the runtime speaks plan ranks only.
 """
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from planner.plan import Plan
 
-def group_order(ranks, launch_of):
+
+def group_order(ranks: Iterable[int], launch_of: Mapping[int, int]) -> list[int]:
     """The plan ranks of a group in the order torch numbers its members: `new_group` sorts the
     launch ranks, and launch order need not follow the plan. Collectives that cut a buffer into
     per-member chunks (reduce-scatter, all-gather, boundary parts) must lay it out in this order."""
@@ -23,43 +32,45 @@ class StagePosition:
     rank in every stage"; the 1F1B schedule only needs the stage index and the stage count.
     """
 
-    def __init__(self, stage, num_stages):
+    def __init__(self, stage: int, num_stages: int) -> None:
         self._stage, self._num = stage, num_stages
 
-    def rank(self):
+    def rank(self) -> int:
         return self._stage
 
-    def size(self):
+    def size(self) -> int:
         return self._num
 
 
 class SingleRank:
     """A size-1 group stand-in for dimensions this runtime does not split (context parallel)."""
 
-    def rank(self):
+    def rank(self) -> int:
         return 0
 
-    def size(self):
+    def size(self) -> int:
         return 1
 
 
 @dataclass
 class HeteroGroups:
     plan_rank: int
-    launch_of: dict                        # plan rank -> launch rank
-    tp: object = None                      # this rank's stage TP group
-    segment_groups: dict = field(default_factory=dict)   # rank set (plan ranks) -> group
-    world: object = None
-
-    def launch_rank(self, plan_rank):
-        return self.launch_of[plan_rank]
+    launch_of: dict[int, int]  # plan rank -> launch rank
+    tp: dist.ProcessGroup | None = None  # this rank's stage TP group
+    # rank set (plan ranks) -> group
+    segment_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
 
 
-def build_groups(plan, mapping, rank_sets, timeout):
+def build_groups(
+    plan: Plan,
+    mapping: Mapping[int, int],
+    rank_sets: Iterable[tuple[int, ...]],
+    timeout: datetime.timedelta,
+) -> HeteroGroups:
     """Create the stage TP groups and one group per gradient rank set, in one global order."""
     plan_rank = mapping[dist.get_rank()]
-    launch_of = {p: l for l, p in mapping.items()}
-    groups = HeteroGroups(plan_rank, launch_of, world=dist.group.WORLD)
+    launch_of = {p: launch for launch, p in mapping.items()}
+    groups = HeteroGroups(plan_rank, launch_of)
     for pipe in plan.pipelines:
         for stage in pipe.stages:
             g = dist.new_group([launch_of[r] for r in stage.ranks], timeout=timeout)

@@ -4,27 +4,37 @@ Launch rank 0 writes them: it holds every all-reduced metric of the iteration. N
 Megatron-LM's where it has one ("lm loss", "learning-rate", "grad-norm", "iteration-time",
 "batch-size"), plus tokens per second, MFU, each pipeline's step time and each rank's peak memory.
 """
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
 from planner.errors import SpecError
 
 
-def check_available():
+def check_available() -> None:
     """Raise a one-line SpecError if torch.utils.tensorboard cannot be imported."""
     try:
         from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     except ImportError as e:
-        raise SpecError(f"--tensorboard-dir needs the tensorboard package ({e}); install it with "
-                        f"pip install 'megatron-hexi[tensorboard]' (or pip install tensorboard)")
+        raise SpecError(
+            f"--tensorboard-dir needs the tensorboard package ({e}); install it with "
+            f"pip install 'megatron-hexi[tensorboard]' (or pip install tensorboard)"
+        )
 
 
 class TensorBoardLogger:
-    def __init__(self, log_dir, global_batch_size, log_interval=1):
+    def __init__(
+        self, log_dir: str | os.PathLike[str], global_batch_size: int, log_interval: int = 1
+    ) -> None:
         check_available()
         from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(log_dir=log_dir)
         self.global_batch_size = global_batch_size
         self.log_interval = max(1, log_interval)
 
-    def log(self, iteration, m):
+    def log(self, iteration: int, m: Mapping[str, Any]) -> None:
         if iteration % self.log_interval:
             return
         w = self.writer
@@ -40,9 +50,9 @@ class TensorBoardLogger:
         for r, gb in enumerate(m["peak_memory_gb"]):
             w.add_scalar(f"peak-memory-gb/rank-{r}", gb, iteration)
 
-    def summary(self, text, iteration):
+    def summary(self, text: str, iteration: int) -> None:
         self.writer.add_text("summary", text, iteration)
 
-    def close(self):
+    def close(self) -> None:
         self.writer.flush()
         self.writer.close()

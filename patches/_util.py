@@ -42,7 +42,7 @@ def _to_cpu_device(device: Any) -> Any:
 
 def _cpu_factory(fn: Callable) -> Callable:
     @functools.wraps(fn)
-    def factory(*args, **kwargs):
+    def factory(*args: Any, **kwargs: Any) -> Any:
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
         return fn(*args, **kwargs)
@@ -74,7 +74,7 @@ class NamespaceProxy:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"megatron_hexi CPU torch proxy is read-only (tried to set {name!r})")
 
-    def __dir__(self):
+    def __dir__(self) -> list[str]:
         return dir(object.__getattribute__(self, "_hexi_real"))
 
     def __repr__(self) -> str:
@@ -93,12 +93,9 @@ def cpu_torch(extra_cuda: Dict[str, Any] | None = None) -> NamespaceProxy:
     return NamespaceProxy(torch, overrides)
 
 
-def is_cpu_torch(obj: Any) -> bool:
-    return isinstance(obj, NamespaceProxy)
-
-
 class UndoLog:
-    """Records every change so that :func:`megatron_hexi.patches.remove_cpu_patches` can revert it."""
+    """Records every change, so that :func:`megatron_hexi.patches.remove_cpu_patches` can
+    revert it."""
 
     def __init__(self) -> None:
         self._undo: List[Callable[[], None]] = []

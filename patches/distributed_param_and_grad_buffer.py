@@ -9,11 +9,12 @@ user-buffer warm-up (:768), NCCL only.
 Checked against megatron-core 0.16.1.
 """
 
+import types
+
 from . import _util
 
 UPSTREAM = "megatron.core.distributed.param_and_grad_buffer"
-CHECKED_AGAINST = ("0.16.1",)
 
 
-def apply(log: _util.UndoLog, module) -> None:
+def apply(log: _util.UndoLog, module: types.ModuleType) -> None:
     _util.proxy_module_torch(log, module)

@@ -11,13 +11,14 @@ the shared word-embedding weight at construction, after moving it to CUDA.
 Checked against megatron-core 0.16.1.
 """
 
+import types
+
 from . import _util
 
 UPSTREAM = "megatron.core.models.common.language_module.language_module"
-CHECKED_AGAINST = ("0.16.1",)
 
 
-def apply(log: _util.UndoLog, module) -> None:
+def apply(log: _util.UndoLog, module: types.ModuleType) -> None:
     _util.replace_code_names(
         log, module.LanguageModule.setup_embeddings_and_output_layer, {"cuda": "cpu"}
     )

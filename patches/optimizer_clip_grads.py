@@ -13,13 +13,14 @@ one.
 Checked against megatron-core 0.16.1.
 """
 
+import types
+
 from . import _util
 
 UPSTREAM = "megatron.core.optimizer.clip_grads"
-CHECKED_AGAINST = ("0.16.1",)
 
 
-def apply(log: _util.UndoLog, module) -> None:
+def apply(log: _util.UndoLog, module: types.ModuleType) -> None:
     _util.proxy_module_torch(log, module)
     _util.replace_code_constants(
         log, module.clip_grad_by_total_norm_fp32, {"torch.cuda.FloatTensor": "torch.FloatTensor"}

@@ -13,13 +13,14 @@ needs only the device part. Not patched: ``offload_to_cpu``/``restore_from_cpu``
 Checked against megatron-core 0.16.1.
 """
 
+import types
+
 from . import _util
 
 UPSTREAM = "megatron.core.optimizer.optimizer"
-CHECKED_AGAINST = ("0.16.1",)
 
 
-def apply(log: _util.UndoLog, module) -> None:
+def apply(log: _util.UndoLog, module: types.ModuleType) -> None:
     _util.proxy_module_torch(log, module)
     _util.replace_code_constants(
         log,

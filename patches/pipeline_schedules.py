@@ -10,11 +10,12 @@ Why: every schedule allocates its token counter as
 Checked against megatron-core 0.16.1.
 """
 
+import types
+
 from . import _util
 
 UPSTREAM = "megatron.core.pipeline_parallel.schedules"
-CHECKED_AGAINST = ("0.16.1",)
 
 
-def apply(log: _util.UndoLog, module) -> None:
+def apply(log: _util.UndoLog, module: types.ModuleType) -> None:
     _util.proxy_module_torch(log, module)

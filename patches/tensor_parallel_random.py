@@ -24,33 +24,37 @@ Checked against megatron-core 0.16.1.
 """
 
 import logging
+import types
 
 import torch
 
 from . import _util
 
 UPSTREAM = "megatron.core.tensor_parallel.random"
-CHECKED_AGAINST = ("0.16.1",)
 _WARNING = "CPU RNG state changed within GPU RNG context"
 
 
-def _get_cpu_rng_state(device="cuda", clone=False, graph_safe=False):
+def _get_cpu_rng_state(
+    device: str | int | torch.device = "cuda", clone: bool = False, graph_safe: bool = False
+) -> torch.Tensor:
     if graph_safe:
         raise RuntimeError("graph-safe (cudagraphable) RNG states need CUDA")
     return torch.get_rng_state()
 
 
-def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
+def _set_cpu_rng_state(
+    new_state: torch.Tensor, device: str | int | torch.device = -1, graph_safe: bool = False
+) -> None:
     if graph_safe:
         raise RuntimeError("graph-safe (cudagraphable) RNG states need CUDA")
     torch.set_rng_state(new_state)
 
 
-def _cuda_get_rng_state(device="cuda"):
+def _cuda_get_rng_state(device: str | int | torch.device = "cuda") -> torch.Tensor:
     return torch.get_rng_state()
 
 
-def _cuda_set_rng_state(new_state, device="cuda"):
+def _cuda_set_rng_state(new_state: torch.Tensor, device: str | int | torch.device = "cuda") -> None:
     torch.set_rng_state(new_state)
 
 
@@ -59,7 +63,7 @@ class _DropForkWarning(logging.Filter):
         return record.getMessage() != _WARNING
 
 
-def apply(log: _util.UndoLog, module) -> None:
+def apply(log: _util.UndoLog, module: types.ModuleType) -> None:
     log.set_attr(module, "_get_cuda_rng_state", _get_cpu_rng_state)
     log.set_attr(module, "_set_cuda_rng_state", _set_cpu_rng_state)
     _util.proxy_module_torch(

@@ -8,11 +8,12 @@ Why: ``split_tensor_into_1d_equal_chunks`` / ``gather_split_1d_tensor`` allocate
 Checked against megatron-core 0.16.1.
 """
 
+import types
+
 from . import _util
 
 UPSTREAM = "megatron.core.tensor_parallel.utils"
-CHECKED_AGAINST = ("0.16.1",)
 
 
-def apply(log: _util.UndoLog, module) -> None:
+def apply(log: _util.UndoLog, module: types.ModuleType) -> None:
     _util.proxy_module_torch(log, module)

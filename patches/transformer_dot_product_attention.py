@@ -10,11 +10,12 @@ needs no patch here; its CPU obstacles are the memory buffer (``core_utils``) an
 Checked against megatron-core 0.16.1.
 """
 
+import types
+
 from . import _util
 
 UPSTREAM = "megatron.core.transformer.dot_product_attention"
-CHECKED_AGAINST = ("0.16.1",)
 
 
-def apply(log: _util.UndoLog, module) -> None:
+def apply(log: _util.UndoLog, module: types.ModuleType) -> None:
     _util.proxy_module_torch(log, module)

@@ -2,28 +2,42 @@
 
 Every user error is printed to stderr as one line per problem, with exit code 2 and no traceback.
 """
+
+from __future__ import annotations
+
 import argparse
 import re
 import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 from planner.cluster import load_cluster
 from planner.errors import SpecError
 from planner.inputs import read_json
 from planner.limits import MAX_BATCH, MAX_NUMBER_CHARS, MAX_REPORTED_PROBLEMS, MAX_SEQ_LENGTH
-from planner.models import load_model, model_from_dict
+from planner.models import ModelSpec, load_model, model_from_dict
 from planner.plan import build_plan, load_plan, save_plan
+
+if TYPE_CHECKING:
+    from planner.plan import Plan
 
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one SpecError line (exit 2) instead of usage text."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         raise SpecError(f"{message} (see {self.prog} --help)")
 
 
-def bounded_int(lo, hi):
+# `hexi-plan`'s subcommands, and a function that adds some to them (planner.search_cli's).
+Subparsers: TypeAlias = "argparse._SubParsersAction[ArgumentParser]"
+Register: TypeAlias = Callable[[Subparsers], None]
+
+
+def bounded_int(lo: int, hi: int) -> Callable[[str], int]:
     """An argparse type: an integer in [lo, hi], refused in one line naming the flag otherwise."""
-    def parse(text):
+
+    def parse(text: str) -> int:
         try:
             value = int(text) if len(text) <= MAX_NUMBER_CHARS else None
         except ValueError:
@@ -32,94 +46,119 @@ def bounded_int(lo, hi):
             kind = "a positive integer" if lo == 1 else f"an integer >= {lo}"
             raise argparse.ArgumentTypeError(f"must be {kind} up to {hi:,}, got {text[:40]!r}")
         return value
+
     parse.__name__ = "integer"
     return parse
 
 
-def with_seq_length(model, seq_length, flag="--seq-length"):
+def with_seq_length(
+    model: ModelSpec, seq_length: int | None, flag: str = "--seq-length"
+) -> ModelSpec:
     """The model with another seq_length, validated like any model field."""
     if seq_length is None:
         return model
     return model_from_dict({**model.to_dict(), "seq_length": seq_length}, flag)
 
 
-def cmd_validate(args):
+def cmd_validate(args: argparse.Namespace) -> None:
     plan = load_plan(args.plan)
-    print(f"{args.plan}: valid plan, {plan.world_size} ranks, {len(plan.pipelines)} pipelines, "
-          f"global batch {plan.global_batch_size}")
+    print(
+        f"{args.plan}: valid plan, {plan.world_size} ranks, {len(plan.pipelines)} pipelines, "
+        f"global batch {plan.global_batch_size}"
+    )
 
 
-def cmd_manual(args):
+def cmd_manual(args: argparse.Namespace) -> None:
     cluster = load_cluster(args.cluster)
     model = with_seq_length(load_model(args.model), args.seq_length)
     pipelines = read_json(args.pipelines, "pipelines file")
     if isinstance(pipelines, dict) and "pipelines" in pipelines:
         pipelines = pipelines["pipelines"]
-    plan = build_plan(cluster, model, args.global_batch_size, pipelines, recompute=args.recompute,
-                      use_distributed_optimizer=args.use_distributed_optimizer,
-                      optimizer_shard=args.optimizer_shard)
+    plan = build_plan(
+        cluster,
+        model,
+        args.global_batch_size,
+        pipelines,
+        recompute=args.recompute,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        optimizer_shard=args.optimizer_shard,
+    )
     save_plan(plan, args.output)
     print(f"wrote {args.output}: {plan.world_size} ranks, {len(plan.pipelines)} pipelines")
 
 
-def _describe_gpus(plan, ranks):
+def _describe_gpus(plan: Plan, ranks: Iterable[int]) -> str:
     """'2xA100-SXM-80GB@a100' style summary of the GPUs behind some ranks."""
-    counts = {}
+    counts: dict[tuple[str, str], int] = {}
     for r in ranks:
         key = (plan.ranks[r].gpu, plan.ranks[r].node)
         counts[key] = counts.get(key, 0) + 1
     return ",".join(f"{n}x{g}@{node}" for (g, node), n in counts.items())
 
 
-def _sizes(sizes):
+def _sizes(sizes: object) -> str:
     """[4, 4, 4] -> '3x4'; uneven lists are printed whole."""
     if not isinstance(sizes, list):
         return str(sizes)
     return f"{len(sizes)}x{sizes[0]}" if len(set(sizes)) == 1 and len(sizes) > 1 else str(sizes)
 
 
-def format_plan_table(plan):
+def format_plan_table(plan: Plan) -> str:
     """A text table: per pipeline, its stages with ranks, GPU types, layers, shards, batches."""
-    lines = [f"plan for cluster {plan.cluster.name!r}: {plan.world_size} ranks, model "
-             f"{plan.model.name or 'custom'} ({plan.model.num_layers} layers, hidden "
-             f"{plan.model.hidden_size}), global batch {plan.global_batch_size}"
-             f"{', recompute' if plan.training.recompute else ''}"]
-    header = f"  {'stage':<6}{'ranks':<16}{'gpus':<34}{'layers':<10}{'query_groups':<16}" \
-             f"{'ffn':<18}{'vocab':<16}"
+    lines = [
+        f"plan for cluster {plan.cluster.name!r}: {plan.world_size} ranks, model "
+        f"{plan.model.name or 'custom'} ({plan.model.num_layers} layers, hidden "
+        f"{plan.model.hidden_size}), global batch {plan.global_batch_size}"
+        f"{', recompute' if plan.training.recompute else ''}"
+    ]
+    header = (
+        f"  {'stage':<6}{'ranks':<16}{'gpus':<34}{'layers':<10}{'query_groups':<16}"
+        f"{'ffn':<18}{'vocab':<16}"
+    )
     for p, pipe in enumerate(plan.pipelines):
         start, end = plan.sample_range(p)
-        lines.append(f"pipeline {p}: {len(pipe.stages)} stages, micro_batch_size "
-                     f"{pipe.micro_batch_size} x {pipe.num_microbatches} micro-batches = samples "
-                     f"[{start}, {end})")
+        lines.append(
+            f"pipeline {p}: {len(pipe.stages)} stages, micro_batch_size "
+            f"{pipe.micro_batch_size} x {pipe.num_microbatches} micro-batches = samples "
+            f"[{start}, {end})"
+        )
         lines.append(header)
         for s, stage in enumerate(pipe.stages):
             gpus = _describe_gpus(plan, stage.ranks)
             holds_vocab = stage.layers[0] == 0 or stage.layers[1] == plan.model.num_layers
             vocab = _sizes(plan.shard_sizes(stage, "vocab")) if holds_vocab else "-"
-            ranks = str(list(stage.ranks)) if len(stage.ranks) <= 3 else \
-                f"[{stage.ranks[0]}..{stage.ranks[-1]}]"
-            lines.append(f"  {s:<6}{ranks:<16}{gpus:<34}"
-                         f"{'[%d,%d)' % stage.layers:<10}"
-                         f"{_sizes(plan.shard_sizes(stage, 'query_groups')):<16}"
-                         f"{_sizes(plan.shard_sizes(stage, 'ffn')):<18}{vocab:<16}")
+            ranks = (
+                str(list(stage.ranks))
+                if len(stage.ranks) <= 3
+                else f"[{stage.ranks[0]}..{stage.ranks[-1]}]"
+            )
+            lines.append(
+                f"  {s:<6}{ranks:<16}{gpus:<34}"
+                f"{'[%d,%d)' % stage.layers:<10}"
+                f"{_sizes(plan.shard_sizes(stage, 'query_groups')):<16}"
+                f"{_sizes(plan.shard_sizes(stage, 'ffn')):<18}{vocab:<16}"
+            )
     if plan.estimate:
         e = plan.estimate
-        lines.append(f"estimate: iteration {e.get('iteration_time_s', 0):.4g} s, "
-                     f"{e.get('tokens_per_s', 0):.4g} tokens/s, MFU {e.get('mfu', 0):.3f}, "
-                     f"bottleneck: {e.get('bottleneck', '?')}")
+        lines.append(
+            f"estimate: iteration {e.get('iteration_time_s', 0):.4g} s, "
+            f"{e.get('tokens_per_s', 0):.4g} tokens/s, MFU {e.get('mfu', 0):.3f}, "
+            f"bottleneck: {e.get('bottleneck', '?')}"
+        )
     return "\n".join(lines)
 
 
-def cmd_show(args):
+def cmd_show(args: argparse.Namespace) -> None:
     plan = load_plan(args.plan)
     print(format_plan_table(plan))
     if getattr(args, "png", None):
         from planner.picture import draw_plan
+
         draw_plan(plan, args.png)
         print(f"wrote {args.png}")
 
 
-def build_parser():
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="hexi-plan", description="Plan heterogeneous training.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -131,14 +170,25 @@ def build_parser():
     p.add_argument("--cluster", required=True, help="cluster YAML")
     p.add_argument("--model", required=True, help="catalog model name or model YAML")
     p.add_argument("--global-batch-size", type=bounded_int(1, MAX_BATCH), required=True)
-    p.add_argument("--seq-length", type=bounded_int(1, MAX_SEQ_LENGTH), default=None,
-                   help="override the model's seq_length")
+    p.add_argument(
+        "--seq-length",
+        type=bounded_int(1, MAX_SEQ_LENGTH),
+        default=None,
+        help="override the model's seq_length",
+    )
     p.add_argument("--pipelines", required=True, help="JSON file with the plan's `pipelines` array")
     p.add_argument("--recompute", action="store_true", help="full activation recompute")
-    p.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard fp32 master weights and Adam state over each segment's ranks")
-    p.add_argument("--optimizer-shard", choices=["even", "memory"], default="even",
-                   help="with --use-distributed-optimizer: cut state evenly or by GPU memory")
+    p.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="shard fp32 master weights and Adam state over each segment's ranks",
+    )
+    p.add_argument(
+        "--optimizer-shard",
+        choices=["even", "memory"],
+        default="even",
+        help="with --use-distributed-optimizer: cut state evenly or by GPU memory",
+    )
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_manual)
 
@@ -152,35 +202,37 @@ def build_parser():
     return parser
 
 
-def _extra_commands():
+def _extra_commands() -> list[Register]:
     """Subcommands contributed by the search and the simulator, when present."""
-    out = []
+    out: list[Register] = []
     try:
         from planner.search_cli import register_commands
+
         out.append(register_commands)
     except ImportError:
         pass
     return out
 
 
-
-
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
-def error_lines(problems):
+def error_lines(problems: Sequence[object]) -> list[str]:
     """The stderr lines for a SpecError: one per problem, control characters escaped (so one
     problem is always one line), at most MAX_REPORTED_PROBLEMS and then a count of the rest."""
-    def escape(line):
+
+    def escape(line: str) -> str:
         return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], line)
+
     lines = [f"hexi-plan: error: {escape(str(p))}" for p in problems[:MAX_REPORTED_PROBLEMS]]
     if len(problems) > MAX_REPORTED_PROBLEMS:
-        lines.append(f"hexi-plan: error: ... and {len(problems) - MAX_REPORTED_PROBLEMS:,} more "
-                     f"problems")
+        lines.append(
+            f"hexi-plan: error: ... and {len(problems) - MAX_REPORTED_PROBLEMS:,} more problems"
+        )
     return lines
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

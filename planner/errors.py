@@ -1,5 +1,7 @@
 """Errors that the planner reports to users as one line each, naming the offending field."""
 
+from collections.abc import Iterable
+
 
 class SpecError(ValueError):
     """A problem in user input (plan, cluster file, model spec, CLI flag).
@@ -8,7 +10,7 @@ class SpecError(ValueError):
     and exits with code 2, without a traceback.
     """
 
-    def __init__(self, problems):
+    def __init__(self, problems: str | Iterable[str]) -> None:
         if isinstance(problems, str):
             problems = [problems]
         self.problems = list(problems)

@@ -39,11 +39,11 @@ MAX_REPORTED_PROBLEMS = 20
 # The largest single training jobs today span ~16k-100k GPUs (clusters of up to ~200k GPUs);
 # 2**18 is above all of them. It also bounds plans: see JSON_BYTES_PER_RANK above.
 MAX_GPUS = 2**18
-MAX_JSON_FILE_BYTES = MAX_GPUS * JSON_BYTES_PER_RANK     # 80 MiB
+MAX_JSON_FILE_BYTES = MAX_GPUS * JSON_BYTES_PER_RANK  # 80 MiB
 # ~25k machines in those clusters (8 GPUs each); 2**16 is 2.6x that. Bounds the per-node expansion
 # of `count` in planner/cluster.py, and the YAML node count (MAX_YAML_NODES) a host list needs.
 MAX_NODES = 2**16
-MAX_YAML_NODES = MAX_NODES + 2**12   # the MAX_NODES host list plus the rest of the file
+MAX_YAML_NODES = MAX_NODES + 2**12  # the MAX_NODES host list plus the rest of the file
 # A machine or NVLink domain: 8-16 GPUs per server, 72 (NVL72) to 576 (NVL576) per NVLink domain.
 MAX_GPUS_PER_NODE = 1024
 # Link overrides in a cluster file: one per pair of machine groups or machines that differ from
@@ -60,9 +60,9 @@ MAX_LATENCY_S = 3600.0
 # Largest published dense models: ~126-160 layers, hidden ~25k, FFN ~100k, 128 heads, vocabulary
 # ~256k, context ~10M tokens. Each bound is 10x-100x that.
 MAX_LAYERS = 4096
-MAX_HIDDEN = 2**20              # hidden_size and kv_channels
+MAX_HIDDEN = 2**20  # hidden_size and kv_channels
 MAX_FFN_HIDDEN = 2**22
-MAX_HEADS = 2**16               # num_attention_heads (num_query_groups divides it)
+MAX_HEADS = 2**16  # num_attention_heads (num_query_groups divides it)
 MAX_VOCAB = 2**24
 MAX_SEQ_LENGTH = 2**27
 # RoPE base: 1e4 (Llama 2) to 5e5-1e7 for long context.
@@ -71,10 +71,15 @@ MAX_ROTARY_BASE = 2**40
 MAX_NORM_EPSILON = 1.0
 MAX_INIT_METHOD_STD = 1.0
 
-MODEL_INT_BOUNDS = {"num_layers": MAX_LAYERS, "hidden_size": MAX_HIDDEN,
-                    "ffn_hidden_size": MAX_FFN_HIDDEN, "num_attention_heads": MAX_HEADS,
-                    "num_query_groups": MAX_HEADS, "vocab_size": MAX_VOCAB,
-                    "seq_length": MAX_SEQ_LENGTH}
+MODEL_INT_BOUNDS = {
+    "num_layers": MAX_LAYERS,
+    "hidden_size": MAX_HIDDEN,
+    "ffn_hidden_size": MAX_FFN_HIDDEN,
+    "num_attention_heads": MAX_HEADS,
+    "num_query_groups": MAX_HEADS,
+    "vocab_size": MAX_VOCAB,
+    "seq_length": MAX_SEQ_LENGTH,
+}
 
 # --- training ----------------------------------------------------------------------------------
 # Samples per global batch (and per micro-batch, micro-batches per pipeline): real runs use

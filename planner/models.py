@@ -3,20 +3,35 @@
 The defaults are Llama's (RMSNorm, rotary embeddings, SwiGLU, no linear biases, untied output
 layer), so a spec needs only the sizes.
 """
+
 import dataclasses
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from typing import Any
 
 import yaml
 
 from planner.errors import ModelSpecError, SpecError
 from planner.inputs import document_problems, int_problem, is_number, read_yaml
-from planner.limits import (MAX_HIDDEN, MAX_INIT_METHOD_STD, MAX_NORM_EPSILON, MAX_ROTARY_BASE,
-                            MODEL_INT_BOUNDS)
+from planner.limits import (
+    MAX_HIDDEN,
+    MAX_INIT_METHOD_STD,
+    MAX_NORM_EPSILON,
+    MAX_ROTARY_BASE,
+    MODEL_INT_BOUNDS,
+)
 
-_INT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-               "num_query_groups", "vocab_size", "seq_length")
+_INT_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "vocab_size",
+    "seq_length",
+)
 
 
 @dataclass(frozen=True)
@@ -35,29 +50,32 @@ class ModelSpec:
     position_embedding_type: str = "rope"
     rotary_base: int = 10000
     add_bias_linear: bool = False
-    kv_channels: int = 0          # 0: hidden_size // num_attention_heads
+    kv_channels: int = 0  # 0: hidden_size // num_attention_heads
     init_method_std: float = 0.02
     name: str = ""
 
     @property
-    def head_dim(self):
+    def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
-    def heads_per_group(self):
+    def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
     @property
-    def ffn_width(self):
+    def ffn_width(self) -> int:
         """Rows of the first MLP weight: 2 x ffn for SwiGLU (gate and up), else ffn."""
         return 2 * self.ffn_hidden_size if self.swiglu else self.ffn_hidden_size
 
-    def to_dict(self):
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name in _INT_FIELDS or getattr(self, f.name) != f.default}
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name in _INT_FIELDS or getattr(self, f.name) != f.default
+        }
 
 
-def model_from_dict(data, where="model"):
+def model_from_dict(data: object, where: str = "model") -> ModelSpec:
     """Validate and build a ModelSpec; every problem is one line naming the field.
 
     Sizes are bounded (planner/limits.py) so that no spec makes the cost model overflow or the
@@ -84,10 +102,10 @@ def model_from_dict(data, where="model"):
             bad = int_problem(data[k], f"{where}.{k}", lo, hi)
             if bad:
                 problems.append(bad)
-    for k, hi in (("norm_epsilon", MAX_NORM_EPSILON), ("init_method_std", MAX_INIT_METHOD_STD)):
-        v = data.get(k, hi)
-        if not is_number(v) or not 0 < v <= hi:
-            problems.append(f"{where}.{k}: must be a finite number in (0, {hi:g}], got {v!r}")
+    for k, top in (("norm_epsilon", MAX_NORM_EPSILON), ("init_method_std", MAX_INIT_METHOD_STD)):
+        v = data.get(k, top)
+        if not is_number(v) or not 0 < v <= top:
+            problems.append(f"{where}.{k}: must be a finite number in (0, {top:g}], got {v!r}")
     if not isinstance(data.get("name", ""), str):
         problems.append(f"{where}.name: must be a string, got {data['name']!r}")
     if data.get("normalization", "RMSNorm") not in ("RMSNorm", "LayerNorm"):
@@ -98,33 +116,40 @@ def model_from_dict(data, where="model"):
         raise ModelSpecError(problems)
     spec = ModelSpec(**{k: v for k, v in data.items()})
     if spec.num_attention_heads % spec.num_query_groups:
-        problems.append(f"{where}.num_query_groups: {spec.num_query_groups} does not divide "
-                        f"num_attention_heads {spec.num_attention_heads}")
+        problems.append(
+            f"{where}.num_query_groups: {spec.num_query_groups} does not divide "
+            f"num_attention_heads {spec.num_attention_heads}"
+        )
     if not spec.kv_channels and spec.hidden_size % spec.num_attention_heads:
-        problems.append(f"{where}.hidden_size: {spec.hidden_size} is not a multiple of "
-                        f"num_attention_heads {spec.num_attention_heads} (or give kv_channels)")
+        problems.append(
+            f"{where}.hidden_size: {spec.hidden_size} is not a multiple of "
+            f"num_attention_heads {spec.num_attention_heads} (or give kv_channels)"
+        )
     if spec.head_dim % 2:
-        problems.append(f"{where}.kv_channels: rotary embeddings need an even head size, got "
-                        f"{spec.head_dim}")
+        problems.append(
+            f"{where}.kv_channels: rotary embeddings need an even head size, got {spec.head_dim}"
+        )
     if problems:
         raise ModelSpecError(problems)
     return spec
 
 
 @lru_cache(maxsize=1)
-def model_catalog():
+def model_catalog() -> dict[str, ModelSpec]:
     raw = yaml.safe_load(resources.files("planner").joinpath("data/models.yaml").read_text())
     return {name: model_from_dict({**fields, "name": name}, name) for name, fields in raw.items()}
 
 
-def load_model(name_or_path):
+def load_model(name_or_path: str | os.PathLike[str]) -> ModelSpec:
     """A catalog name (llama2-7b, tiny, ...) or a YAML file with Megatron field names."""
     catalog = model_catalog()
     if name_or_path in catalog:
         return catalog[name_or_path]
     if not str(name_or_path).endswith((".yaml", ".yml", ".json")):
-        raise SpecError(f"--model: {name_or_path!r} is neither a catalog model "
-                        f"({', '.join(catalog)}) nor a .yaml file")
+        raise SpecError(
+            f"--model: {name_or_path!r} is neither a catalog model "
+            f"({', '.join(catalog)}) nor a .yaml file"
+        )
     try:
         data = read_yaml(name_or_path, "model file")
     except SpecError as e:

@@ -12,6 +12,9 @@ SIMULATED_MICROBATCHES_PER_STAGE x p micro-batches the time is extrapolated line
 exact periodic rate (`steady_period`); tests check it against the full simulation.
 """
 
+from collections.abc import Sequence
+from typing import Any, cast
+
 import numpy as np
 
 # Micro-batches simulated per stage before extrapolating (beyond the transient; tests check it).
@@ -19,12 +22,13 @@ SIMULATED_MICROBATCHES_PER_STAGE = 4
 SIMULATED_MICROBATCHES_MIN = 24
 
 
-_ORDERS = {}
-_TIMES = {}           # pipeline_time memo: identical pipelines (same stage times) simulated once
+_ORDERS: dict[tuple[int, int], tuple[tuple[bool, int], ...]] = {}
+# pipeline_time memo: identical pipelines (same stage times) simulated once; also linear_fit's
+_TIMES: dict[tuple[Any, ...], Any] = {}
 _MEMO_MAX = 200_000
 
 
-def _order(k, p, m):
+def _order(k: int, p: int, m: int) -> tuple[tuple[bool, int], ...]:
     """Operation sequence of stage k: tuple of (is_forward, micro-batch)."""
     key = (min(p - k - 1, m), m)
     got = _ORDERS.get(key)
@@ -41,7 +45,13 @@ def _order(k, p, m):
     return got
 
 
-def simulate_1f1b(fwd, bwd, xfer_f, xfer_b, m):
+def simulate_1f1b(
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    xfer_f: Sequence[float],
+    xfer_b: Sequence[float],
+    m: int,
+) -> float:
     """Exact event simulation; returns the time the last operation ends.
 
     fwd[k], bwd[k]: seconds per micro-batch on stage k (incl. its TP and all-gather time);
@@ -57,7 +67,7 @@ def simulate_1f1b(fwd, bwd, xfer_f, xfer_b, m):
     plan = _plan(p, m)
     durs = list(fwd) + list(bwd)
     xs = [0.0] + list(xfer_f) + list(xfer_b)
-    end = [0.0] * (2 * p * m + 1)          # the last slot stays 0.0: "no dependency"
+    end = [0.0] * (2 * p * m + 1)  # the last slot stays 0.0: "no dependency"
     for o, dep, xi, prev, di in plan:
         a = end[dep] + xs[xi]
         b = end[prev]
@@ -65,10 +75,12 @@ def simulate_1f1b(fwd, bwd, xfer_f, xfer_b, m):
     return max(end)
 
 
-_PLANS = {}
+# One operation of `_plan`: (op, dependency, transfer index, previous op, duration index).
+_Op = tuple[int, int, int, int, int]
+_PLANS: dict[tuple[int, int], tuple[_Op, ...]] = {}
 
 
-def _plan(p, m):
+def _plan(p: int, m: int) -> tuple[_Op, ...]:
     """(op, dependency, transfer index, previous op on the stage, duration index) for every
     operation, in an order where dependencies come first: the start order of the same schedule
     with unit durations and no transfers (a dependency ends no later than its dependant starts,
@@ -103,19 +115,32 @@ def _plan(p, m):
     return got
 
 
-def _start_times(p, m):
+def _start_times(p: int, m: int) -> dict[int, float]:
     """Start of every op (index as in `_plan`) with unit durations and no transfers."""
-    starts = {}
+    starts: dict[int, float] = {}
     _simulate_sweep([1.0] * p, [1.0] * p, [0.0] * (p - 1), [0.0] * (p - 1), m, starts)
     return starts
 
 
-def simulate_1f1b_sweep(fwd, bwd, xfer_f, xfer_b, m):
+def simulate_1f1b_sweep(
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    xfer_f: Sequence[float],
+    xfer_b: Sequence[float],
+    m: int,
+) -> float:
     """Reference event simulation by readiness sweeps (the definition `simulate_1f1b` follows)."""
     return _simulate_sweep(fwd, bwd, xfer_f, xfer_b, m)
 
 
-def _simulate_sweep(fwd, bwd, xfer_f, xfer_b, m, starts=None):
+def _simulate_sweep(
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    xfer_f: Sequence[float],
+    xfer_b: Sequence[float],
+    m: int,
+    starts: dict[int, float] | None = None,
+) -> float:
     """Exact event simulation; returns the time the last backward of stage 0 ends.
 
     fwd[k], bwd[k]: seconds per micro-batch on stage k (incl. its TP and all-gather time);
@@ -123,8 +148,8 @@ def _simulate_sweep(fwd, bwd, xfer_f, xfer_b, m, starts=None):
     """
     p = len(fwd)
     orders = [_order(k, p, m) for k in range(p)]
-    f_end = [[None] * m for _ in range(p)]
-    b_end = [[None] * m for _ in range(p)]
+    f_end: list[list[float | None]] = [[None] * m for _ in range(p)]
+    b_end: list[list[float | None]] = [[None] * m for _ in range(p)]
     pos = [0] * p
     free = [0.0] * p
     remaining = sum(len(o) for o in orders)
@@ -133,7 +158,7 @@ def _simulate_sweep(fwd, bwd, xfer_f, xfer_b, m, starts=None):
     while remaining:
         progressed = False
         sweep += 1
-        for k in (down if sweep % 2 else up):     # forwards flow down, backwards flow up
+        for k in down if sweep % 2 else up:  # forwards flow down, backwards flow up
             ops, i = orders[k], pos[k]
             fe, be = f_end[k], b_end[k]
             while i < len(ops):
@@ -152,7 +177,7 @@ def _simulate_sweep(fwd, bwd, xfer_f, xfer_b, m, starts=None):
                         starts[k * m + j] = start
                 else:
                     if k == p - 1:
-                        ready = fe[j]
+                        ready = cast(float, fe[j])  # its own forward j ran before
                     else:
                         nxt = b_end[k + 1][j]
                         if nxt is None:
@@ -171,7 +196,13 @@ def _simulate_sweep(fwd, bwd, xfer_f, xfer_b, m, starts=None):
     return max(free)
 
 
-def pipeline_time(fwd, bwd, xfer_f, xfer_b, m):
+def pipeline_time(
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    xfer_f: Sequence[float],
+    xfer_b: Sequence[float],
+    m: int,
+) -> float:
     """1F1B time of m micro-batches: simulated, extrapolated beyond the periodic regime."""
     key = (tuple(fwd), tuple(bwd), tuple(xfer_f), tuple(xfer_b), m)
     got = _TIMES.get(key)
@@ -190,7 +221,9 @@ def pipeline_time(fwd, bwd, xfer_f, xfer_b, m):
     return got
 
 
-def steady_period(fwd, bwd, xfer_f, xfer_b):
+def steady_period(
+    fwd: Sequence[float], bwd: Sequence[float], xfer_f: Sequence[float], xfer_b: Sequence[float]
+) -> float:
     """Seconds per micro-batch of the periodic 1F1B regime: the largest mean over windows of
     consecutive stages a..z of (their forward + backward times + the transfers both ways across
     the boundaries inside the window) / (z - a + 1).
@@ -202,13 +235,13 @@ def steady_period(fwd, bwd, xfer_f, xfer_b):
     pipeline fill.
     """
     p = len(fwd)
-    if p > 16:                 # O(p^2) windows at once
+    if p > 16:  # O(p^2) windows at once
         w = np.asarray(fwd, float) + np.asarray(bwd, float)
         x = np.asarray(xfer_f, float) + np.asarray(xfer_b, float)
         s = np.concatenate(([0.0], np.cumsum(w)))
-        c = np.concatenate(([0.0], np.cumsum(x)))          # c[z] - c[a]: boundaries a..z-1
-        a, z = np.triu_indices(p)
-        return float(((s[z + 1] - s[a] + c[z] - c[a]) / (z - a + 1)).max())
+        c = np.concatenate(([0.0], np.cumsum(x)))  # c[z] - c[a]: boundaries a..z-1
+        lo, hi = np.triu_indices(p)  # every window lo..hi
+        return float(((s[hi + 1] - s[lo] + c[hi] - c[lo]) / (hi - lo + 1)).max())
     best = 0.0
     for a in range(p):
         acc = 0.0
@@ -222,7 +255,9 @@ def steady_period(fwd, bwd, xfer_f, xfer_b):
     return best
 
 
-def linear_fit(fwd, bwd, xfer_f, xfer_b):
+def linear_fit(
+    fwd: Sequence[float], bwd: Sequence[float], xfer_f: Sequence[float], xfer_b: Sequence[float]
+) -> tuple[float, float]:
     """(fixed, per_microbatch) with time(m) ~ fixed + m * per_microbatch for large m.
 
     per_microbatch is the exact periodic rate (`steady_period`); fixed comes from simulating

@@ -1,5 +1,10 @@
 """`hexi-plan plan` (search) and `hexi-plan simulate` (score a plan), registered into the CLI."""
+
+from __future__ import annotations
+
+import argparse
 import json
+from typing import TYPE_CHECKING
 
 from planner.cluster import load_cluster
 from planner.limits import MAX_BATCH, MAX_SEED, MAX_SEQ_LENGTH
@@ -8,16 +13,23 @@ from planner.plan import load_plan, save_plan
 from planner.search import STRATEGIES, search_plan
 from planner.simulator import simulate
 
+if TYPE_CHECKING:
+    from planner.cli import Subparsers
+    from planner.plan import Plan
+    from planner.simulator import Estimate
 
-def format_estimate(plan, est):
+
+def format_estimate(plan: Plan, est: Estimate) -> str:
     """Human-readable report of a simulated plan."""
-    lines = [f"iteration time   {est.iteration_time_s:.4g} s  (slowest pipeline "
-             f"{max(est.pipeline_time_s):.4g} s + gradient sync {est.grad_sync_time_s:.4g} s + "
-             f"optimizer step {est.optimizer_step_time_s:.4g} s)",
-             f"throughput       {est.tokens_per_s:.4g} tokens/s",
-             f"MFU              {est.mfu:.3f}  (model FLOPs without recompute / sum of used peaks)",
-             f"pipelines        " + ", ".join(f"{t:.4g} s" for t in est.pipeline_time_s),
-             "memory per rank  (GB used / capacity)"]
+    lines = [
+        f"iteration time   {est.iteration_time_s:.4g} s  (slowest pipeline "
+        f"{max(est.pipeline_time_s):.4g} s + gradient sync {est.grad_sync_time_s:.4g} s + "
+        f"optimizer step {est.optimizer_step_time_s:.4g} s)",
+        f"throughput       {est.tokens_per_s:.4g} tokens/s",
+        f"MFU              {est.mfu:.3f}  (model FLOPs without recompute / sum of used peaks)",
+        "pipelines        " + ", ".join(f"{t:.4g} s" for t in est.pipeline_time_s),
+        "memory per rank  (GB used / capacity)",
+    ]
     for r, (used, cap) in enumerate(zip(est.peak_memory_gb, est.memory_capacity_gb)):
         flag = "  OVER" if used > cap else ""
         lines.append(f"  rank {r:<5} {plan.ranks[r].gpu:<16} {used:7.2f} / {cap:6.1f}{flag}")
@@ -25,11 +37,12 @@ def format_estimate(plan, est):
     return "\n".join(lines)
 
 
-def cmd_simulate(args):
+def cmd_simulate(args: argparse.Namespace) -> None:
     plan = load_plan(args.plan)
     est = simulate(plan)
     from planner.costmodel import Topology
     from planner.profile import cost_sources
+
     sources = cost_sources(Topology(plan.cluster), plan.model)
     if args.json:
         print(json.dumps({**est.to_dict(), "cost_source": sources}, indent=1))
@@ -39,36 +52,58 @@ def cmd_simulate(args):
             print(f"cost source      {group}: {line}")
 
 
-def cmd_plan(args):
+def cmd_plan(args: argparse.Namespace) -> None:
     cluster = load_cluster(args.cluster)
     from planner.cli import with_seq_length
+
     model = with_seq_length(load_model(args.model), args.seq_length)
-    plan = search_plan(cluster, model, args.global_batch_size, strategy=args.strategy,
-                       micro_batch_size=args.micro_batch_size, recompute=args.recompute,
-                       seed=args.seed, use_distributed_optimizer=args.use_distributed_optimizer,
-                       progress=True)
+    plan = search_plan(
+        cluster,
+        model,
+        args.global_batch_size,
+        strategy=args.strategy,
+        micro_batch_size=args.micro_batch_size,
+        recompute=args.recompute,
+        seed=args.seed,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        progress=True,
+    )
     save_plan(plan, args.output)
     e = plan.estimate
-    print(f"wrote {args.output}: {plan.world_size} ranks, {len(plan.pipelines)} pipelines, "
-          f"{e['iteration_time_s']:.4g} s/iteration, {e['tokens_per_s']:.4g} tokens/s, "
-          f"MFU {e['mfu']:.3f}; bottleneck: {e['bottleneck']}")
+    print(
+        f"wrote {args.output}: {plan.world_size} ranks, {len(plan.pipelines)} pipelines, "
+        f"{e['iteration_time_s']:.4g} s/iteration, {e['tokens_per_s']:.4g} tokens/s, "
+        f"MFU {e['mfu']:.3f}; bottleneck: {e['bottleneck']}"
+    )
 
 
-def register_commands(sub):
+def register_commands(sub: Subparsers) -> None:
     from planner.cli import bounded_int
+
     p = sub.add_parser("plan", help="search the fastest plan that fits (writes PLAN.json)")
     p.add_argument("--cluster", required=True, help="cluster YAML")
     p.add_argument("--model", required=True, help="catalog model name or model YAML")
     p.add_argument("--global-batch-size", type=bounded_int(1, MAX_BATCH), required=True)
-    p.add_argument("--micro-batch-size", type=bounded_int(1, MAX_BATCH), default=None,
-                   help="fix the micro-batch size (default: searched)")
-    p.add_argument("--seq-length", type=bounded_int(1, MAX_SEQ_LENGTH), default=None,
-                   help="override the model's seq_length")
+    p.add_argument(
+        "--micro-batch-size",
+        type=bounded_int(1, MAX_BATCH),
+        default=None,
+        help="fix the micro-batch size (default: searched)",
+    )
+    p.add_argument(
+        "--seq-length",
+        type=bounded_int(1, MAX_SEQ_LENGTH),
+        default=None,
+        help="override the model's seq_length",
+    )
     p.add_argument("--strategy", choices=STRATEGIES, default="hexi")
     p.add_argument("--seed", type=bounded_int(0, MAX_SEED), default=0)
     p.add_argument("--recompute", choices=("auto", "on", "off"), default="auto")
-    p.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard fp32 master weights and Adam state over each segment's ranks")
+    p.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="shard fp32 master weights and Adam state over each segment's ranks",
+    )
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_plan)
 

@@ -1,7 +1,18 @@
 #!/usr/bin/env bash
-# Set up and run the whole test suite (CPU only; starts a localhost Slurm for the Slurm tests).
+# Set up, check lint, format and types, and run the whole test suite (CPU only; starts a
+# localhost Slurm for the Slurm tests).
 #   bash tools/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup_env.sh
+# Configured in pyproject.toml; each prints one line when it passes. All three run, and any
+# failure fails the command before the tests start.
+status=0
+.venv/bin/ruff check . || status=1
+.venv/bin/ruff format --check . || status=1
+.venv/bin/mypy || status=1
+if [ "$status" != 0 ]; then
+  echo "tools/test.sh: lint, format or type check failed (above)" >&2
+  exit 1
+fi
 exec .venv/bin/python -m pytest tests -q "$@"

@@ -7,24 +7,36 @@
 
 Problems are one line on stderr, exit code 2.
 """
+
 import argparse
 import os
 import sys
+from collections.abc import Sequence
+from typing import NoReturn
 
 from planner.errors import SpecError
 
 
-def _detect(argv):
-    ap = argparse.ArgumentParser(prog="hexi-cluster detect",
-                                 description="this node's cluster-spec entry (one `nodes:` item)")
+def _detect(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="hexi-cluster detect", description="this node's cluster-spec entry (one `nodes:` item)"
+    )
     ap.add_argument("-o", "--output", help="write the YAML snippet here (default: stdout)")
     ap.add_argument("--name", help="node name in the spec (default: short host name)")
-    ap.add_argument("--allow-cpu", action="store_true",
-                    help="without GPUs, write a CPU entry instead of failing")
-    ap.add_argument("--cpu-ranks", type=int, default=1,
-                    help="with --allow-cpu: CPU processes (emulated GPUs) for this node")
+    ap.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="without GPUs, write a CPU entry instead of failing",
+    )
+    ap.add_argument(
+        "--cpu-ranks",
+        type=int,
+        default=1,
+        help="with --allow-cpu: CPU processes (emulated GPUs) for this node",
+    )
     args = ap.parse_args(argv)
     from megatron_hexi.cluster_tools.detect import detect, to_yaml
+
     entry, notes = detect(allow_cpu=args.allow_cpu, name=args.name, cpu_ranks=args.cpu_ranks)
     text = to_yaml(entry, notes)
     if args.output:
@@ -32,14 +44,16 @@ def _detect(argv):
         with open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, args.output)
-        print(f"hexi-cluster: wrote {args.output} ({entry['gpus_per_node']} x {entry['gpu']})",
-              file=sys.stderr)
+        print(
+            f"hexi-cluster: wrote {args.output} ({entry['gpus_per_node']} x {entry['gpu']})",
+            file=sys.stderr,
+        )
     else:
         sys.stdout.write(text)
     return 0
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("detect", "bench"):
         print(__doc__, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
@@ -48,6 +62,7 @@ def main(argv=None):
         if argv[0] == "detect":
             return _detect(argv[1:])
         from megatron_hexi.cluster_tools import bench
+
         return bench.main(argv[1:])
     except SpecError as e:
         for line in e.problems:
@@ -55,11 +70,11 @@ def main(argv=None):
         return 2
 
 
-
-def cli():
+def cli() -> NoReturn:
     """The hexi-cluster command: main, then a deliberate exit (it may have used torch.distributed;
     megatron_hexi.process_exit says why)."""
     from megatron_hexi.process_exit import exit_process
+
     exit_process(main())
 
 

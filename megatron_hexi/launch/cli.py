@@ -7,9 +7,12 @@
 
 Problems with the plan or the options are one line each on stderr, exit code 2.
 """
+
+import argparse
 import os
 import stat
 import sys
+from collections.abc import Sequence
 
 from megatron_hexi.launch.common import comment
 from planner.cli import ArgumentParser, bounded_int
@@ -26,52 +29,89 @@ TIMEOUT_S = bounded_int(0, 2**31 - 1)
 CPUS_PER_GPU = bounded_int(0, 1024)
 
 
-def _common(p):
+def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", help="plan JSON (hexi-plan)")
-    p.add_argument("--python", help="python on the nodes (default: this interpreter; "
-                                    "`python` with --container-image)")
+    p.add_argument(
+        "--python",
+        help="python on the nodes (default: this interpreter; `python` with --container-image)",
+    )
     p.add_argument("--master-port", type=PORT, default=29500, help="1..65535 (default 29500)")
-    p.add_argument("--timeout-s", type=TIMEOUT_S, default=0,
-                   help="wall limit per node for torchrun, seconds (0: none)")
+    p.add_argument(
+        "--timeout-s",
+        type=TIMEOUT_S,
+        default=0,
+        help="wall limit per node for torchrun, seconds (0: none)",
+    )
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--entry", default="pretrain_gpt.py",
-                   help="training script torchrun runs (default: pretrain_gpt.py)")
+    g.add_argument(
+        "--entry",
+        default="pretrain_gpt.py",
+        help="training script torchrun runs (default: pretrain_gpt.py)",
+    )
     g.add_argument("--entry-module", help="run a python module instead (torchrun -m)")
 
 
-def _parser():
-    ap = ArgumentParser(prog="hexi-launch", description=__doc__.split("\n")[0],
-                        epilog="Arguments after `--` go to the training script.")
+def _parser() -> ArgumentParser:
+    ap = ArgumentParser(
+        prog="hexi-launch",
+        description=__doc__.split("\n")[0],
+        epilog="Arguments after `--` go to the training script.",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("slurm", help="write an sbatch script (heterogeneous job if the plan "
-                                     "spans several GPU types / partitions)")
+    s = sub.add_parser(
+        "slurm",
+        help="write an sbatch script (heterogeneous job if the plan "
+        "spans several GPU types / partitions)",
+    )
     _common(s)
-    s.add_argument("--partition", action="append", metavar="GPU=PARTITION",
-                   help="partition per GPU type or node group (repeatable); a bare PARTITION "
-                        "applies to all; default: `partition:` from the cluster spec")
-    s.add_argument("--gres-type", action="append", metavar="GPU=TYPE",
-                   help="Slurm gres type per GPU type (default: derived, A100-SXM-80GB -> a100)")
+    s.add_argument(
+        "--partition",
+        action="append",
+        metavar="GPU=PARTITION",
+        help="partition per GPU type or node group (repeatable); a bare PARTITION "
+        "applies to all; default: `partition:` from the cluster spec",
+    )
+    s.add_argument(
+        "--gres-type",
+        action="append",
+        metavar="GPU=TYPE",
+        help="Slurm gres type per GPU type (default: derived, A100-SXM-80GB -> a100)",
+    )
     s.add_argument("--account")
     s.add_argument("--time", help="Slurm time limit, e.g. 2:00:00")
     s.add_argument("--job-name")
     s.add_argument("--log", default="hexi-%j.out", help="Slurm output file (default hexi-%%j.out)")
     s.add_argument("--container-image", help="run in a container (pyxis --container-image)")
-    s.add_argument("--cpus-per-gpu", type=CPUS_PER_GPU, default=2,
-                   help="CPUs per requested GPU, for --cpus-per-task (default 2; 0: omit)")
+    s.add_argument(
+        "--cpus-per-gpu",
+        type=CPUS_PER_GPU,
+        default=2,
+        help="CPUs per requested GPU, for --cpus-per-task (default 2; 0: omit)",
+    )
     s.add_argument("--exclusive", action="store_true", help="whole nodes (#SBATCH --exclusive)")
-    s.add_argument("--check-partitions", action="store_true",
-                   help="ask sinfo whether each node group fits its partition; exit 2 if not")
+    s.add_argument(
+        "--check-partitions",
+        action="store_true",
+        help="ask sinfo whether each node group fits its partition; exit 2 if not",
+    )
     s.add_argument("-o", "--output", help="write the script here (default: stdout)")
     t = sub.add_parser("torchrun", help="per-node torchrun commands (no Slurm)")
     _common(t)
-    t.add_argument("--master-addr", help="address of the first plan node (default: its hostname "
-                                         "in the cluster spec, else $MASTER_ADDR at run time)")
-    t.add_argument("-o", "--output", metavar="DIR",
-                   help="write one script per node, DIR/<plan node>.sh (default: print commands)")
+    t.add_argument(
+        "--master-addr",
+        help="address of the first plan node (default: its hostname "
+        "in the cluster spec, else $MASTER_ADDR at run time)",
+    )
+    t.add_argument(
+        "-o",
+        "--output",
+        metavar="DIR",
+        help="write one script per node, DIR/<plan node>.sh (default: print commands)",
+    )
     return ap
 
 
-def _write(path, text, executable=True):
+def _write(path: str, text: str, executable: bool = True) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
@@ -80,45 +120,68 @@ def _write(path, text, executable=True):
     os.replace(tmp, path)
 
 
-def run(argv):
+def run(argv: list[str]) -> int:
     if "--" in argv:
         i = argv.index("--")
-        argv, training_args = argv[:i], argv[i + 1:]
+        argv, training_args = argv[:i], argv[i + 1 :]
     else:
         training_args = []
     args = _parser().parse_args(argv)
-    from planner.plan import load_plan
     from megatron_hexi.launch.common import LaunchError, file_in, parse_mapping, sh
+    from planner.plan import load_plan
+
     plan = load_plan(args.plan)
     entry = f"-m {args.entry_module}" if args.entry_module else args.entry
     if args.cmd == "slurm":
         from megatron_hexi.launch import slurm
+
         partitions = parse_mapping(args.partition, "--partition", True)
         gres_types = parse_mapping(args.gres_type, "--gres-type")
         comps = slurm.components(plan, partitions, gres_types)
         if args.check_partitions:
             slurm.check_partitions(comps)
         text = slurm.generate_sbatch(
-            plan, args.plan, training_args, account=args.account, time=args.time,
-            job_name=args.job_name, log=args.log, container_image=args.container_image,
-            python=args.python, timeout_s=args.timeout_s, master_port=args.master_port,
-            entry=entry, cpus_per_gpu=args.cpus_per_gpu, exclusive=args.exclusive, comps=comps)
+            plan,
+            args.plan,
+            training_args,
+            account=args.account,
+            time=args.time,
+            job_name=args.job_name,
+            log=args.log,
+            container_image=args.container_image,
+            python=args.python,
+            timeout_s=args.timeout_s,
+            master_port=args.master_port,
+            entry=entry,
+            cpus_per_gpu=args.cpus_per_gpu,
+            exclusive=args.exclusive,
+            comps=comps,
+        )
         if args.output:
             _write(args.output, text)
-            kind = "heterogeneous job, %d components" % len(comps) if len(comps) > 1 else "plain job"
-            print(f"hexi-launch: wrote {comment(args.output)} ({kind}); submit with: "
-                  f"sbatch {comment(sh(args.output))}", file=sys.stderr)
+            kind = f"heterogeneous job, {len(comps)} components" if len(comps) > 1 else "plain job"
+            print(
+                f"hexi-launch: wrote {comment(args.output)} ({kind}); submit with: "
+                f"sbatch {comment(sh(args.output))}",
+                file=sys.stderr,
+            )
         else:
             sys.stdout.write(text)
         return 0
     from megatron_hexi.launch import torchrun
-    kw = dict(training_args=training_args, master_addr=args.master_addr,
-              master_port=args.master_port, python=args.python, entry=entry,
-              timeout_s=args.timeout_s)
+
+    kw = dict(
+        training_args=training_args,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        python=args.python,
+        entry=entry,
+        timeout_s=args.timeout_s,
+    )
     if args.output:
         if os.path.exists(args.output) and not os.path.isdir(args.output):
             raise LaunchError(f"-o {args.output!r}: exists and is not a directory")
-        scripts = torchrun.node_scripts(plan, args.plan, **kw)   # refuses bad node names
+        scripts = torchrun.node_scripts(plan, args.plan, **kw)  # refuses bad node names
         os.makedirs(args.output, exist_ok=True)
         for name, text in scripts.items():
             path = file_in(args.output, name, ".sh")
@@ -132,12 +195,12 @@ def run(argv):
     return 0
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return run(argv)
     except SpecError as e:
-        for line in e.problems:   # a name with a line break in it still makes one line
+        for line in e.problems:  # a name with a line break in it still makes one line
             print(f"hexi-launch: error: {comment(line)}", file=sys.stderr)
         return 2
     except OSError as e:

@@ -9,14 +9,21 @@ host name and then to launch order. The launchers give every node torchrun node 
 in plan order and --nproc-per-node = the plan ranks it holds, so torch's global rank equals the plan
 rank as well (torchrun numbers ranks node rank by node rank).
 """
+
+from __future__ import annotations
+
 import os
 import re
 import shlex
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from planner.errors import SpecError
 from planner.inputs import name_problem
+
+if TYPE_CHECKING:
+    from planner.plan import Plan, RankEntry
 
 
 class LaunchError(SpecError):
@@ -25,23 +32,24 @@ class LaunchError(SpecError):
 
 @dataclass(frozen=True)
 class PlanNode:
-    name: str                 # plan node name (a100-0), exported as HEXI_PLAN_NODE
-    group: str                # cluster node group
-    gpu: str                  # catalog GPU type
-    nproc: int                # plan ranks on this node = torchrun --nproc-per-node
-    node_rank: int            # index in plan order = torchrun --node-rank
-    first_rank: int           # plan rank of local rank 0
-    gpus_per_node: int        # GPUs the machine has (cluster spec)
+    name: str  # plan node name (a100-0), exported as HEXI_PLAN_NODE
+    group: str  # cluster node group
+    gpu: str  # catalog GPU type
+    nproc: int  # plan ranks on this node = torchrun --nproc-per-node
+    node_rank: int  # index in plan order = torchrun --node-rank
+    first_rank: int  # plan rank of local rank 0
+    gpus_per_node: int  # GPUs the machine has (cluster spec)
     hostname: Optional[str]
     partition: Optional[str]  # from the cluster spec, if given there
 
 
-def plan_nodes(plan):
+def plan_nodes(plan: Plan) -> list[PlanNode]:
     """The plan's nodes in plan order (by first rank). Refuses node names that are not safe
     names and layouts torchrun cannot start."""
     cluster_nodes = {n.name: n for n in plan.cluster.nodes}
     groups = {g.name: g for g in plan.cluster.groups}
-    order, ranks_of = [], {}
+    order: list[str] = []
+    ranks_of: dict[str, list[RankEntry]] = {}
     for r in plan.ranks:
         if r.node not in ranks_of:
             order.append(r.node)
@@ -49,8 +57,7 @@ def plan_nodes(plan):
         ranks_of[r.node].append(r)
     # Node names become shell words, words of the sbatch node table and file names: the one
     # check of them is here, by the planner's rule, also for a plan that skipped its validation.
-    problems = [name_problem(name, "plan node", "node name") for name in order]
-    problems = [p for p in problems if p]
+    problems = [p for name in order if (p := name_problem(name, "plan node", "node name"))]
     if problems:
         raise LaunchError(problems)
     out = []
@@ -59,14 +66,29 @@ def plan_nodes(plan):
         node = cluster_nodes[name]
         first = rs[0].rank
         if [r.rank for r in rs] != list(range(first, first + len(rs))):
-            problems.append(f"ranks: the ranks on node {name} are not consecutive "
-                            f"({[r.rank for r in rs]}); torchrun starts a node's processes as one "
-                            f"block of ranks")
+            problems.append(
+                f"ranks: the ranks on node {name} are not consecutive "
+                f"({[r.rank for r in rs]}); torchrun starts a node's processes as one "
+                f"block of ranks"
+            )
         if sorted(r.local_rank for r in rs) != list(range(len(rs))):
-            problems.append(f"ranks: node {name} uses local ranks {[r.local_rank for r in rs]}; "
-                            f"torchrun gives local ranks 0..{len(rs) - 1}")
-        out.append(PlanNode(name, node.group, node.gpu, len(rs), i, first, node.gpus_per_node,
-                            node.hostname, groups[node.group].partition))
+            problems.append(
+                f"ranks: node {name} uses local ranks {[r.local_rank for r in rs]}; "
+                f"torchrun gives local ranks 0..{len(rs) - 1}"
+            )
+        out.append(
+            PlanNode(
+                name,
+                node.group,
+                node.gpu,
+                len(rs),
+                i,
+                first,
+                node.gpus_per_node,
+                node.hostname,
+                groups[node.group].partition,
+            )
+        )
     if out and out[0].first_rank != 0:
         problems.append("ranks: rank 0 must be on the first node")
     if problems:
@@ -77,7 +99,7 @@ def plan_nodes(plan):
 _NOISE = re.compile(r"^(nvidia|geforce|tesla|sxm\d*|pcie|nvl|hbm\d*e?|\d+gb)$", re.IGNORECASE)
 
 
-def default_gres_type(gpu):
+def default_gres_type(gpu: str) -> str | None:
     """Slurm gres type for a catalog GPU name: lowercase, vendor/form-factor/memory dropped.
 
     A100-SXM-80GB -> a100, RTX-4090 -> rtx4090, H100-PCIE -> h100, RTX-3080-Ti -> rtx3080ti,
@@ -89,7 +111,9 @@ def default_gres_type(gpu):
     return "".join(parts).lower() or gpu.lower()
 
 
-def parse_mapping(items, flag, allow_bare=False):
+def parse_mapping(
+    items: Iterable[str] | None, flag: str, allow_bare: bool = False
+) -> dict[str, str]:
     """--flag KEY=VALUE (repeatable) -> {key.lower(): value}; a bare VALUE goes to key '*'.
     Values are checked where they are used (slurm.components)."""
     out = {}
@@ -111,7 +135,7 @@ def parse_mapping(items, flag, allow_bare=False):
     return out
 
 
-def lookup(mapping, node):
+def lookup(mapping: Mapping[str, str], node: PlanNode) -> str | None:
     """Value for a node from a mapping keyed by node group name, GPU type or '*'."""
     for key in (node.group.lower(), node.gpu.lower(), "*"):
         if key in mapping:
@@ -119,27 +143,27 @@ def lookup(mapping, node):
     return None
 
 
-def sh(value):
+def sh(value: object) -> str:
     """`value` as one shell word, exactly (shlex.quote). Every value a generator puts into shell
     text goes through here, so no name, path or argument can run as a command."""
     return shlex.quote(str(value))
 
 
-def entry_words(entry):
+def entry_words(entry: str) -> list[str]:
     """What runs on every rank, as argv words: `-m MODULE` is two words, a script path one."""
     return entry.split(" ", 1) if entry.startswith("-m ") else [entry]
 
 
-def quote_args(args):
+def quote_args(args: Iterable[object]) -> str:
     return " ".join(sh(a) for a in args)
 
 
-def shell_default(var, value):
+def shell_default(var: str, value: object) -> str:
     """`VAR=${VAR:-'value'}`: a setting the environment can override, with a quoted default."""
     return f"{var}=${{{var}:-{sh(value)}}}"
 
 
-def comment(text):
+def comment(text: object) -> str:
     """`text` for a `# ...` line: control characters written as escapes, so that a line break in
     a name cannot end the comment and start a command."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
@@ -148,26 +172,33 @@ def comment(text):
 _DIRECTIVE_SPECIAL = "'\"\\#"
 
 
-def directive_value(value, what):
+def directive_value(value: object, what: str) -> str:
     """`value` checked for an `#SBATCH` line. sbatch, not the shell, reads these lines: a line
     break would end the directive and start a shell line, and whitespace, quotes, backslashes and
     '#' change how sbatch splits it. No quoting helps there, so such values are refused."""
     if not isinstance(value, str) or not value:
         raise LaunchError(f"{what}: must be one name (a non-empty string), got {value!r}")
-    bad = [c for c in dict.fromkeys(value)
-           if not c.isprintable() or c.isspace() or c in _DIRECTIVE_SPECIAL]
+    bad = [
+        c
+        for c in dict.fromkeys(value)
+        if not c.isprintable() or c.isspace() or c in _DIRECTIVE_SPECIAL
+    ]
     if bad:
-        raise LaunchError(f"{what} {value!r}: an #SBATCH value cannot contain "
-                          f"{', '.join(repr(c) for c in bad)} (no whitespace, control "
-                          f"characters, quotes, backslashes or '#')")
+        raise LaunchError(
+            f"{what} {value!r}: an #SBATCH value cannot contain "
+            f"{', '.join(repr(c) for c in bad)} (no whitespace, control "
+            f"characters, quotes, backslashes or '#')"
+        )
     for word in ("hetjob", "packjob"):
         if word in value.lower():
-            raise LaunchError(f"{what} {value!r}: sbatch takes {word!r} anywhere in an #SBATCH "
-                              f"line for a component separator")
+            raise LaunchError(
+                f"{what} {value!r}: sbatch takes {word!r} anywhere in an #SBATCH "
+                f"line for a component separator"
+            )
     return value
 
 
-def file_in(folder, name, suffix):
+def file_in(folder: str, name: str, suffix: str) -> str:
     """Path of the file `name + suffix` directly inside `folder`, for a plan node's name.
 
     No confinement check here: it would be redundant. `plan_nodes` lets through only names of
@@ -176,7 +207,7 @@ def file_in(folder, name, suffix):
     return os.path.join(folder, f"{name}{suffix}")
 
 
-def bash_array(name, items, indent="    ", width=96):
+def bash_array(name: str, items: Sequence[object], indent: str = "    ", width: int = 96) -> str:
     """`name=(...)` with shell-quoted items, wrapped for reading."""
     if not items:
         return f"{name}=()"

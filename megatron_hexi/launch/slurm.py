@@ -9,27 +9,49 @@ and edited: settings are `VAR=${VAR:-default}` lines the user can override from 
 Values reach the shell quoted (common.sh); values for `#SBATCH` lines, which sbatch reads without
 a shell, are refused when they could break the line (common.directive_value).
 """
+
+from __future__ import annotations
+
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from megatron_hexi.launch.common import (LaunchError, bash_array, comment, default_gres_type,
-                                         directive_value, entry_words, lookup, plan_nodes, sh,
-                                         shell_default)
+from megatron_hexi.launch.common import (
+    LaunchError,
+    PlanNode,
+    bash_array,
+    comment,
+    default_gres_type,
+    directive_value,
+    entry_words,
+    lookup,
+    plan_nodes,
+    sh,
+    shell_default,
+)
+
+if TYPE_CHECKING:
+    from planner.plan import Plan
 
 
 @dataclass
 class Component:
-    partition: str            # None: the cluster's default partition
-    gres_type: str            # None: no GPUs requested (CPU plan)
-    gpus: int                 # GPUs requested per node (the most any of its plan nodes uses)
-    groups: list = field(default_factory=list)
-    nodes: list = field(default_factory=list)   # PlanNode, plan order
+    partition: str | None  # None: the cluster's default partition
+    gres_type: str | None  # None: no GPUs requested (CPU plan)
+    gpus: int  # GPUs requested per node (the most any of its plan nodes uses)
+    groups: list[str] = field(default_factory=list)
+    nodes: list[PlanNode] = field(default_factory=list)  # plan order
 
 
-def components(plan, partitions=None, gres_types=None):
+def components(
+    plan: Plan,
+    partitions: Mapping[str, str] | None = None,
+    gres_types: Mapping[str, str] | None = None,
+) -> list[Component]:
     """Group the plan's nodes into Slurm components; one-line errors for unmapped GPU types.
 
     partitions / gres_types: {group name | GPU type (lowercase) | '*': value}. A partition given
@@ -37,11 +59,11 @@ def components(plan, partitions=None, gres_types=None):
     """
     partitions, gres_types = partitions or {}, gres_types or {}
     for mapping, flag in ((partitions, "--partition"), (gres_types, "--gres-type")):
-        for value in mapping.values():   # also those that match no node group: a typo shows
+        for value in mapping.values():  # also those that match no node group: a typo shows
             directive_value(value, flag)
     nodes = plan_nodes(plan)
-    comps = {}
-    part_of = {}
+    comps: dict[tuple[str | None, str | None], Component] = {}
+    part_of: dict[str, str | None] = {}
     for n in nodes:
         if lookup(partitions, n):
             part_of[n.name] = lookup(partitions, n)
@@ -71,17 +93,22 @@ def components(plan, partitions=None, gres_types=None):
         c.gpus = max(c.gpus, n.nproc)
         c.nodes.append(n)
     if missing:
-        raise LaunchError(f"no Slurm partition for GPU type(s) {', '.join(missing)}: give "
-                          f"--partition GPU=PARTITION for each (e.g. --partition {missing[0]}=...) "
-                          f"or `partition:` in the cluster spec's node group")
+        raise LaunchError(
+            f"no Slurm partition for GPU type(s) {', '.join(missing)}: give "
+            f"--partition GPU=PARTITION for each (e.g. --partition {missing[0]}=...) "
+            f"or `partition:` in the cluster spec's node group"
+        )
     return list(comps.values())
 
 
-def check_partitions(comps, run=subprocess.run):
+def check_partitions(
+    comps: Sequence[Component],
+    run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
+) -> None:
     """Ask sinfo whether each component fits its partition: enough nodes with enough GPUs of its
     type. Raises LaunchError with one line per component that does not fit."""
     problems = []
-    for i, c in enumerate(comps):
+    for c in comps:
         args = ["sinfo", "-h", "-N", "-o", "%N %G"] + (["-p", c.partition] if c.partition else [])
         try:
             r = run(args, capture_output=True, text=True, timeout=30)
@@ -104,9 +131,11 @@ def check_partitions(comps, run=subprocess.run):
         where = f"partition {c.partition}" if c.partition else "the default partition"
         if len(fits) < len(c.nodes):
             what = f"gpu:{c.gres_type}:{c.gpus}" if c.gres_type else "nodes"
-            problems.append(f"node group {'+'.join(c.groups)} needs {len(c.nodes)} node(s) with "
-                            f"{what}; {where} has {len(fits)}"
-                            + (f" ({', '.join(sorted(fits))})" if fits else ""))
+            problems.append(
+                f"node group {'+'.join(c.groups)} needs {len(c.nodes)} node(s) with "
+                f"{what}; {where} has {len(fits)}"
+                + (f" ({', '.join(sorted(fits))})" if fits else "")
+            )
     if problems:
         raise LaunchError(problems)
 
@@ -132,13 +161,28 @@ NODE_FUNCTION = r'''hexi_node() {
     exec timeout -k 10 "$HEXI_TIMEOUT_S" "$PYTHON" -m torch.distributed.run \
         --nnodes "$HEXI_NNODES" --node-rank "$node_rank" --nproc-per-node "$nproc" \
         --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" "$@"
-}'''
+}'''  # noqa: E501 - the shell text's own lines
 
 
-def generate_sbatch(plan, plan_path, training_args=(), partitions=None, gres_types=None,
-                    account=None, time=None, job_name=None, log="hexi-%j.out",
-                    container_image=None, python=None, timeout_s=0, master_port=29500,
-                    entry="pretrain_gpt.py", cpus_per_gpu=2, exclusive=False, comps=None):
+def generate_sbatch(
+    plan: Plan,
+    plan_path: str,
+    training_args: Sequence[str] = (),
+    partitions: Mapping[str, str] | None = None,
+    gres_types: Mapping[str, str] | None = None,
+    account: str | None = None,
+    time: str | None = None,
+    job_name: str | None = None,
+    log: str = "hexi-%j.out",
+    container_image: str | None = None,
+    python: str | None = None,
+    timeout_s: int = 0,
+    master_port: int = 29500,
+    entry: str = "pretrain_gpt.py",
+    cpus_per_gpu: int = 2,
+    exclusive: bool = False,
+    comps: Sequence[Component] | None = None,
+) -> str:
     """The sbatch script text. `entry`: a script path, or '-m module'."""
     comps = comps if comps is not None else components(plan, partitions, gres_types)
     nodes = [n for c in comps for n in c.nodes]
@@ -147,7 +191,7 @@ def generate_sbatch(plan, plan_path, training_args=(), partitions=None, gres_typ
     python = python or ("python" if container_image else sys.executable)
     if not entry.startswith("-m ") and os.path.exists(entry):
         entry = os.path.abspath(entry)
-    if job_name is None:   # from the plan's file name, reduced to characters safe anywhere
+    if job_name is None:  # from the plan's file name, reduced to characters safe anywhere
         stem = os.path.splitext(os.path.basename(plan_path))[0]
         job_name = "hexi-" + re.sub(r"[^A-Za-z0-9._-]", "_", stem)
     job_name = directive_value(job_name, "--job-name")
@@ -155,20 +199,28 @@ def generate_sbatch(plan, plan_path, training_args=(), partitions=None, gres_typ
     account = account and directive_value(account, "--account")
     time = time and directive_value(time, "--time")
 
-    L = ["#!/bin/bash",
-         "# Generated by `hexi-launch slurm` (megatron-hexi). Edit freely.",
-         f"# Plan: {comment(plan_path)}",
-         f"#   {plan.world_size} rank(s) on {len(nodes)} node(s); "
-         + (f"heterogeneous job, {len(comps)} components:" if het else "plain job:")]
+    L = [
+        "#!/bin/bash",
+        "# Generated by `hexi-launch slurm` (megatron-hexi). Edit freely.",
+        f"# Plan: {comment(plan_path)}",
+        f"#   {plan.world_size} rank(s) on {len(nodes)} node(s); "
+        + (f"heterogeneous job, {len(comps)} components:" if het else "plain job:"),
+    ]
     for i, c in enumerate(comps):
         gpu = "/".join(sorted({n.gpu for n in c.nodes}))
-        L.append(comment(f"#   component {i}: node group {'+'.join(c.groups)} ({gpu}), partition "
-                         f"{c.partition or '(default)'}, plan nodes "
-                         + " ".join(f"{n.name}[{n.nproc}]" for n in c.nodes)))
-    L += ["# Submit with `sbatch THIS_FILE`; override the settings below from the environment,",
-          "# e.g. `MASTER_PORT=29600 HEXI_TIMEOUT_S=3600 sbatch THIS_FILE`.",
-          f"#SBATCH --job-name={job_name}",
-          f"#SBATCH --output={log}"]
+        L.append(
+            comment(
+                f"#   component {i}: node group {'+'.join(c.groups)} ({gpu}), partition "
+                f"{c.partition or '(default)'}, plan nodes "
+                + " ".join(f"{n.name}[{n.nproc}]" for n in c.nodes)
+            )
+        )
+    L += [
+        "# Submit with `sbatch THIS_FILE`; override the settings below from the environment,",
+        "# e.g. `MASTER_PORT=29600 HEXI_TIMEOUT_S=3600 sbatch THIS_FILE`.",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --output={log}",
+    ]
     for i, c in enumerate(comps):
         if i:
             L.append("#SBATCH hetjob")
@@ -185,72 +237,94 @@ def generate_sbatch(plan, plan_path, training_args=(), partitions=None, gres_typ
             L.append(f"#SBATCH --cpus-per-task={int(cpus_per_gpu) * max(c.gpus, 1)}")
         if exclusive:
             L.append("#SBATCH --exclusive")
-    L += ["set -euo pipefail", "",
-          "# ---- settings (each can be overridden from the environment) ----",
-          shell_default("PYTHON", python) + "   # python with megatron-hexi and torch",
-          shell_default("MASTER_PORT", int(master_port)),
-          shell_default("HEXI_TIMEOUT_S", int(timeout_s))
-          + "   # torchrun wall limit per node, s (0: none)",
-          shell_default("HEXI_PLAN", plan_path),
-          ': "${HEXI_MASTER_ADDR:=}"   # empty: first node of component 0',
-          "export PYTHON MASTER_PORT HEXI_TIMEOUT_S HEXI_PLAN", "",
-          "# Training script, or -m module; HEXI_ENTRY in the environment replaces it (split at",
-          "# spaces, e.g. HEXI_ENTRY=\"-m my.module\").",
-          bash_array("HEXI_ENTRY_WORDS", entry_words(entry)),
-          'if [[ -n "${HEXI_ENTRY:-}" ]]; then read -r -a HEXI_ENTRY_WORDS <<<"$HEXI_ENTRY"; fi',
-          "",
-          "# Training arguments (passed through after --hetero-plan-path):",
-          bash_array("TRAINING_ARGS", list(training_args)), "",
-          "# ---- the plan's nodes per Slurm component, in plan order ----",
-          "# component i's k-th Slurm node runs word k of HEXI_PLAN_NODES[i]; a node's",
-          "# torchrun node rank is its index in plan order, its process count the plan ranks on it.",
-          "HEXI_PLAN_NODES=("]
+    L += [
+        "set -euo pipefail",
+        "",
+        "# ---- settings (each can be overridden from the environment) ----",
+        shell_default("PYTHON", python) + "   # python with megatron-hexi and torch",
+        shell_default("MASTER_PORT", int(master_port)),
+        shell_default("HEXI_TIMEOUT_S", int(timeout_s))
+        + "   # torchrun wall limit per node, s (0: none)",
+        shell_default("HEXI_PLAN", plan_path),
+        ': "${HEXI_MASTER_ADDR:=}"   # empty: first node of component 0',
+        "export PYTHON MASTER_PORT HEXI_TIMEOUT_S HEXI_PLAN",
+        "",
+        "# Training script, or -m module; HEXI_ENTRY in the environment replaces it (split at",
+        "# spaces, e.g. HEXI_ENTRY=\"-m my.module\").",
+        bash_array("HEXI_ENTRY_WORDS", entry_words(entry)),
+        'if [[ -n "${HEXI_ENTRY:-}" ]]; then read -r -a HEXI_ENTRY_WORDS <<<"$HEXI_ENTRY"; fi',
+        "",
+        "# Training arguments (passed through after --hetero-plan-path):",
+        bash_array("TRAINING_ARGS", list(training_args)),
+        "",
+        "# ---- the plan's nodes per Slurm component, in plan order ----",
+        "# component i's k-th Slurm node runs word k of HEXI_PLAN_NODES[i]; a node's",
+        "# torchrun node rank is its index in plan order, its process count the plan ranks on it.",
+        "HEXI_PLAN_NODES=(",
+    ]
     for i, c in enumerate(comps):
         L.append(f"    {sh(' '.join(n.name for n in c.nodes))}   # component {i}")
-    L += [")",
-          "declare -A HEXI_NODE_RANK=(" + " ".join(f"[{sh(n.name)}]={n.node_rank}" for n in nodes)
-          + ")",
-          "declare -A HEXI_NPROC=(" + " ".join(f"[{sh(n.name)}]={n.nproc}" for n in nodes) + ")",
-          f"export HEXI_NNODES={len(nodes)}", "",
-          "# ---- map Slurm's nodes to plan nodes: \"node-id host plan-node node-rank nproc\" ----",
-          "HEXI_NODE_TABLE=\"\"",
-          "node_id=0",
-          "for ((i = 0; i < ${#HEXI_PLAN_NODES[@]}; i++)); do",
-          "    if [[ -n \"${SLURM_HET_SIZE:-}\" ]]; then",
-          "        v=SLURM_JOB_NODELIST_HET_GROUP_$i; nodelist=${!v}",
-          "    else",
-          "        nodelist=$SLURM_JOB_NODELIST",
-          "    fi",
-          "    mapfile -t hosts < <(scontrol show hostnames \"$nodelist\")",
-          "    read -r -a want <<<\"${HEXI_PLAN_NODES[$i]}\"",
-          "    if [[ ${#hosts[@]} != \"${#want[@]}\" ]]; then",
-          "        echo \"hexi: component $i got ${#hosts[@]} node(s) ($nodelist), the plan needs ${#want[@]}\" >&2",
-          "        exit 1",
-          "    fi",
-          "    for ((k = 0; k < ${#want[@]}; k++)); do",
-          "        p=${want[$k]}",
-          "        HEXI_NODE_TABLE+=\"$node_id ${hosts[$k]} $p ${HEXI_NODE_RANK[$p]} ${HEXI_NPROC[$p]}\"$'\\n'",
-          "        if [[ $node_id == 0 ]]; then first_host=${hosts[$k]}; fi",
-          "        node_id=$((node_id + 1))",
-          "    done",
-          "done",
-          "export HEXI_NODE_TABLE",
-          "export MASTER_ADDR=${HEXI_MASTER_ADDR:-$first_host}",
-          "echo \"hexi: job $SLURM_JOB_ID, master $MASTER_ADDR:$MASTER_PORT, nodes:\"",
-          "printf '%s' \"$HEXI_NODE_TABLE\" | sed 's/^/hexi:   /'", "",
-          "# ---- per node: become the plan node, run torchrun ----",
-          NODE_FUNCTION, ""]
+    L += [
+        ")",
+        "declare -A HEXI_NODE_RANK=("
+        + " ".join(f"[{sh(n.name)}]={n.node_rank}" for n in nodes)
+        + ")",
+        "declare -A HEXI_NPROC=(" + " ".join(f"[{sh(n.name)}]={n.nproc}" for n in nodes) + ")",
+        f"export HEXI_NNODES={len(nodes)}",
+        "",
+        "# ---- map Slurm's nodes to plan nodes: \"node-id host plan-node node-rank nproc\" ----",
+        "HEXI_NODE_TABLE=\"\"",
+        "node_id=0",
+        "for ((i = 0; i < ${#HEXI_PLAN_NODES[@]}; i++)); do",
+        "    if [[ -n \"${SLURM_HET_SIZE:-}\" ]]; then",
+        "        v=SLURM_JOB_NODELIST_HET_GROUP_$i; nodelist=${!v}",
+        "    else",
+        "        nodelist=$SLURM_JOB_NODELIST",
+        "    fi",
+        "    mapfile -t hosts < <(scontrol show hostnames \"$nodelist\")",
+        "    read -r -a want <<<\"${HEXI_PLAN_NODES[$i]}\"",
+        "    if [[ ${#hosts[@]} != \"${#want[@]}\" ]]; then",
+        "        echo \"hexi: component $i got ${#hosts[@]} node(s) ($nodelist), "
+        "the plan needs ${#want[@]}\" >&2",
+        "        exit 1",
+        "    fi",
+        "    for ((k = 0; k < ${#want[@]}; k++)); do",
+        "        p=${want[$k]}",
+        "        HEXI_NODE_TABLE+=\"$node_id ${hosts[$k]} $p "
+        "${HEXI_NODE_RANK[$p]} ${HEXI_NPROC[$p]}\"$'\\n'",
+        "        if [[ $node_id == 0 ]]; then first_host=${hosts[$k]}; fi",
+        "        node_id=$((node_id + 1))",
+        "    done",
+        "done",
+        "export HEXI_NODE_TABLE",
+        "export MASTER_ADDR=${HEXI_MASTER_ADDR:-$first_host}",
+        "echo \"hexi: job $SLURM_JOB_ID, master $MASTER_ADDR:$MASTER_PORT, nodes:\"",
+        "printf '%s' \"$HEXI_NODE_TABLE\" | sed 's/^/hexi:   /'",
+        "",
+        "# ---- per node: become the plan node, run torchrun ----",
+        NODE_FUNCTION,
+        "",
+    ]
     srun = ["srun"]
     if het:
         srun.append("--het-group=0-$((SLURM_HET_SIZE - 1))")
     srun.append("--kill-on-bad-exit=1")
     if container_image:
-        L += [shell_default("HEXI_CONTAINER_IMAGE", container_image),
-              ': "${HEXI_CONTAINER_MOUNTS:=$PWD:$PWD}"', ""]
-        srun += ['--container-image="$HEXI_CONTAINER_IMAGE"',
-                 '--container-mounts="$HEXI_CONTAINER_MOUNTS"', '--container-workdir="$PWD"']
-    L += [" ".join(srun) + " \\",
-          '    bash -c "$(declare -f hexi_node); hexi_node \\"\\$@\\"" hexi_node \\',
-          '    "${HEXI_ENTRY_WORDS[@]}" --hetero-plan-path "$HEXI_PLAN" "${TRAINING_ARGS[@]}"',
-          'echo "hexi: job $SLURM_JOB_ID finished"', ""]
+        L += [
+            shell_default("HEXI_CONTAINER_IMAGE", container_image),
+            ': "${HEXI_CONTAINER_MOUNTS:=$PWD:$PWD}"',
+            "",
+        ]
+        srun += [
+            '--container-image="$HEXI_CONTAINER_IMAGE"',
+            '--container-mounts="$HEXI_CONTAINER_MOUNTS"',
+            '--container-workdir="$PWD"',
+        ]
+    L += [
+        " ".join(srun) + " \\",
+        '    bash -c "$(declare -f hexi_node); hexi_node \\"\\$@\\"" hexi_node \\',
+        '    "${HEXI_ENTRY_WORDS[@]}" --hetero-plan-path "$HEXI_PLAN" "${TRAINING_ARGS[@]}"',
+        'echo "hexi: job $SLURM_JOB_ID finished"',
+        "",
+    ]
     return "\n".join(L)

@@ -29,4 +29,5 @@ the planner (planner/profile.py). Format "hexi-device-profile/1":
 
 Times are the fastest of runs spread over the profile (measure.py says why).
 """
+
 FORMAT = "hexi-device-profile/1"

@@ -13,16 +13,29 @@ parent asks for more bursts between its grid rounds, each next to one of its one
 the job trains two more at the end: contention is sampled over the whole profile, as the runs it
 predicts are sampled over time. The start-up cost is paid while the parent would wait anyway.
 """
+
+from __future__ import annotations
+
 import json
 import os
 import statistics
 import time
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from planner.models import ModelSpec
 
-def _time(fn, reps, device):
+# _layer_runs' arguments after the device: (model, micro-batch sizes, repetitions, dtype name,
+# TP width of the contention reference or 0).
+LayerJob = tuple["ModelSpec", Sequence[int], int, str, int]
+
+
+def _time(fn: Callable[[], object], reps: int, device: torch.device) -> float:
     out = []
     for i in range(reps + 2):
         dist.barrier()
@@ -40,7 +53,9 @@ def _time(fn, reps, device):
     return t.item()
 
 
-def fit_ring(points, lat_coef, byte_coef):
+def fit_ring(
+    points: Sequence[Mapping[str, float]], lat_coef: float, byte_coef: float
+) -> dict[str, float] | None:
     """(bandwidth, latency) of the ring model t = lat_coef*lat + byte_coef*bytes/bw: latency from
     the smallest message, bandwidth from the largest (where bytes dominate)."""
     if len(points) < 2:
@@ -52,33 +67,63 @@ def fit_ring(points, lat_coef, byte_coef):
     return {"bandwidth_gbs": byte_coef * big["bytes"] / rest / 1e9, "latency_us": lat * 1e6}
 
 
-def _worker(rank, procs, port, files, sizes, reps, threads, device_type, wait_s, layer_job):
+def _pingpong(rank: int, x: torch.Tensor) -> None:
+    """One round trip of `x` between ranks 0 and 1; the other ranks do nothing."""
+    if rank == 0:
+        dist.send(x, 1)
+        dist.recv(x, 1)
+    elif rank == 1:
+        dist.recv(x, 0)
+        dist.send(x, 0)
+
+
+def _worker(
+    rank: int,
+    procs: int,
+    port: int,
+    files: Mapping[str, str],
+    sizes: Sequence[int],
+    reps: int,
+    threads: int,
+    device_type: str,
+    wait_s: float,
+    layer_job: LayerJob | None,
+) -> NoReturn:
     parent = os.getppid()
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(procs)})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(procs),
+        }
+    )
     torch.set_num_threads(threads)
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         from megatron_hexi.patches import apply_cpu_patches
-        apply_cpu_patches()
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
-                            world_size=procs)
-    singles = [dist.new_group([r]) for r in range(procs)]
-    bursts = []                  # data-parallel Trainer steps, on the parent's requests
 
-    def burst(n):
+        apply_cpu_patches()
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=procs
+    )
+    singles = [dist.new_group([r]) for r in range(procs)]
+    bursts = []  # data-parallel Trainer steps, on the parent's requests
+
+    def burst(n: int) -> None:
         if layer_job is not None and layer_job[-1]:
             from megatron_hexi.profile.runtime_overhead import data_parallel_step
+
             bursts.append(data_parallel_step(layer_job[0], device, layer_job[2], procs))
         dist.barrier()
         if rank == 0:
-            _write(files["done"].format(n),
-                   {"step_s": bursts[-1]["step_s"] if bursts else None})
+            _write(files["done"].format(n), {"step_s": bursts[-1]["step_s"] if bursts else None})
+
     burst(0)
     n = 0
-    while True:                  # sleep until the parent asks for a burst or the measurements
+    while True:  # sleep until the parent asks for a burst or the measurements
         n += 1
         cmd = _wait_for(files["cmd"].format(n), wait_s, lambda: os.getppid() == parent)
         if cmd["op"] != "burst":
@@ -88,8 +133,7 @@ def _worker(rank, procs, port, files, sizes, reps, threads, device_type, wait_s,
     res = {"allreduce": [], "allgather": [], "p2p": []}
     for nbytes in sizes:
         # every rank must stop at the same size: rank 0's clock decides (at least 3 sizes)
-        stop = torch.tensor([float(time.time() > deadline and len(res["p2p"]) >= 3)],
-                            device=device)
+        stop = torch.tensor([float(time.time() > deadline and len(res["p2p"]) >= 3)], device=device)
         dist.broadcast(stop, 0)
         if stop.item():
             break
@@ -98,42 +142,40 @@ def _worker(rank, procs, port, files, sizes, reps, threads, device_type, wait_s,
         part = torch.ones(max(1, n // procs), dtype=torch.float32, device=device)
         outs = [torch.empty_like(part) for _ in range(procs)]
         r = reps if nbytes < (1 << 22) else max(3, reps // 3)
-        res["allreduce"].append({"bytes": 4 * n, "s": _time(lambda: dist.all_reduce(x), r,
-                                                            device)})
-        res["allgather"].append({"bytes": 4 * part.numel() * procs,
-                                 "s": _time(lambda: dist.all_gather(outs, part), r, device)})
-
-        def pingpong():
-            if rank == 0:
-                dist.send(x, 1)
-                dist.recv(x, 1)
-            elif rank == 1:
-                dist.recv(x, 0)
-                dist.send(x, 0)
-        res["p2p"].append({"bytes": 4 * n, "s": _time(pingpong, r, device) / 2})
+        res["allreduce"].append(
+            {"bytes": 4 * n, "s": _time(partial(dist.all_reduce, x), r, device)}
+        )
+        res["allgather"].append(
+            {
+                "bytes": 4 * part.numel() * procs,
+                "s": _time(partial(dist.all_gather, outs, part), r, device),
+            }
+        )
+        res["p2p"].append({"bytes": 4 * n, "s": _time(partial(_pingpong, rank, x), r, device) / 2})
     if layer_job is not None:
         res.update(_layer_runs(rank, procs, singles[rank], device, *layer_job, earlier=bursts))
     if rank == 0:
         _write(files["result"], res)
     dist.barrier()
     from megatron_hexi.process_exit import exit_process
-    exit_process(0)        # never a normal interpreter exit: see megatron_hexi.process_exit
+
+    exit_process(0)  # never a normal interpreter exit: see megatron_hexi.process_exit
 
 
-def _max_over_ranks(values):
+def _max_over_ranks(values: Sequence[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 
-def _write(path, obj):
+def _write(path: str, obj: object) -> None:
     """Write JSON so that a reader never sees half of it."""
     with open(path + ".part", "w") as fh:
         json.dump(obj, fh)
     os.replace(path + ".part", path)
 
 
-def _wait_for(path, seconds, alive=None):
+def _wait_for(path: str, seconds: float, alive: Callable[[], bool] | None = None) -> Any:
     """Sleep-poll for `path` (a sleeping process does not slow the one that measures) and return
     its JSON; raise after `seconds`, or when `alive()` says the other side is gone."""
     end = time.monotonic() + seconds
@@ -147,8 +189,18 @@ def _wait_for(path, seconds, alive=None):
         return json.load(fh)
 
 
-def _layer_runs(rank, procs, single, device, model, mbss, reps, dtype_name, contention,
-                earlier=()):
+def _layer_runs(
+    rank: int,
+    procs: int,
+    single: dist.ProcessGroup,
+    device: torch.device,
+    model: ModelSpec,
+    mbss: Sequence[int],
+    reps: int,
+    dtype_name: str,
+    contention: int,
+    earlier: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
     """Layer timings that only exist with `procs` processes running at once.
 
     - contention (CPU; `contention` is the TP width of the reference shard): a layer stage of
@@ -175,30 +227,50 @@ def _layer_runs(rank, procs, single, device, model, mbss, reps, dtype_name, cont
     layers = 2
     out = {}
     if contention:
-        ref = Stage(model, shard_view(model, contention, layers), max(mbss), device, dtype,
-                    group=single)
+        ref = Stage(
+            model, shard_view(model, contention, layers), max(mbss), device, dtype, group=single
+        )
         together = []
         for _ in range(3):
             dist.barrier()
             together.append(sum(ref.time(reps)))
         t = torch.tensor([min(together)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out["contention"] = {"procs": procs, "tp": contention, "mbs": max(mbss),
-                             "together_s": t.item() / layers}
+        out["contention"] = {
+            "procs": procs,
+            "tp": contention,
+            "mbs": max(mbss),
+            "together_s": t.item() / layers,
+        }
         from megatron_hexi.profile.runtime_overhead import data_parallel_step
-        train = data_parallel_step(model, device, reps, procs)     # once before the TP runs
+
+        train = data_parallel_step(model, device, reps, procs)  # once before the TP runs
     if splits_evenly(model, procs):
         runs = {}
         for b in mbss:
             for rc in (False, True):
-                runs[(b, "tp", rc)] = Stage(model, tp_view(model, procs, rank, layers), b, device,
-                                            dtype, recompute=rc, group=dist.group.WORLD)
-                runs[(b, "shard", rc)] = Stage(model, shard_view(model, procs, layers), b,
-                                               device, dtype, recompute=rc, group=single)
+                runs[(b, "tp", rc)] = Stage(
+                    model,
+                    tp_view(model, procs, rank, layers),
+                    b,
+                    device,
+                    dtype,
+                    recompute=rc,
+                    group=dist.group.WORLD,
+                )
+                runs[(b, "shard", rc)] = Stage(
+                    model,
+                    shard_view(model, procs, layers),
+                    b,
+                    device,
+                    dtype,
+                    recompute=rc,
+                    group=single,
+                )
         got = {k: [] for k in runs}
         per_round = max(2, reps // 2)
-        for i in range(2 + 3 * per_round):   # 2 warm-up passes, then 3 rounds over all points,
-            for k, st in runs.items():       # so that a slow spell hits one round of each
+        for i in range(2 + 3 * per_round):  # 2 warm-up passes, then 3 rounds over all points,
+            for k, st in runs.items():  # so that a slow spell hits one round of each
                 dist.barrier()
                 r = st.run()
                 if i >= 2:
@@ -206,13 +278,26 @@ def _layer_runs(rank, procs, single, device, model, mbss, reps, dtype_name, cont
         best = {k: [min(r[j] for r in v) / layers for j in (0, 1)] for k, v in got.items()}
         rows = []
         for b in mbss:
-            vals = _max_over_ranks(best[(b, "tp", False)] + best[(b, "tp", True)][1:]
-                                   + best[(b, "shard", False)] + best[(b, "shard", True)][1:])
-            rows.append({"tp": procs, "mbs": b, "fwd_s": vals[0], "bwd_s": vals[1],
-                         "bwd_recompute_s": vals[2], "compute_fwd_s": vals[3],
-                         "compute_bwd_s": vals[4], "compute_bwd_recompute_s": vals[5]})
+            vals = _max_over_ranks(
+                best[(b, "tp", False)]
+                + best[(b, "tp", True)][1:]
+                + best[(b, "shard", False)]
+                + best[(b, "shard", True)][1:]
+            )
+            rows.append(
+                {
+                    "tp": procs,
+                    "mbs": b,
+                    "fwd_s": vals[0],
+                    "bwd_s": vals[1],
+                    "bwd_recompute_s": vals[2],
+                    "compute_fwd_s": vals[3],
+                    "compute_bwd_s": vals[4],
+                    "compute_bwd_recompute_s": vals[5],
+                }
+            )
         out["tp_layer"] = rows
-    if contention:                   # and once after: the fastest burst is kept
+    if contention:  # and once after: the fastest burst is kept
         again = data_parallel_step(model, device, reps, procs)
         bursts = [b["step_s"] for b in earlier] + [train["step_s"], again["step_s"]]
         train.update({"step_s": min(bursts), "bursts_s": bursts})
@@ -232,8 +317,16 @@ class CommJob:
     reference's TP width, 0 for none) also decides whether the processes train bursts.
     """
 
-    def __init__(self, procs, threads, device_type, reps=10, layer_job=None, max_bytes=1 << 26,
-                 wait_s=900.0):
+    def __init__(
+        self,
+        procs: int,
+        threads: int,
+        device_type: str,
+        reps: int = 10,
+        layer_job: LayerJob | None = None,
+        max_bytes: int = 1 << 26,
+        wait_s: float = 900.0,
+    ) -> None:
         import socket
         import tempfile
 
@@ -256,9 +349,23 @@ class CommJob:
         try:
             # daemon: the processes end with hexi-profile, whatever stops it
             self._ctx = mp.start_processes(
-                _worker, args=(procs, port, self.files, sizes, reps, threads, device_type,
-                               wait_s, layer_job),
-                nprocs=procs, join=False, daemon=True, start_method="spawn")
+                _worker,
+                args=(
+                    procs,
+                    port,
+                    self.files,
+                    sizes,
+                    reps,
+                    threads,
+                    device_type,
+                    wait_s,
+                    layer_job,
+                ),
+                nprocs=procs,
+                join=False,
+                daemon=True,
+                start_method="spawn",
+            )
         finally:
             if env_threads is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
@@ -266,28 +373,27 @@ class CommJob:
                 os.environ["OMP_NUM_THREADS"] = env_threads
         self.ready = None
 
-    def _alive(self):
-        return not self._ctx.join(timeout=0)     # raises, with the cause, if a process failed
+    def _alive(self) -> bool:
+        return not self._ctx.join(timeout=0)  # raises, with the cause, if a process failed
 
-    def wait_ready(self, seconds=300.0):
+    def wait_ready(self, seconds: float = 300.0) -> dict[str, Any]:
         """Block until the processes have started (and trained their first burst)."""
         self.ready = _wait_for(self.files["done"].format(0), seconds, self._alive)
         return self.ready
 
-    def _command(self, **cmd):
+    def _command(self, **cmd: Any) -> None:
         self.commands += 1
         _write(self.files["cmd"].format(self.commands), cmd)
 
-    def burst(self, seconds=300.0):
+    def burst(self, seconds: float = 300.0) -> float | None:
         """One more data-parallel burst (the processes sleep again after it); its step, or
         None when the job trains none."""
         if self.ready is None:
             self.wait_ready()
         self._command(op="burst")
-        return _wait_for(self.files["done"].format(self.commands), seconds,
-                         self._alive)["step_s"]
+        return _wait_for(self.files["done"].format(self.commands), seconds, self._alive)["step_s"]
 
-    def finish(self, max_seconds):
+    def finish(self, max_seconds: float) -> dict[str, Any]:
         """Let the processes measure (collective sizes stop at `max_seconds`), wait, return
         {"procs", "backend", curves, fits[, "contention", "tp_layer"]}."""
         if self.ready is None:
@@ -301,18 +407,25 @@ class CommJob:
         finally:
             self.close()
         n = self.procs
-        fits = {"allreduce": fit_ring(res["allreduce"], 2 * (n - 1), 2 * (n - 1) / n),
-                "allgather": fit_ring(res["allgather"], n - 1, (n - 1) / n),
-                "p2p": fit_ring(res["p2p"], 1, 1)}
-        out = {"procs": n, "backend": "nccl" if self.device_type == "cuda" else "gloo",
-               "allreduce": res["allreduce"], "allgather": res["allgather"], "p2p": res["p2p"],
-               "fit": fits}
+        fits = {
+            "allreduce": fit_ring(res["allreduce"], 2 * (n - 1), 2 * (n - 1) / n),
+            "allgather": fit_ring(res["allgather"], n - 1, (n - 1) / n),
+            "p2p": fit_ring(res["p2p"], 1, 1),
+        }
+        out = {
+            "procs": n,
+            "backend": "nccl" if self.device_type == "cuda" else "gloo",
+            "allreduce": res["allreduce"],
+            "allgather": res["allgather"],
+            "p2p": res["p2p"],
+            "fit": fits,
+        }
         for key in ("contention", "tp_layer"):
             if key in res:
                 out[key] = res[key]
         return out
 
-    def close(self):
+    def close(self) -> None:
         """Stop the processes if they still run, and remove the job's files."""
         for p in self._ctx.processes:
             if p.is_alive():
