@@ -2,6 +2,7 @@
 
 Model and batch flags may be omitted (the plan has them); one that contradicts the plan is an
 error, and so is any flag this runtime does not support (it is named, never silently ignored).
+The checked flags become a RunConfig (run_config), the only form the runtime reads.
 """
 import argparse
 import math
@@ -9,6 +10,10 @@ import re
 from typing import NamedTuple
 
 from planner.errors import SpecError
+
+from megatron_hexi.config import (CheckpointConfig, DataConfig, DropoutConfig, LoggingConfig,
+                                  LRScheduleConfig, OptimizerConfig, PrecisionConfig, RunConfig,
+                                  RuntimeConfig, TrainingConfig)
 
 # Megatron flag -> plan model field, for the contradiction check.
 MODEL_FLAGS = {
@@ -205,7 +210,8 @@ def parse_args(argv=None):
     check_split(args.split)
     if not args.mock_data and not args.data_path:
         raise SpecError("give --mock-data or --data-path")
-    if args.data_path and (args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model):
+    if args.data_path and (args.tokenizer_type != "HuggingFaceTokenizer"
+                           or not args.tokenizer_model):
         raise SpecError("--data-path needs --tokenizer-type HuggingFaceTokenizer and "
                         "--tokenizer-model PATH")
     if args.save_interval and not args.save:
@@ -256,13 +262,65 @@ def check_against_plan(args, plan):
     if args.use_distributed_optimizer and not t.use_distributed_optimizer:
         problems.append("--use-distributed-optimizer contradicts the plan (use_distributed_"
                         "optimizer: false); re-plan with hexi-plan ... --use-distributed-optimizer")
-    if (args.hetero_optimizer_shard is not None
-            and (not t.use_distributed_optimizer or args.hetero_optimizer_shard != t.optimizer_shard)):
-        problems.append(f"--hetero-optimizer-shard {args.hetero_optimizer_shard} contradicts the "
-                        f"plan (use_distributed_optimizer: {str(t.use_distributed_optimizer).lower()}"
-                        f", optimizer_shard: {t.optimizer_shard})")
+    shard = args.hetero_optimizer_shard
+    if shard is not None and (not t.use_distributed_optimizer or shard != t.optimizer_shard):
+        problems.append(f"--hetero-optimizer-shard {shard} contradicts the plan "
+                        f"(use_distributed_optimizer: {str(t.use_distributed_optimizer).lower()}, "
+                        f"optimizer_shard: {t.optimizer_shard})")
     wants_recompute = args.recompute_granularity == "full"
     if args.recompute_granularity is not None and wants_recompute != plan.training.recompute:
         problems.append("--recompute-granularity full contradicts the plan (recompute: false)")
     if problems:
         raise SpecError(problems)
+
+
+# Flags that never reach the runtime as values: the plan decides what they describe (the flags
+# are only checked against it, check_against_plan), or they accept Megatron-LM's one supported
+# value. Every other flag maps onto a RunConfig field (run_config; tests check both lists).
+NOT_IN_RUN_CONFIG = frozenset({
+    "hetero_plan_path",                                     # read into the Plan itself
+    *MODEL_FLAGS, "group_query_attention", "swiglu", "untie_embeddings_and_output_weights",
+    "normalization", "position_embedding_type", "disable_bias_linear",
+    "recompute_activations", "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
+    "global_batch_size", "use_distributed_optimizer", "hetero_optimizer_shard",
+    "optimizer",                                            # adam only
+    "tokenizer_type",                                       # HuggingFaceTokenizer only
+})
+
+
+def run_config(args):
+    """The parsed flags (parse_args) as a RunConfig: the one place a flag reaches the runtime."""
+    return RunConfig(
+        training=TrainingConfig(
+            train_iters=args.train_iters, seed=args.seed, exit_interval=args.exit_interval,
+            check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad),
+        optimizer=OptimizerConfig(
+            lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad),
+        lr_schedule=LRScheduleConfig(
+            lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
+            lr_warmup_iters=args.lr_warmup_iters, lr_warmup_init=args.lr_warmup_init),
+        precision=PrecisionConfig(bf16=args.bf16),
+        dropout=DropoutConfig(attention_dropout=args.attention_dropout,
+                              hidden_dropout=args.hidden_dropout),
+        data=DataConfig(
+            mock_data=args.mock_data,
+            data_path=None if args.data_path is None else tuple(args.data_path),
+            split=args.split, data_cache_path=args.data_cache_path,
+            tokenizer_model=args.tokenizer_model),
+        checkpoint=CheckpointConfig(
+            save=args.save, save_interval=args.save_interval, load=args.load,
+            load_if_exists=args.hetero_load_if_exists, ckpt_step=args.ckpt_step,
+            finetune=args.finetune, no_load_optim=args.no_load_optim,
+            no_load_rng=args.no_load_rng,
+            override_opt_param_scheduler=args.override_opt_param_scheduler,
+            use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler),
+        logging=LoggingConfig(
+            log_interval=args.log_interval, metrics_path=args.hetero_metrics_path,
+            tensorboard_dir=args.tensorboard_dir,
+            tensorboard_log_interval=args.tensorboard_log_interval),
+        runtime=RuntimeConfig(
+            device=args.hetero_device, distributed_backend=args.distributed_backend,
+            distributed_timeout_minutes=args.distributed_timeout_minutes))

@@ -339,8 +339,8 @@ def _fault(iteration, rank, phase):
 def _agree(error, what, value=None):
     """Collective status exchange (also the barrier between save/load phases): every rank raises
     the same CheckpointError if any rank failed (`error`: a line, or {line: [launch ranks]} for
-    failures gathered from other ranks), one line per distinct failure. Returns every rank's `value` (rank 0's is how
-    the save id reaches the others without another collective)."""
+    failures gathered from other ranks), one line per distinct failure. Returns every rank's
+    `value` (rank 0's is how the save id reaches the others without another collective)."""
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (error, value))
     failed = {}
@@ -892,20 +892,21 @@ def checkpoint_exists(load_dir):
                for n in os.listdir(load_dir))
 
 
-def load(trainer, args, verify=True):
-    """Load --load into the trainer (collective). Returns (iteration, seconds). Every check,
-    verification included, runs before the status exchange, so every rank raises the same
-    CheckpointError; `verify=False` only serves to measure what verification costs."""
+def load(trainer, config, verify=True):
+    """Load `config.load` (a CheckpointConfig, megatron_hexi.config) into the trainer
+    (collective). Returns (iteration, seconds). Every check, verification included, runs before
+    the status exchange, so every rank raises the same CheckpointError; `verify=False` only
+    serves to measure what verification costs."""
     start = time.perf_counter()
     plan = trainer.plan
-    finetune = getattr(args, "finetune", False)
-    load_optim = not (finetune or getattr(args, "no_load_optim", False))
-    load_rng = not (finetune or getattr(args, "no_load_rng", False))
+    finetune = config.finetune
+    load_optim = not (finetune or config.no_load_optim)
+    load_rng = not (finetune or config.no_load_rng)
     error, ckpt, notes = None, None, []
     try:
         # The checks run while the trainer is filled and are reported on leaving the `with`
         # (Checkpoint._verified_slice: a failed load leaves the trainer unusable).
-        with Checkpoint(args.load, getattr(args, "ckpt_step", None), verify=verify) as ckpt:
+        with Checkpoint(config.load, config.ckpt_step, verify=verify) as ckpt:
             ckpt.check_model(plan.model)
             saved_gbs = ckpt.meta.get("global_batch_size")
             if (not finetune and ckpt.iteration and saved_gbs is not None
@@ -925,7 +926,7 @@ def load(trainer, args, verify=True):
         meta_path = os.path.join(ckpt.dir, METADATA)
         if not finetune and ckpt.meta["scheduler"]:
             try:
-                _load_scheduler(trainer.scheduler, ckpt.meta["scheduler"], args)
+                _load_scheduler(trainer.scheduler, ckpt.meta["scheduler"], config)
             except CheckpointError:
                 raise
             except Exception as e:   # noqa: BLE001 - a key missing or of the wrong type
@@ -946,7 +947,7 @@ def load(trainer, args, verify=True):
         error = str(e)
     except Exception as e:   # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
-    _agree(error, f"loading checkpoint {args.load}")
+    _agree(error, f"loading checkpoint {config.load}")
 
     iteration = 0 if finetune else ckpt.iteration
     seconds = time.perf_counter() - start
@@ -956,13 +957,13 @@ def load(trainer, args, verify=True):
     return iteration, seconds
 
 
-def _load_scheduler(scheduler, saved, args):
+def _load_scheduler(scheduler, saved, config):
     """Megatron's rule: the run's schedule must match the checkpoint's (one clear error naming
     the field) unless --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler."""
     mine = scheduler.state_dict()
-    if getattr(args, "override_opt_param_scheduler", False):
+    if config.override_opt_param_scheduler:
         scheduler.override_opt_param_scheduler = True
-    elif getattr(args, "use_checkpoint_opt_param_scheduler", False):
+    elif config.use_checkpoint_opt_param_scheduler:
         scheduler.use_checkpoint_opt_param_scheduler = True
     else:
         ignored = {"num_steps"} | ({"wd_incr_steps"} if mine.get("wd_incr_style") == "constant"
@@ -971,7 +972,7 @@ def _load_scheduler(scheduler, saved, args):
                 if k not in ignored and k in saved and saved[k] != mine[k]]
         if diff:
             raise CheckpointError(
-                f"--load {args.load}: the learning-rate schedule differs from the checkpoint's "
+                f"--load {config.load}: the learning-rate schedule differs from the checkpoint's "
                 f"({'; '.join(diff)}); give the same --lr/--min-lr/--lr-*/--train-iters, or "
                 f"--use-checkpoint-opt_param-scheduler / --override-opt_param-scheduler")
         saved = {**saved, "wd_incr_steps": mine["wd_incr_steps"]}

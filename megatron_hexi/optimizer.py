@@ -74,33 +74,37 @@ def param_groups(named_params):
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model, grad_sync, args, plan=None):
-    """Adam(W) inside megatron-core's optimizer wrapper, plus its lr/wd scheduler.
+def build_optimizer(model, grad_sync, config, plan=None):
+    """Adam(W) inside megatron-core's optimizer wrapper, plus its lr/wd scheduler, from a
+    RunConfig (megatron_hexi.config).
 
     With the plan's `use_distributed_optimizer`, the fp32 master weights and Adam state are
     sharded over each gradient segment's ranks (megatron_hexi.distributed_optimizer)."""
-    config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr,
-                             weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-                             adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                             clip_grad=args.clip_grad, bf16=args.bf16,
-                             params_dtype=torch.bfloat16 if args.bf16 else torch.float32)
-    inner = torch.optim.AdamW(param_groups(model.named_parameters()), lr=args.lr,
-                              weight_decay=args.weight_decay,
-                              betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    o, bf16 = config.optimizer, config.precision.bf16
+    core = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr,
+                           weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                           adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+                           bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
     if plan is not None and plan.training.use_distributed_optimizer:
         from megatron_hexi.distributed_optimizer import HeteroDistributedOptimizer
         device = next(model.parameters()).device
-        opt = HeteroDistributedOptimizer(plan, grad_sync, config, plan.training.optimizer_shard,
+        opt = HeteroDistributedOptimizer(plan, grad_sync, core, plan.training.optimizer_shard,
                                          device)
-    elif args.bf16:
-        opt = HeteroFloat16Optimizer(inner, config, None, lambda o: None)
     else:
-        opt = HeteroFP32Optimizer(inner, config, lambda o: None)
+        inner = torch.optim.AdamW(param_groups(model.named_parameters()), lr=o.lr,
+                                  weight_decay=o.weight_decay,
+                                  betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+        if bf16:
+            opt = HeteroFloat16Optimizer(inner, core, None, lambda _: None)
+        else:
+            opt = HeteroFP32Optimizer(inner, core, lambda _: None)
     opt.grad_sync = grad_sync
-    decay_iters = args.lr_decay_iters or args.train_iters
+    s, train_iters = config.lr_schedule, config.training.train_iters
+    decay_iters = s.lr_decay_iters or train_iters
     scheduler = OptimizerParamScheduler(
-        opt, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=max(decay_iters, args.lr_warmup_iters + 1),
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=max(args.train_iters, 1), wd_incr_style="constant")
+        opt, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=s.lr_warmup_iters,
+        lr_decay_steps=max(decay_iters, s.lr_warmup_iters + 1), lr_decay_style=s.lr_decay_style,
+        start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=max(train_iters, 1),
+        wd_incr_style="constant")
     return opt, scheduler

@@ -3,6 +3,10 @@
 Order of start-up matters: flags and plan are checked before the process group exists, the world
 size before any collective, and the process mapping (one all-gather) before any group is built,
 so every mismatch is one clear error on every rank instead of a hang.
+
+Only `main` sees the command line: it turns the checked flags into a RunConfig
+(megatron_hexi.config), and everything below it (`Trainer`, `run`, checkpoints) reads that, so
+code can train from a Plan and a RunConfig without flags.
 """
 import contextlib
 import datetime
@@ -12,6 +16,7 @@ import os
 import resource
 import sys
 import time
+import types
 from functools import partial
 
 import torch
@@ -23,7 +28,7 @@ from planner.costmodel import model_flops_per_sample
 from planner.layout import gradient_segments
 from planner.plan import load_plan
 
-from megatron_hexi.arguments import check_against_plan, parse_args
+from megatron_hexi.arguments import check_against_plan, parse_args, run_config
 from megatron_hexi.communicator import Boundary, StageCommunicator
 from megatron_hexi.grad_sync import FP32MainGrads, GradientSync, reduced_together
 from megatron_hexi.loss import sharded_cross_entropy
@@ -35,11 +40,14 @@ from megatron_hexi.rank_mapping import check_world_size, map_processes
 
 
 class Trainer:
-    """Everything one rank builds from the plan, and one training step."""
+    """Everything one rank builds from the plan and a RunConfig, and one training step.
 
-    def __init__(self, args, plan, device):
-        self.args, self.plan, self.device = args, plan, device
-        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    `config` is the RunConfig; `transformer_config` megatron-core's TransformerConfig of this
+    rank's stage."""
+
+    def __init__(self, plan, config, device):
+        self.plan, self.config, self.device = plan, config, device
+        timeout = datetime.timedelta(minutes=config.runtime.distributed_timeout_minutes)
         mapping = map_processes(plan, _device_name(device), check_devices=device.type == "cuda")
         segments = gradient_segments(plan)
         shard = plan.training.use_distributed_optimizer
@@ -47,22 +55,22 @@ class Trainer:
         self.groups = build_groups(plan, mapping, rank_sets, timeout)
         self.rank = self.groups.plan_rank
         self.view = view = plan.rank_view(self.rank)
-        seed_rng(args.seed, view.tp_rank)
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
-        self.config = stage_config(plan, view, params_dtype=dtype,
-                                   hidden_dropout=args.hidden_dropout,
-                                   attention_dropout=args.attention_dropout,
-                                   recompute=plan.training.recompute)
-        self.model = build_stage_model(plan, view, self.groups.tp, self.config, device)
+        seed_rng(config.training.seed, view.tp_rank)
+        bf16 = config.precision.bf16
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        tc = self.transformer_config = stage_config(
+            plan, view, params_dtype=dtype, hidden_dropout=config.dropout.hidden_dropout,
+            attention_dropout=config.dropout.attention_dropout, recompute=plan.training.recompute)
+        self.model = build_stage_model(plan, view, self.groups.tp, tc, device)
         self.params = local_parameters(plan, self.rank, self.model)
-        initialise_weights(plan, self.params, args.seed)
+        initialise_weights(plan, self.params, config.training.seed)
         # bf16: gradients accumulate, sync and reach the fp32 masters in fp32 `main_grad`
-        self.main_grads = FP32MainGrads(self.model.parameters()) if args.bf16 else None
+        self.main_grads = FP32MainGrads(self.model.parameters()) if bf16 else None
         self.grad_sync = GradientSync(self.rank, self.params, segments, self.groups,
                                       shard_optimizer_state=shard)
-        self.optimizer, self.scheduler = build_optimizer(self.model, self.grad_sync, args, plan)
-        self.config.finalize_model_grads_func = self._finalize_grads
-        self.config.grad_scale_func = None
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.grad_sync, config, plan)
+        tc.finalize_model_grads_func = self._finalize_grads
+        tc.grad_scale_func = None
         pipe = plan.pipelines[view.pipeline]
         numel = plan.model.seq_length * view.micro_batch_size * plan.model.hidden_size
         launch_of = self.groups.launch_of
@@ -71,13 +79,13 @@ class Trainer:
         next_b = (Boundary(view.stage_ranks, view.next_stage_ranks, numel, launch_of, self.rank)
                   if view.next_stage_ranks else None)
         self.position = StagePosition(view.stage, len(pipe.stages))
-        self.communicator = StageCommunicator(self.config, self.position, self.groups.tp,
+        self.communicator = StageCommunicator(tc, self.position, self.groups.tp,
                                               view.tp_size, prev_b, next_b, dtype, device)
         # Every rank takes part: megatron-core's dataset builder synchronises the whole world
         # (rank 0 builds first). Only first and last stages read from it.
-        from megatron_hexi.data import build_train_dataset
-        self.dataset = build_train_dataset(args, plan, _tokenizer(args))
+        self.dataset = build_dataset(plan, config)
         self.global_tokens = None
+        self.checkpoint_events = []     # loads and saves of this run (`run`)
 
     def zero_grad(self):
         """Drop last step's gradients: `.grad` (and the masters'), and the fp32 `main_grad`."""
@@ -187,11 +195,23 @@ def _device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def _tokenizer(args):
-    if args.mock_data:
+def _tokenizer(data):
+    """The tokenizer of a DataConfig's corpus; None for the mock corpus."""
+    if data.mock_data:
         return None
     from megatron_hexi.tokenizer import HuggingFaceTokenizer
-    return HuggingFaceTokenizer(args.tokenizer_model)
+    return HuggingFaceTokenizer(data.tokenizer_model)
+
+
+def build_dataset(plan, config):
+    """The training dataset of a run (megatron_hexi.data reads Megatron's flag names)."""
+    from megatron_hexi.data import build_train_dataset
+    d = config.data
+    names = types.SimpleNamespace(
+        train_iters=config.training.train_iters, seed=config.training.seed,
+        mock_data=d.mock_data, data_path=d.data_path, split=d.split,
+        data_cache_path=d.data_cache_path)
+    return build_train_dataset(names, plan, _tokenizer(d))
 
 
 def peak_memory_gb(device):
@@ -201,31 +221,33 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-def _log_line(it, args, plan, metrics, mfu):
+def _log_line(it, train_iters, plan, metrics, mfu):
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-    return (f" [{stamp}] iteration {it:>8d}/{args.train_iters:>8d} | consumed samples: "
+    return (f" [{stamp}] iteration {it:>8d}/{train_iters:>8d} | consumed samples: "
             f"{it * plan.global_batch_size:>12d} | elapsed time per iteration (ms): "
             f"{metrics['step_time_s'] * 1000:.1f} | learning rate: {metrics['lr']:.6E} | "
             f"global batch size: {plan.global_batch_size:>5d} | lm loss: "
             f"{metrics['lm_loss']:.6E} | loss scale: 1.0 | grad norm: {metrics['grad_norm']:.3f} | "
             f"number of skipped iterations: {0 if metrics['success'] else 1:>3d} | number of nan "
-            f"iterations: {0:>3d} | tokens/s: {metrics['tokens_per_s']:.1f} | MFU: {mfu * 100:.2f}% |")
+            f"iterations: {0:>3d} | tokens/s: {metrics['tokens_per_s']:.1f} | "
+            f"MFU: {mfu * 100:.2f}% |")
 
 
-def _resume_iteration(trainer, args):
+def _resume_iteration(trainer):
     """--load: the checkpoint's iteration (0 for a fresh start under --hetero-load-if-exists)."""
     from megatron_hexi import checkpoint
-    if not args.load:
+    ckpt = trainer.config.checkpoint
+    if not ckpt.load:
         return 0
-    if args.hetero_load_if_exists:
-        found = [checkpoint.checkpoint_exists(args.load) if dist.get_rank() == 0 else None]
+    if ckpt.load_if_exists:
+        found = [checkpoint.checkpoint_exists(ckpt.load) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(found, src=0)    # one decision for every rank
         if not found[0]:
             if dist.get_rank() == 0:
-                print(f" no checkpoint in {args.load}: starting from iteration 0 "
+                print(f" no checkpoint in {ckpt.load}: starting from iteration 0 "
                       f"(--hetero-load-if-exists)", flush=True)
             return 0
-    iteration, seconds = checkpoint.load(trainer, args)
+    iteration, seconds = checkpoint.load(trainer, ckpt)
     trainer.checkpoint_events.append({"load_iteration": iteration, "seconds": seconds})
     return iteration
 
@@ -242,26 +264,27 @@ def check_finite(metrics):
                         f"iteration")
 
 
-def check_output_paths(args):
+def check_output_paths(config):
     """--save and --hetero-metrics-path are writable, checked at start-up on every rank that
     writes there (every rank writes its checkpoint file; rank 0 the metrics), so an unwritable
     place fails now rather than at the first save. Every rank learns every problem (one
     all-gather under the collective timeout) and fails with the same lines."""
     import tempfile
     problems = []
-    if args.save:
+    save, metrics_path = config.checkpoint.save, config.logging.metrics_path
+    if save:
         try:
-            os.makedirs(args.save, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=args.save, prefix=".hexi-write-check-"):
+            os.makedirs(save, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=save, prefix=".hexi-write-check-"):
                 pass
         except OSError as e:
-            problems.append(f"--save {args.save}: cannot write there ({e.strerror or e})")
-    if args.hetero_metrics_path and dist.get_rank() == 0:
+            problems.append(f"--save {save}: cannot write there ({e.strerror or e})")
+    if metrics_path and dist.get_rank() == 0:
         try:
-            with open(args.hetero_metrics_path, "a"):
+            with open(metrics_path, "a"):
                 pass
         except OSError as e:
-            problems.append(f"--hetero-metrics-path {args.hetero_metrics_path}: cannot write "
+            problems.append(f"--hetero-metrics-path {metrics_path}: cannot write "
                             f"there ({e.strerror or e})")
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, problems)
@@ -270,22 +293,23 @@ def check_output_paths(args):
         raise SpecError(found)
 
 
-def _save(trainer, args, iteration):
+def _save(trainer, iteration):
     from megatron_hexi import checkpoint
-    seconds, size = checkpoint.save(trainer, args.save, iteration)
+    save = trainer.config.checkpoint.save
+    seconds, size = checkpoint.save(trainer, save, iteration)
     trainer.checkpoint_events.append({"save_iteration": iteration, "seconds": seconds,
                                       "bytes": size})
     if dist.get_rank() == 0:
-        print(f" successfully saved checkpoint from iteration {iteration:>7d} to {args.save} "
+        print(f" successfully saved checkpoint from iteration {iteration:>7d} to {save} "
               f"[ {seconds:.3f} s, {size / 1e6:.2f} MB ]", flush=True)
 
 
-def run(args, plan, device):
+def run(plan, config, device):
     """Train up to --train-iters iterations (resuming from --load); returns the trainer and the
     per-iteration metrics of this run (every rank)."""
-    trainer = Trainer(args, plan, device)
-    trainer.checkpoint_events = []
-    first = _resume_iteration(trainer, args)
+    trainer = Trainer(plan, config, device)
+    first = _resume_iteration(trainer)
+    train, log, ckpt = config.training, config.logging, config.checkpoint
     peak = sum((get_gpu("CPU") if device.type == "cpu" else get_gpu(r.gpu)).peak_flops
                for r in plan.ranks)
     flops = model_flops_per_sample(plan.model) * plan.global_batch_size
@@ -294,42 +318,42 @@ def run(args, plan, device):
     metrics_file = tensorboard = None
     with contextlib.ExitStack() as outputs:    # closed on every way out, errors included
         if dist.get_rank() == 0:
-            if args.hetero_metrics_path:   # a resumed run appends to the history it continues
+            if log.metrics_path:   # a resumed run appends to the history it continues
                 metrics_file = outputs.enter_context(
-                    open(args.hetero_metrics_path, "a" if first else "w"))
-            if args.tensorboard_dir:
+                    open(log.metrics_path, "a" if first else "w"))
+            if log.tensorboard_dir:
                 from megatron_hexi.tensorboard_log import TensorBoardLogger
-                tensorboard = TensorBoardLogger(args.tensorboard_dir, plan.global_batch_size,
-                                                args.tensorboard_log_interval)
+                tensorboard = TensorBoardLogger(log.tensorboard_dir, plan.global_batch_size,
+                                                log.tensorboard_log_interval)
                 outputs.callback(tensorboard.close)
-        saved = first if args.load else None
-        for it in range(first, args.train_iters):
+        saved = first if ckpt.load else None
+        for it in range(first, train.train_iters):
             m = trainer.train_step(it)
             m["iteration"] = it + 1
             m["tokens_per_s"] = tokens_per_iter / m["step_time_s"]
             m["mfu"] = flops / (m["step_time_s"] * peak)
             history.append(m)
             if dist.get_rank() == 0:
-                if (it + 1) % args.log_interval == 0:
-                    print(_log_line(it + 1, args, plan, m, m["mfu"]), flush=True)
+                if (it + 1) % log.log_interval == 0:
+                    print(_log_line(it + 1, train.train_iters, plan, m, m["mfu"]), flush=True)
                 if metrics_file:
                     metrics_file.write(json.dumps(m) + "\n")
                     metrics_file.flush()
                 if tensorboard:
                     tensorboard.log(it + 1, m)
-            if args.check_for_nan_in_loss_and_grad:
+            if train.check_for_nan_in_loss_and_grad:
                 check_finite(m)
-            if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
-                _save(trainer, args, it + 1)
+            if ckpt.save and ckpt.save_interval and (it + 1) % ckpt.save_interval == 0:
+                _save(trainer, it + 1)
                 saved = it + 1
-            if args.exit_interval and (it + 1) % args.exit_interval == 0:
+            if train.exit_interval and (it + 1) % train.exit_interval == 0:
                 if dist.get_rank() == 0:
                     print(f" exiting at iteration {it + 1} (--exit-interval "
-                          f"{args.exit_interval})", flush=True)
+                          f"{train.exit_interval})", flush=True)
                 break
         last = first + len(history)
-        if args.save and history and saved != last:
-            _save(trainer, args, last)
+        if ckpt.save and history and saved != last:
+            _save(trainer, last)
         if dist.get_rank() == 0:
             text = _summary(history, first, tokens_per_iter, flops, peak, device, trainer)
             print(text, flush=True)
@@ -358,7 +382,7 @@ def _summary(history, first, tokens_per_iter, flops, peak, device, trainer):
     return text
 
 
-def _failure(exc, args):
+def _failure(exc, config):
     """A rank's failure after the process group exists: one clear message, then exit at once
     (tearing down a group whose peer died can hang)."""
     import traceback
@@ -371,13 +395,15 @@ def _failure(exc, args):
     if collective:
         lines.append(f"pretrain_gpt.py: error: launch rank {rank}: a collective failed: another "
                      f"rank died, hung or lost its connection (collective timeout "
-                     f"--distributed-timeout-minutes {args.distributed_timeout_minutes:g})")
-        if args.save:
-            pointer = os.path.join(args.save, "latest_checkpointed_iteration.txt")
+                     f"--distributed-timeout-minutes "
+                     f"{config.runtime.distributed_timeout_minutes:g})")
+        save = config.checkpoint.save
+        if save:
+            pointer = os.path.join(save, "latest_checkpointed_iteration.txt")
             last = open(pointer).read().strip() if os.path.isfile(pointer) else None
             lines.append(f"pretrain_gpt.py: error: last complete checkpoint: "
-                         f"{'iteration ' + last if last else 'none'} in {args.save}; rerun the "
-                         f"same command with --load {args.save} to resume")
+                         f"{'iteration ' + last if last else 'none'} in {save}; rerun the "
+                         f"same command with --load {save} to resume")
     else:
         traceback.print_exc()
     for line in lines:
@@ -386,10 +412,11 @@ def _failure(exc, args):
     os._exit(1)
 
 
-def init_distributed(args, plan):
-    """Device choice, world-size check, then the process group (with the timeout)."""
-    want_cuda = args.hetero_device == "cuda" or (args.hetero_device is None
-                                                  and torch.cuda.is_available())
+def init_distributed(plan, config):
+    """Device choice, world-size check, then the process group (with the timeout); returns the
+    device. A process group that exists already (a test harness) is kept."""
+    rt = config.runtime
+    want_cuda = rt.device == "cuda" or (rt.device is None and torch.cuda.is_available())
     if want_cuda and not torch.cuda.is_available():
         raise SpecError("--hetero-device cuda, but torch sees no CUDA device")
     check_world_size(plan, int(os.environ.get("WORLD_SIZE", "1")))
@@ -403,14 +430,14 @@ def init_distributed(args, plan):
     if os.environ.get("HEXI_STRICT_COLLECTIVES") == "1":
         from megatron_hexi.strict_collectives import install
         install(device)
-    backend = args.distributed_backend or ("nccl" if want_cuda else "gloo")
+    backend = rt.distributed_backend or ("nccl" if want_cuda else "gloo")
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group(backend, timeout=datetime.timedelta(
-            minutes=args.distributed_timeout_minutes))
+            minutes=rt.distributed_timeout_minutes))
     return device
 
 
@@ -419,14 +446,15 @@ def main(argv=None):
     group exists ends the process itself (exit 1). Call `cli` to end the process with the code."""
     try:
         args = parse_args(argv)
+        config = run_config(args)
         plan = load_plan(args.hetero_plan_path)
         check_against_plan(args, plan)
-        if args.tensorboard_dir:
+        if config.logging.tensorboard_dir:
             from megatron_hexi.tensorboard_log import check_available
             check_available()
-        device = init_distributed(args, plan)
-        check_output_paths(args)
-        run(args, plan, device)
+        device = init_distributed(plan, config)
+        check_output_paths(config)
+        run(plan, config, device)
     except SpecError as e:
         for line in e.problems:
             print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True)
@@ -434,7 +462,7 @@ def main(argv=None):
     except Exception as e:   # noqa: BLE001 - after start-up: say which rank and why, never hang
         if not dist.is_initialized():
             raise
-        _failure(e, args)
+        _failure(e, config)
     return 0
 
 

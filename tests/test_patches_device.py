@@ -18,7 +18,7 @@ def _cpu_run_while_cuda_looks_available(plan_path):
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core import utils as core_utils
 
-    from megatron_hexi.arguments import parse_args
+    from megatron_hexi.arguments import parse_args, run_config
     from megatron_hexi.patches import PATCH_MODULES, applied_cpu_patches, remove_cpu_patches
     from megatron_hexi.training import Trainer, init_distributed
     from planner.plan import load_plan
@@ -26,14 +26,14 @@ def _cpu_run_while_cuda_looks_available(plan_path):
     args = parse_args(["--hetero-plan-path", plan_path, "--train-iters", "1", "--lr", "1e-3",
                        "--mock-data", "--hetero-device", "cpu", "--attention-dropout", "0",
                        "--hidden-dropout", "0"])
-    plan = load_plan(plan_path)
-    device = init_distributed(args, plan)
+    plan, config = load_plan(plan_path), run_config(args)
+    device = init_distributed(plan, config)
     out = {"device": str(device), "applied": list(applied_cpu_patches()),
            "all": list(PATCH_MODULES),
            # what patched upstream code sees as "the current CUDA device" and "the CUDA RNG"
            "current_device": str(core_utils.torch.cuda.current_device()),
            "rng_is_cpu": bool(torch.equal(tp_random._get_cuda_rng_state(), torch.get_rng_state()))}
-    trainer = Trainer(args, plan, device)
+    trainer = Trainer(plan, config, device)
     metrics = trainer.train_step(0)
     out["loss"] = metrics["lm_loss"]
     out["param_devices"] = sorted({p.device.type for p in trainer.model.parameters()})

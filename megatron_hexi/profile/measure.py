@@ -17,7 +17,7 @@ import torch
 
 from megatron_hexi.grad_sync import param_grad
 from megatron_hexi.loss import sharded_cross_entropy
-from megatron_hexi.model import build_stage_model, seed_rng, stage_config
+from megatron_hexi.model import build_stage_model, stage_config
 
 
 def _world():
@@ -183,12 +183,13 @@ def optimizer_entry(model, device, dtype, reps, layer_counts=(1, 3)):
     """The runtime's optimizer step (megatron-core FP32Optimizer/Float16 wrapper around AdamW,
     exact grad norm over the world, clipping) on stage models of two sizes: fit fixed + per param.
     Needs an initialised process group (one rank is enough)."""
+    from megatron_hexi.config import (LRScheduleConfig, OptimizerConfig, PrecisionConfig,
+                                      RunConfig, TrainingConfig)
     from megatron_hexi.optimizer import build_optimizer
-    args = types.SimpleNamespace(lr=1e-4, min_lr=0.0, weight_decay=0.01, adam_beta1=0.9,
-                                 adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0,
-                                 bf16=dtype == torch.bfloat16, lr_decay_iters=None,
-                                 train_iters=100, lr_warmup_init=0.0, lr_warmup_iters=0,
-                                 lr_decay_style="constant")
+    config = RunConfig(training=TrainingConfig(train_iters=100),
+                       optimizer=OptimizerConfig(lr=1e-4),
+                       lr_schedule=LRScheduleConfig(lr_decay_style="constant"),
+                       precision=PrecisionConfig(bf16=dtype == torch.bfloat16))
     points = []
     for n in layer_counts:
         st = Stage(model, shard_view(model, 1, n), 1, device, dtype)
@@ -204,7 +205,7 @@ def optimizer_entry(model, device, dtype, reps, layer_counts=(1, 3)):
         class _Owned:
             def owned_grads(self):
                 return [param_grad(p) for p in params]
-        opt, _ = build_optimizer(st.net, _Owned(), args)
+        opt, _ = build_optimizer(st.net, _Owned(), config)
         times = []
         for i in range(reps + 2):
             sync(device)

@@ -34,27 +34,29 @@ def _one_stage_plans(cluster, model, mbs, nmb, pipelines):
          "stages": [{"ranks": [r], "layers": [0, model.num_layers]}]} for r in range(pipelines)])
 
 
+def step_config(iters):
+    """The RunConfig of the timed steps: mock data, constant lr, no dropout."""
+    from megatron_hexi.config import (DataConfig, DropoutConfig, LRScheduleConfig,
+                                      OptimizerConfig, RunConfig, TrainingConfig)
+    return RunConfig(training=TrainingConfig(train_iters=iters),
+                     optimizer=OptimizerConfig(lr=1e-4),
+                     lr_schedule=LRScheduleConfig(lr_decay_style="constant"),
+                     dropout=DropoutConfig(attention_dropout=0.0, hidden_dropout=0.0),
+                     data=DataConfig(mock_data=True))
+
+
 def _steps(model, device, mbs, nmb, iters, pipelines=1):
     """Fastest step time of a plan of `pipelines` one-stage pipelines (one per process of the
     current process group), and the parameters of one rank."""
-    from megatron_hexi.arguments import parse_args
-    from megatron_hexi.training import Trainer
-    from planner.plan import load_plan, save_plan
-    plan = _one_stage_plans(_cluster(device.type, pipelines), model, mbs, nmb, pipelines)
     import torch.distributed as dist
-    with tempfile.TemporaryDirectory(prefix="hexi-profile-") as tmp:
-        path = f"{tmp}/plan.json"      # every rank writes the same plan to its own directory
-        save_plan(plan, path)
-        args = parse_args(["--hetero-plan-path", path, "--mock-data", "--train-iters",
-                           str(iters), "--lr", "1e-4", "--lr-decay-style", "constant",
-                           "--attention-dropout", "0", "--hidden-dropout", "0",
-                           "--log-interval", "100000"])
-        plan = load_plan(path)
-        trainer = Trainer(args, plan, device)
-        times = [trainer.train_step(i)["step_time_s"] for i in range(iters)]
-        params = sum(p.numel() for p in trainer.model.parameters())
-        if pipelines > 1:
-            dist.barrier()
+
+    from megatron_hexi.training import Trainer
+    plan = _one_stage_plans(_cluster(device.type, pipelines), model, mbs, nmb, pipelines)
+    trainer = Trainer(plan, step_config(iters), device)
+    times = [trainer.train_step(i)["step_time_s"] for i in range(iters)]
+    params = sum(p.numel() for p in trainer.model.parameters())
+    if pipelines > 1:
+        dist.barrier()
     return min(times[2:]), params
 
 

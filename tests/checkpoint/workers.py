@@ -13,14 +13,14 @@ def train(plan_path, flags=()):
     events, and on launch rank 0 the final parameters gathered to full tensors."""
     import torch.distributed as dist
 
-    from megatron_hexi.arguments import parse_args
+    from megatron_hexi.arguments import parse_args, run_config
     from megatron_hexi.training import init_distributed, run
     from planner.plan import load_plan
 
     args = parse_args(["--hetero-plan-path", str(plan_path), *BASE_FLAGS, *flags])
-    plan = load_plan(args.hetero_plan_path)
-    device = init_distributed(args, plan)
-    trainer, history = run(args, plan, device)
+    plan, config = load_plan(args.hetero_plan_path), run_config(args)
+    device = init_distributed(plan, config)
+    trainer, history = run(plan, config, device)
     full = trainer.full_parameters()
     out = {"iterations": [h["iteration"] for h in history],
            "losses": [h["lm_loss"] for h in history],
@@ -34,17 +34,16 @@ def train(plan_path, flags=()):
 def logits(plan_path, load_dir, tokens):
     """Load `load_dir` under the plan and return the full logits of `tokens` (launch rank 0)."""
     from megatron_hexi import checkpoint
-    from megatron_hexi.arguments import parse_args
+    from megatron_hexi.arguments import parse_args, run_config
     from megatron_hexi.inference import forward_logits
     from megatron_hexi.training import Trainer, init_distributed
     from planner.plan import load_plan
 
     args = parse_args(["--hetero-plan-path", str(plan_path), *BASE_FLAGS, "--train-iters", "1",
                        "--load", str(load_dir)])
-    plan = load_plan(args.hetero_plan_path)
-    device = init_distributed(args, plan)
-    trainer = Trainer(args, plan, device)
-    checkpoint.load(trainer, args)
+    plan, config = load_plan(args.hetero_plan_path), run_config(args)
+    trainer = Trainer(plan, config, init_distributed(plan, config))
+    checkpoint.load(trainer, config.checkpoint)
     return forward_logits(trainer, tokens)
 
 
@@ -60,6 +59,7 @@ def load_each(plan_path, cases, save_dir):
     with a full disk (label "disk full"), a save with an inf in an Adam moment of launch rank 1
     only ("non-finite"), what they left in `save_dir` ("left over") and the iteration `save_dir`
     then loads ("after failed saves")."""
+    import dataclasses
     import errno
     import math
     import os
@@ -67,27 +67,26 @@ def load_each(plan_path, cases, save_dir):
     import torch.distributed as dist
 
     from megatron_hexi import checkpoint
-    from megatron_hexi.arguments import parse_args
+    from megatron_hexi.arguments import parse_args, run_config
     from megatron_hexi.training import Trainer, init_distributed
     from planner.plan import load_plan
 
     args = parse_args(["--hetero-plan-path", str(plan_path), *BASE_FLAGS, "--train-iters", "4",
                        "--load", str(save_dir)])
-    plan = load_plan(args.hetero_plan_path)
-    trainer = Trainer(args, plan, init_distributed(args, plan))
+    plan, config = load_plan(args.hetero_plan_path), run_config(args)
+    trainer = Trainer(plan, config, init_distributed(plan, config))
     out = {}
     for label, directory, step in cases:
-        args.load, args.ckpt_step = str(directory), step
+        case = dataclasses.replace(config.checkpoint, load=str(directory), ckpt_step=step)
         try:
-            checkpoint.load(trainer, args)
+            checkpoint.load(trainer, case)
             out[label] = "ok"
         except checkpoint.CheckpointError as e:
             out[label] = str(e)
 
     # A failed load leaves the trainer half overwritten (the "nan" case put its NaN there): the
     # saves start from the intact checkpoint.
-    args.load, args.ckpt_step = str(save_dir), None
-    checkpoint.load(trainer, args)
+    checkpoint.load(trainer, config.checkpoint)
 
     def disk_full(*_):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -113,5 +112,5 @@ def load_each(plan_path, cases, save_dir):
     finally:
         moment[first] = kept
     out["left over"] = sorted(n for n in os.listdir(save_dir) if n.startswith("."))
-    out["after failed saves"] = checkpoint.load(trainer, args)[0]
+    out["after failed saves"] = checkpoint.load(trainer, config.checkpoint)[0]
     return out

@@ -15,7 +15,7 @@ def train_real(plan_path, extra_flags):
     import torch.distributed as dist
 
     import megatron_hexi.data as data
-    from megatron_hexi.arguments import parse_args
+    from megatron_hexi.arguments import parse_args, run_config
     from megatron_hexi.training import init_distributed, run
     from planner.plan import load_plan
 
@@ -30,9 +30,9 @@ def train_real(plan_path, extra_flags):
     data.pipeline_microbatches = recording    # training.py imports it at each step
 
     args = parse_args(["--hetero-plan-path", str(plan_path), *REAL_FLAGS, *extra_flags])
-    plan = load_plan(args.hetero_plan_path)
-    device = init_distributed(args, plan)
-    trainer, history = run(args, plan, device)
+    plan, config = load_plan(args.hetero_plan_path), run_config(args)
+    device = init_distributed(plan, config)
+    trainer, history = run(plan, config, device)
     v = trainer.view
     mine = {"plan_rank": trainer.rank, "pipeline": v.pipeline, "samples": tuple(v.samples),
             "embedding": v.holds_embedding, "output": v.holds_output,

@@ -66,20 +66,20 @@ def _break_sync(defect):
 def train(plan_path, defect=None, extra_flags=()):
     import torch.distributed as dist
 
-    from megatron_hexi.arguments import parse_args
+    from megatron_hexi.arguments import parse_args, run_config
     from megatron_hexi.training import init_distributed, run
     from planner.plan import load_plan
 
     args = parse_args(["--hetero-plan-path", str(plan_path), *BASE_FLAGS, *extra_flags])
-    plan = load_plan(args.hetero_plan_path)
-    device = init_distributed(args, plan)
+    plan, config = load_plan(args.hetero_plan_path), run_config(args)
+    device = init_distributed(plan, config)
     _break_sync(defect)
     if defect == "equal_weighting":
         from megatron_hexi.grad_sync import GradientSync
         pipe = plan.pipelines[plan.rank_view(dist.get_rank()).pipeline]   # launched in plan order
         GradientSync._own_pipeline_tokens = pipe.num_samples * plan.model.seq_length
         GradientSync._num_pipelines = len(plan.pipelines)
-    trainer, history = run(args, plan, device)
+    trainer, history = run(plan, config, device)
     full = trainer.full_parameters()
     out = {"losses": [h["lm_loss"] for h in history],
            "grad_norms": [h["grad_norm"] for h in history],

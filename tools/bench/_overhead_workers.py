@@ -1,7 +1,8 @@
 """Per-rank bodies for tools/bench/runtime_overhead.py (module level, so spawned ranks find them).
 
-`ours` trains a plan through megatron_hexi.training.Trainer; `plain` trains the same model, sizes,
-micro-batches and samples with megatron-core's own path (parallel_state, GPTModel, its schedules
+`ours` trains a plan through megatron_hexi.training.Trainer (built from the Plan and a RunConfig,
+no command line); `plain` trains the same model, sizes, micro-batches and samples with
+megatron-core's own path (parallel_state, GPTModel, its schedules
 and P2P, FP32Optimizer). Both time each step from a barrier on every rank and return, per step,
 the slowest rank's time, a breakdown (forward/backward, gradient finalize, optimizer + rest) and
 the CPU time summed over ranks.
@@ -11,18 +12,24 @@ import time
 import torch
 import torch.distributed as dist
 
-FLAGS = ["--mock-data", "--lr", "1e-4", "--lr-decay-style", "constant", "--seed", "1234",
-         "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "100000",
-         "--weight-decay", "0.01", "--adam-eps", "1e-8", "--clip-grad", "1.0",
-         "--hetero-device", "cpu"]
+def run_config(iters):
+    """Both variants' settings: mock data, fp32 Adam at a constant lr, no dropout, CPU."""
+    from megatron_hexi.config import (DataConfig, DropoutConfig, LRScheduleConfig,
+                                      OptimizerConfig, RunConfig, RuntimeConfig, TrainingConfig)
+    return RunConfig(
+        training=TrainingConfig(train_iters=iters, seed=1234),
+        optimizer=OptimizerConfig(lr=1e-4, weight_decay=0.01, adam_eps=1e-8, clip_grad=1.0),
+        lr_schedule=LRScheduleConfig(lr_decay_style="constant"),
+        dropout=DropoutConfig(attention_dropout=0.0, hidden_dropout=0.0),
+        data=DataConfig(mock_data=True), runtime=RuntimeConfig(device="cpu"))
 
 
-def _samples(args, plan):
+def _samples(config, plan):
     """Every sample the run reads, materialised once (same tokens for both variants, and no
     data-loading cost inside the timed step)."""
-    from megatron_hexi.data import build_train_dataset
-    ds = build_train_dataset(args, plan)
-    return [ds[i] for i in range(args.train_iters * plan.global_batch_size)]
+    from megatron_hexi.training import build_dataset
+    ds = build_dataset(plan, config)
+    return [ds[i] for i in range(config.training.train_iters * plan.global_batch_size)]
 
 
 class _Clock:
@@ -58,19 +65,16 @@ def _report(steps, losses):
             "losses": losses}
 
 
-def ours(plan_path, iters):
-    from megatron_hexi.arguments import parse_args
+def ours(plan, iters):
     from megatron_hexi.training import Trainer, init_distributed
-    from planner.plan import load_plan
 
-    args = parse_args(["--hetero-plan-path", str(plan_path), "--train-iters", str(iters), *FLAGS])
-    plan = load_plan(plan_path)
-    device = init_distributed(args, plan)
-    trainer = Trainer(args, plan, device)
+    config = run_config(iters)
+    device = init_distributed(plan, config)
+    trainer = Trainer(plan, config, device)
     if trainer.dataset is not None:
-        trainer.dataset = _samples(args, plan)
-    fin = _Clock(trainer.config.finalize_model_grads_func)
-    trainer.config.finalize_model_grads_func = fin
+        trainer.dataset = _samples(config, plan)
+    fin = _Clock(trainer.transformer_config.finalize_model_grads_func)
+    trainer.transformer_config.finalize_model_grads_func = fin
     # Trainer.train_step imports the schedule at call time: clock it where it is looked up.
     import megatron.core.pipeline_parallel.schedules as schedules
     sch = _Clock(schedules.forward_backward_pipelining_without_interleaving)
@@ -88,7 +92,7 @@ def ours(plan_path, iters):
     return out if dist.get_rank() == 0 else None
 
 
-def plain(plan_path, iters):
+def plain(plan, iters):
     """megatron-core alone: same sizes as the plan's single pipeline (uniform TP, DP=1)."""
     from functools import partial
 
@@ -103,13 +107,11 @@ def plain(plan_path, iters):
         forward_backward_no_pipelining, forward_backward_pipelining_without_interleaving)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
-    from megatron_hexi.arguments import parse_args
     from megatron_hexi.patches import apply_cpu_patches
-    from planner.plan import load_plan
 
     apply_cpu_patches()
-    args = parse_args(["--hetero-plan-path", str(plan_path), "--train-iters", str(iters), *FLAGS])
-    plan = load_plan(plan_path)
+    run = run_config(iters)
+    o = run.optimizer
     assert len(plan.pipelines) == 1
     pipe = plan.pipelines[0]
     tp, pp = pipe.stages[0].tp_size, len(pipe.stages)
@@ -118,7 +120,7 @@ def plain(plan_path, iters):
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp)
-    model_parallel_cuda_manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(run.training.seed)
     first = parallel_state.is_pipeline_first_stage()
     last = parallel_state.is_pipeline_last_stage()
     config = TransformerConfig(
@@ -164,18 +166,18 @@ def plain(plan_path, iters):
         (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
     groups = [{"params": g, "wd_mult": w, "lr_mult": 1.0, "is_expert_parallel": False,
                "default_config": True} for g, w in ((decay, 1.0), (no_decay, 0.0)) if g]
-    inner = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay,
-                              betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    opt = FP32Optimizer(inner, OptimizerConfig(optimizer="adam", lr=args.lr,
-                                               weight_decay=args.weight_decay,
-                                               adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                                               params_dtype=torch.float32), lambda o: None)
+    inner = torch.optim.AdamW(groups, lr=o.lr, weight_decay=o.weight_decay,
+                              betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    opt = FP32Optimizer(inner, OptimizerConfig(optimizer="adam", lr=o.lr,
+                                               weight_decay=o.weight_decay,
+                                               adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+                                               params_dtype=torch.float32), lambda _: None)
     sched = OptimizerParamScheduler(
-        opt, init_lr=0.0, max_lr=args.lr, min_lr=0.0, lr_warmup_steps=0,
-        lr_decay_steps=iters, lr_decay_style="constant", start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=iters, wd_incr_style="constant")
+        opt, init_lr=0.0, max_lr=o.lr, min_lr=0.0, lr_warmup_steps=0,
+        lr_decay_steps=iters, lr_decay_style="constant", start_wd=o.weight_decay,
+        end_wd=o.weight_decay, wd_incr_steps=iters, wd_incr_style="constant")
 
-    samples = _samples(args, plan) if (first or last) else None
+    samples = _samples(run, plan) if (first or last) else None
 
     def batches(it):
         base = it * plan.global_batch_size

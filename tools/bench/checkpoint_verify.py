@@ -16,10 +16,10 @@ the bytes each rank read and checked in one more verified load.
 Then the parts of verification are timed alone over every tensor of the file: reading it
 (safetensors get_tensor), CRC-32 per block as recorded and at other block sizes, and the finite
 check (numpy min and max, what the verification threads run: torch's ops would start a team of
-intra-op threads in each), with torch.aminmax, blake2b-128, sha256 and torch.isfinite(t).all() for comparison (why
-not those). With the bytes a resharded rank would check at each block size (computed from the
-plan, not timed), this is how the block size was chosen: small blocks slow CRC-32 down, large
-ones make a rank check more than it reads.
+intra-op threads in each), with torch.aminmax, blake2b-128, sha256 and torch.isfinite(t).all()
+for comparison (why not those). With the bytes a resharded rank would check at each block size
+(computed from the plan, not timed), this is how the block size was chosen: small blocks slow
+CRC-32 down, large ones make a rank check more than it reads.
 
 The file is in the page cache (just written, then read once before timing), so the load times are
 memory and CPU bound: the worst case for the ratio. Reading from a disk adds the same I/O time to
@@ -44,34 +44,38 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent), str(ROOT / "tes
 
 import yaml  # noqa: E402
 
-FLAGS = ["--mock-data", "--lr", "1e-3", "--seed", "1234", "--attention-dropout", "0",
-         "--hidden-dropout", "0", "--log-interval", "1000", "--train-iters", "1"]
 GLOBAL_BATCH = 2
 
 
-def _setup(plan_path, extra):
+def _setup(plan, checkpoint):
+    """(RunConfig, device): one step of mock data, no dropout, with `checkpoint` (a
+    CheckpointConfig); the process group initialised."""
     import torch
     torch.set_num_threads(1)
-    from megatron_hexi.arguments import parse_args
+    from megatron_hexi.config import (DataConfig, DropoutConfig, LoggingConfig, OptimizerConfig,
+                                      RunConfig, TrainingConfig)
     from megatron_hexi.training import init_distributed
-    from planner.plan import load_plan
-    args = parse_args(["--hetero-plan-path", str(plan_path), *FLAGS, *extra])
-    plan = load_plan(args.hetero_plan_path)
-    return args, plan, init_distributed(args, plan)
+    config = RunConfig(training=TrainingConfig(train_iters=1, seed=1234),
+                       optimizer=OptimizerConfig(lr=1e-3),
+                       dropout=DropoutConfig(attention_dropout=0.0, hidden_dropout=0.0),
+                       data=DataConfig(mock_data=True), checkpoint=checkpoint,
+                       logging=LoggingConfig(log_interval=1000))
+    return config, init_distributed(plan, config)
 
 
-def save_worker(plan_path, ckpt_dir):
+def save_worker(plan, ckpt_dir):
     """One training step, then the save at the end of the run; returns the save's seconds."""
     import contextlib
     import io
+    from megatron_hexi.config import CheckpointConfig
     from megatron_hexi.training import run
-    args, plan, device = _setup(plan_path, ["--save", str(ckpt_dir)])
+    config, device = _setup(plan, CheckpointConfig(save=str(ckpt_dir)))
     with contextlib.redirect_stdout(io.StringIO()):
-        trainer, _ = run(args, plan, device)
+        trainer, _ = run(plan, config, device)
     return [e for e in trainer.checkpoint_events if "save_iteration" in e][0]["seconds"]
 
 
-def load_worker(plan_path, ckpt_dir, rounds):
+def load_worker(plan, ckpt_dir, rounds):
     """{verify: [seconds per load], "bytes": (read, checked) by this rank in a verified load}:
     the slowest rank's time of each load."""
     import contextlib
@@ -81,17 +85,19 @@ def load_worker(plan_path, ckpt_dir, rounds):
     import torch.distributed as dist
 
     from megatron_hexi import checkpoint
+    from megatron_hexi.config import CheckpointConfig
     from megatron_hexi.training import Trainer
-    args, plan, device = _setup(plan_path, ["--load", str(ckpt_dir)])
-    trainer = Trainer(args, plan, device)
+    config, device = _setup(plan, CheckpointConfig(load=str(ckpt_dir)))
+    trainer = Trainer(plan, config, device)
+    load = config.checkpoint
     times = {False: [], True: []}
     with contextlib.redirect_stdout(io.StringIO()):
-        checkpoint.load(trainer, args, verify=True)      # warm-up: page cache, allocator
+        checkpoint.load(trainer, load, verify=True)      # warm-up: page cache, allocator
         for r in range(rounds):
             for verify in ((False, True) if r % 2 == 0 else (True, False)):
                 dist.barrier()
                 start = time.perf_counter()
-                checkpoint.load(trainer, args, verify=verify)
+                checkpoint.load(trainer, load, verify=verify)
                 t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 times[verify].append(t.item())
@@ -103,7 +109,7 @@ def load_worker(plan_path, ckpt_dir, rounds):
                 opened.append(self)
         checkpoint.Checkpoint = Counted
         try:
-            checkpoint.load(trainer, args, verify=True)
+            checkpoint.load(trainer, load, verify=True)
         finally:
             checkpoint.Checkpoint = plain
     times["bytes"] = (opened[0].read_bytes, opened[0].checked_bytes)
@@ -155,7 +161,7 @@ def parts(ckpt_dir, repeats=3):
     return size, out
 
 
-def checked_by_block_size(ckpt_dir, plan_path, sizes=(64 << 10, 256 << 10, 1 << 20, 4 << 20)):
+def checked_by_block_size(ckpt_dir, plan, sizes=(64 << 10, 256 << 10, 1 << 20, 4 << 20)):
     """{block bytes: [(bytes read, bytes checked) per rank]} of a verified load under the plan:
     each rank's pieces, the blocks of the stored tensors they overlap, each block counted once."""
     import numpy as np
@@ -163,8 +169,6 @@ def checked_by_block_size(ckpt_dir, plan_path, sizes=(64 << 10, 256 << 10, 1 << 
     from megatron_hexi.checkpoint import (ITEMSIZE, Checkpoint, blocks_bytes, overlapping_blocks,
                                           tensor_bytes)
     from planner.layout import rank_param_shards
-    from planner.plan import load_plan
-    plan = load_plan(plan_path)
     with Checkpoint(str(ckpt_dir)) as ck:     # the index only: nothing is read
         index = ck.index
     out = {}
@@ -193,21 +197,20 @@ def checked_by_block_size(ckpt_dir, plan_path, sizes=(64 << 10, 256 << 10, 1 << 
     return out
 
 
-def write_plans(directory, model_fields):
+def build_plans(directory, model_fields):
+    """(model, {case: (Plan, world size)}); the ranks get the Plan objects (no plan files)."""
     from planner.models import load_model
-    from planner.plan import build_plan, save_plan
+    from planner.plan import build_plan
     sys.path.insert(0, str(ROOT / "tests"))
     from runtime.plans import cpu_cluster
     (directory / "model.yaml").write_text(yaml.safe_dump(model_fields))
     model = load_model(str(directory / "model.yaml"))
-    paths = {}
+    plans = {}
     for name, world, ranks in (("same plan", 1, [0]), ("resharded", 2, [0, 1])):
         pipelines = [{"micro_batch_size": 1, "num_microbatches": GLOBAL_BATCH,
                       "stages": [{"ranks": ranks, "layers": [0, model.num_layers]}]}]
-        paths[name] = (directory / f"plan_{world}.json", world)
-        save_plan(build_plan(cpu_cluster(world), model, GLOBAL_BATCH, pipelines),
-                  paths[name][0])
-    return model, paths
+        plans[name] = (build_plan(cpu_cluster(world), model, GLOBAL_BATCH, pipelines), world)
+    return model, plans
 
 
 def main(argv=None):
@@ -231,7 +234,7 @@ def main(argv=None):
     env = {"OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="hexi-ckpt-verify-") as tmp:
         tmp = Path(tmp)
-        model, plans = write_plans(tmp, fields)
+        model, plans = build_plans(tmp, fields)
         ckpt = tmp / "ckpt"
         save_s = run_distributed(me.save_worker, 1, plans["same plan"][0], ckpt,
                                  timeout=a.timeout, env=env)[0]

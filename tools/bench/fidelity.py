@@ -6,7 +6,7 @@
 1. Profile the local device with `hexi-profile` (the bench model, --comm-procs 2, the runtime's
    thread setting: OMP_NUM_THREADS=1 per process, as torchrun and the test harness run ranks),
    unless --profile gives one.
-2. For each plan below (all fit 2 cores: at most 2 processes), write the plan over a one-node
+2. For each plan below (all fit 2 cores: at most 2 processes), build the plan over a one-node
    cluster whose group references the profile (gpus_per_node = the plan's processes, which sets
    the profile's contention model), predict the iteration time with the simulator (also with the
    catalog figures, no profile), then train it with the runtime (tests/harness.run_distributed,
@@ -68,9 +68,17 @@ PLANS = {
                                {"micro_batch_size": 2, "num_microbatches": 1,
                                 "stages": [{"ranks": [1], "layers": ALL}]}], False),
 }
-FLAGS = ["--mock-data", "--lr", "1e-4", "--lr-decay-style", "constant", "--seed", "1234",
-         "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "100000",
-         "--weight-decay", "0.01"]
+
+
+def run_config(iters, device_type):
+    """The runs' settings: mock data, Adam at a constant lr, no dropout, on `device_type`."""
+    from megatron_hexi.config import (DataConfig, DropoutConfig, LRScheduleConfig,
+                                      OptimizerConfig, RunConfig, RuntimeConfig, TrainingConfig)
+    return RunConfig(training=TrainingConfig(train_iters=iters, seed=1234),
+                     optimizer=OptimizerConfig(lr=1e-4, weight_decay=0.01),
+                     lr_schedule=LRScheduleConfig(lr_decay_style="constant"),
+                     dropout=DropoutConfig(attention_dropout=0.0, hidden_dropout=0.0),
+                     data=DataConfig(mock_data=True), runtime=RuntimeConfig(device=device_type))
 
 
 # ------------------------------------------------------------------------ rank body (spawned)
@@ -110,19 +118,15 @@ class _SavedBytes:
         return x.t if hasattr(x, "t") and not hasattr(x, "shape") else x
 
 
-def train_rank(plan_path, iters, device_type, measure_memory):
+def train_rank(plan, iters, device_type, measure_memory):
     import torch
     import torch.distributed as dist
 
-    from megatron_hexi.arguments import parse_args
     from megatron_hexi.training import Trainer, init_distributed
-    from planner.plan import load_plan
 
-    args = parse_args(["--hetero-plan-path", str(plan_path), "--train-iters", str(iters),
-                       "--hetero-device", device_type, *FLAGS])
-    plan = load_plan(plan_path)
-    device = init_distributed(args, plan)
-    trainer = Trainer(args, plan, device)
+    config = run_config(iters, device_type)
+    device = init_distributed(plan, config)
+    trainer = Trainer(plan, config, device)
     times = []
     for it in range(iters):
         times.append(trainer.train_step(it)["step_time_s"])
@@ -224,7 +228,7 @@ def main(argv=None):
     import fidelity as this
     from harness import run_distributed
     from planner.models import load_model
-    from planner.plan import build_plan, load_plan, save_plan
+    from planner.plan import build_plan
     from planner.profile import cost_sources
     from planner.costmodel import Topology
     from planner.simulator import simulate
@@ -245,15 +249,13 @@ def main(argv=None):
         rows = []
         names = a.plans or list(PLANS)
         launches = {name: [] for name in names}
+        plans = {name: build_plan(_cluster(_world(PLANS[name][0]), prof), model, GLOBAL_BATCH,
+                                  PLANS[name][0], recompute=PLANS[name][1]) for name in names}
         for rnd in range(a.rounds):     # every plan once per round: a slow spell hits one round
             for name in names:
                 world = _world(PLANS[name][0])
-                path = tmp / f"plan{names.index(name)}.json"
-                if rnd == 0:
-                    save_plan(build_plan(_cluster(world, prof), model, GLOBAL_BATCH,
-                                         PLANS[name][0], recompute=PLANS[name][1]), path)
                 t = time.monotonic()
-                per_rank = run_distributed(this.train_rank, world, str(path), a.warmup + a.steps,
+                per_rank = run_distributed(this.train_rank, world, plans[name], a.warmup + a.steps,
                                            a.device, rnd == 0, timeout=a.timeout,
                                            env={"OMP_NUM_THREADS": "1"},
                                            hide_cuda=a.device == "cpu")[0]
@@ -266,7 +268,7 @@ def main(argv=None):
         for name in names:
             pipelines, recompute = PLANS[name]
             world = _world(pipelines)
-            plan = load_plan(tmp / f"plan{names.index(name)}.json")
+            plan = plans[name]
             est = simulate(plan)
             cat_plan = build_plan(_cluster(world, None), model, GLOBAL_BATCH, pipelines,
                                   recompute=recompute)

@@ -58,21 +58,19 @@ CASES = {
 }
 
 
-def write_plans(directory):
+def build_plans(directory):
+    """{case: Plan}; the ranks get the Plan objects themselves (no plan files)."""
     from planner.cluster import load_cluster_dict
     from planner.models import load_model
-    from planner.plan import build_plan, save_plan
+    from planner.plan import build_plan
     model_path = directory / "model.yaml"
     model_path.write_text(yaml.safe_dump(MODEL))
     model = load_model(str(model_path))
     cluster = load_cluster_dict({"name": "cpu-2", "nodes": [
         {"name": "cpu", "gpu": "CPU", "gpus_per_node": 2, "intra_node": "host",
          "nic": "10 Gbit/s"}]})
-    paths = {}
-    for case, pipelines in CASES.items():
-        paths[case] = directory / f"{case}.json"
-        save_plan(build_plan(cluster, model, GLOBAL_BATCH, pipelines), paths[case])
-    return paths
+    return {case: build_plan(cluster, model, GLOBAL_BATCH, pipelines)
+            for case, pipelines in CASES.items()}
 
 
 def main(argv=None):
@@ -94,19 +92,19 @@ def main(argv=None):
     losses = {}
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hexi-overhead-") as tmp:
-        plans = write_plans(Path(tmp))
+        plans = build_plans(Path(tmp))
         for r in range(a.rounds):
             for case in CASES:
                 for variant in ("ours", "plain"):
                     t = time.monotonic()
                     try:
-                        out = run_distributed(getattr(workers, variant), 2, str(plans[case]),
+                        out = run_distributed(getattr(workers, variant), 2, plans[case],
                                               iters, timeout=a.timeout,
                                               env={"OMP_NUM_THREADS": "1"})[0]
                     except DistributedTimeout as e:
-                        print(f"  round {r + 1} {case} {variant:<5} TIMED OUT after {a.timeout:g} s "
-                              f"(load {os.getloadavg()[0]:.1f}): {str(e).splitlines()[0]}",
-                              flush=True)
+                        print(f"  round {r + 1} {case} {variant:<5} TIMED OUT after "
+                              f"{a.timeout:g} s (load {os.getloadavg()[0]:.1f}): "
+                              f"{str(e).splitlines()[0]}", flush=True)
                         round_medians[case, variant].append(float("nan"))
                         continue
                     steps = list(zip(out["step_s"], out["fwd_bwd_s"], out["finalize_s"],
@@ -149,7 +147,8 @@ def main(argv=None):
     for (case, v), ls in sorted(losses.items()):
         print(f"  {case} {v:<5} {ls[0]:.4f} -> {ls[-1]:.4f}")
     load1 = os.getloadavg()[0]
-    print(f"\nworst ratio {worst:.2f}x (target <= 1.10): {'OK' if worst <= 1.10 else 'INCOMPLETE' if worst == float('inf') else 'OVER'}; "
+    verdict = ("OK" if worst <= 1.10 else "INCOMPLETE" if worst == float("inf") else "OVER")
+    print(f"\nworst ratio {worst:.2f}x (target <= 1.10): {verdict}; "
           f"total {time.monotonic() - start:.0f} s; load average {load0:.1f} -> {load1:.1f} on "
           f"{os.cpu_count()} CPUs")
     if max(load0, load1) > os.cpu_count() + 0.5:

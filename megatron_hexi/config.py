@@ -1,0 +1,143 @@
+"""The run configuration: what a run does beyond what its plan fixes, as typed, frozen values.
+
+The plan (planner.plan.Plan) holds the model, the batch and the parallel layout; a `RunConfig`
+holds the rest: optimizer and learning-rate schedule, precision, dropout, data, checkpoints,
+logging and the process group. Code builds one directly (the profiler, the benchmarks, tests):
+
+    config = RunConfig(training=TrainingConfig(train_iters=10),
+                       optimizer=OptimizerConfig(lr=1e-3), data=DataConfig(mock_data=True))
+    trainer = Trainer(plan, config, device)
+
+pretrain_gpt.py builds one from Megatron-LM's flags (megatron_hexi.arguments.run_config); field
+names are the flags' names (`--lr-decay-style` is `lr_schedule.lr_decay_style`) and every default
+is the flag's default. Values are not checked here: the flag parser checks ranges and flags that
+contradict the plan, before a config exists.
+"""
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How long to train, from which seed, and when to stop early."""
+    train_iters: int
+    """Iterations of the run (a resumed run continues up to it); sizes the dataset and the
+    default lr decay."""
+    seed: int = 1234
+    """Seeds the weights, dropout and the data order."""
+    exit_interval: int | None = None
+    """Stop (saving first, with a save directory) when the iteration is a multiple of it."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop with an error on a NaN or infinite loss or gradient norm, as Megatron-LM does."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Adam with decoupled weight decay, and gradient clipping (megatron-core's optimizer)."""
+    lr: float
+    """Peak learning rate (after warm-up)."""
+    min_lr: float = 0.0
+    """Floor of the decayed learning rate."""
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip to this global gradient norm; 0 turns clipping off."""
+
+
+@dataclass(frozen=True)
+class LRScheduleConfig:
+    """megatron-core's OptimizerParamScheduler: warm-up, then decay to `OptimizerConfig.min_lr`."""
+    lr_decay_style: str = "linear"
+    """constant, linear, cosine or inverse-square-root."""
+    lr_decay_iters: int | None = None
+    """Iterations of decay; None: `TrainingConfig.train_iters`."""
+    lr_warmup_iters: int = 0
+    lr_warmup_init: float = 0.0
+    """Learning rate at the start of warm-up."""
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Parameter precision; gradients and master weights stay fp32 either way."""
+    bf16: bool = False
+    """bf16 parameters and activations, fp32 gradient accumulation and master weights."""
+
+
+@dataclass(frozen=True)
+class DropoutConfig:
+    """Dropout probabilities (the plan fixes the rest of the model)."""
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the training samples come from: megatron-core's mock corpus or indexed datasets."""
+    mock_data: bool = False
+    """megatron-core's mock dataset; needs no files."""
+    data_path: tuple[str, ...] | None = None
+    """Prefixes of .bin/.idx pairs, optionally weighted: ("W1", "PREFIX1", "W2", "PREFIX2")."""
+    split: str = "969,30,1"
+    """Train, validation and test weights; only the training split is read."""
+    data_cache_path: str | None = None
+    """Where megatron-core caches its sample indices."""
+    tokenizer_model: str | None = None
+    """HuggingFace tokenizer directory or name (with `data_path`)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and resuming (megatron_hexi.checkpoint)."""
+    save: str | None = None
+    """Directory to save to: every `save_interval` iterations and at the end."""
+    save_interval: int | None = None
+    load: str | None = None
+    """Directory to resume from."""
+    load_if_exists: bool = False
+    """With `load`: start fresh when the directory holds no checkpoint at all."""
+    ckpt_step: int | None = None
+    """Load this iteration instead of the one the pointer file names."""
+    finetune: bool = False
+    """Load the weights only: iteration 0, fresh Adam state and RNGs."""
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    override_opt_param_scheduler: bool = False
+    """Use this run's lr schedule, not the checkpoint's."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """Use the checkpoint's lr schedule."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What rank 0 reports: log lines, JSONL metrics, TensorBoard scalars."""
+    log_interval: int = 1
+    metrics_path: str | None = None
+    """JSONL file, one line of metrics per iteration."""
+    tensorboard_dir: str | None = None
+    tensorboard_log_interval: int = 1
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Device and process group."""
+    device: str | None = None
+    """cpu or cuda; None: cuda when torch sees one, else cpu (GPUs emulated by processes)."""
+    distributed_backend: str | None = None
+    """gloo or nccl; None: nccl on cuda, gloo on cpu."""
+    distributed_timeout_minutes: float = 10.0
+    """Collective timeout: a dead or hung peer fails every rank within it."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs besides its plan, one frozen value per concern."""
+    training: TrainingConfig
+    optimizer: OptimizerConfig
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    dropout: DropoutConfig = field(default_factory=DropoutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
