@@ -5,7 +5,8 @@ replicas of different shapes do not have. Here the unit is the gradient segment
 (planner.layout): a range of one parameter held by a fixed set of ranks, at most one per pipeline
 (plus the TP replicas of norms). Each segment is cut along its split dimension into one part per
 holder, evenly or in proportion to the holders' GPU memory (the plan's
-`training.optimizer_shard`). Per step, for every rank set:
+`training.optimizer_shard`): planner.layout's `optimizer_weight` and `weighted_split`, the same
+rule the planner's memory estimate uses (`optimizer_elements`). Per step, for every rank set:
 
 1. gradients are reduce-scattered: each holder receives the sum of its part (NCCL
    reduce_scatter; gloo has none, so on CPU an all-reduce of the same buffer stands in);
@@ -25,20 +26,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from megatron_hexi.grad_sync import global_norm
 from megatron_hexi.process_groups import group_order
-from planner.catalog import get_gpu
-from planner.plan import even_split
-
-
-def split_by_weights(length, weights):
-    """Cut `length` into len(weights) parts proportional to the weights (largest remainders)."""
-    if all(w == weights[0] for w in weights):
-        return even_split(length, len(weights))
-    total = sum(weights)
-    raw = [length * w / total for w in weights]
-    parts = [int(x) for x in raw]
-    for i in sorted(range(len(raw)), key=lambda i: raw[i] - parts[i], reverse=True)[:length - sum(parts)]:
-        parts[i] += 1
-    return parts
+from planner.layout import optimizer_weight, weighted_split
 
 
 @dataclass
@@ -64,6 +52,17 @@ class _Region:
     position: int             # the member's rank in the group: where its chunk sits in buffers
 
 
+@dataclass
+class _RankSet:
+    """One gradient bucket as the optimizer shards it: every member's region of the buffer."""
+    ranks: tuple              # plan ranks, sorted: the order of the split and the weights
+    group: object             # process group, or None for this rank alone
+    slots: list               # grad_sync.Slot, this rank's slices in buffer order
+    regions: list             # _Region per member, in `ranks` order
+    me: int                   # this rank's index in `ranks`
+    mine: list                # MasterPart per piece of regions[me] (zero-length ones too)
+
+
 class HeteroDistributedOptimizer(MegatronOptimizer):
     """Adam(W) over this rank's master parts, with reduce-scatter / all-gather per rank set."""
 
@@ -71,9 +70,10 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         self.plan, self.grad_sync, self.rank = plan, grad_sync, grad_sync.plan_rank
         self.device = device
         self.parts = []                   # MasterPart, this rank's
-        self.sets = []                    # (ranks, group, slots, regions, my index)
-        for ranks, group, slots in grad_sync.buckets:
-            weights = [self._weight(r, shard_mode) for r in ranks]
+        self.sets = []                    # _RankSet per gradient bucket
+        for bucket in grad_sync.buckets:
+            ranks, group, slots = bucket.ranks, bucket.group, bucket.slots
+            weights = [optimizer_weight(plan.ranks[r].gpu, shard_mode) for r in ranks]
             # Which part a member owns follows the plan (the same under every launch), but
             # reduce_scatter and all_gather order their chunks by group rank, which follows
             # launch rank: each member's chunk goes where its group rank says.
@@ -82,7 +82,7 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
             for k, slot in enumerate(slots):
                 starts = 0
                 inner = slot.param.numel() // slot.param.shape[slot.dim]
-                for i, n in enumerate(split_by_weights(slot.length, weights)):
+                for i, n in enumerate(weighted_split(slot.length, weights)):
                     regions[i].pieces.append((k, starts, n, n * inner))
                     regions[i].numel += n * inner
                     starts += n
@@ -95,7 +95,7 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                 mine.append(MasterPart(slot.param, slot.name, slot.dim, slot.global_start + start,
                                        slot.start + start, n, master))
             self.parts += [p for p in mine if p.length]
-            self.sets.append((ranks, group, slots, regions, me, mine))
+            self.sets.append(_RankSet(ranks, group, slots, regions, me, mine))
         decay = [p.master for p in self.parts if p.param.ndim > 1]
         no_decay = [p.master for p in self.parts if p.param.ndim == 1]
         groups = [{"params": decay, "wd_mult": 1.0, "lr_mult": 1.0, "default_config": True,
@@ -109,14 +109,12 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         self.is_stub_optimizer = False
         self._found_grads = False
 
-    def _weight(self, rank, mode):
-        return get_gpu(self.plan.ranks[rank].gpu).memory_gb if mode == "memory" else 1.0
-
     # -- gradients ---------------------------------------------------------------------------
     @torch.no_grad()
     def reduce_scatter_grads(self, num_tokens):
         """Sum each part over its holders into the owner's master gradient, divided by tokens."""
-        for ranks, group, slots, regions, me, mine_parts in self.sets:
+        for rs in self.sets:
+            ranks, group, slots, regions, me = rs.ranks, rs.group, rs.slots, rs.regions, rs.me
             width = max(r.numel for r in regions)
             buf = torch.zeros(width * len(ranks), dtype=torch.float32,
                               device=slots[0].param.device)
@@ -140,7 +138,7 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                 mine = buf[at:at + width]
             mine = mine / num_tokens
             offset = 0
-            for part, (k, start, n, numel) in zip(mine_parts, regions[me].pieces):
+            for part, (k, start, n, numel) in zip(rs.mine, regions[me].pieces):
                 if n:
                     part.master.grad = mine[offset:offset + numel].view_as(part.master).clone()
                 offset += numel
@@ -149,12 +147,13 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def all_gather_params(self):
         """Every holder gets every part's updated values."""
-        for ranks, group, slots, regions, me, mine_parts in self.sets:
+        for rs in self.sets:
+            ranks, group, slots, regions = rs.ranks, rs.group, rs.slots, rs.regions
             width = max(r.numel for r in regions)
             dtype = slots[0].param.dtype
             mine = torch.zeros(width, dtype=dtype, device=slots[0].param.device)
             offset = 0
-            for part, (k, start, n, numel) in zip(mine_parts, regions[me].pieces):
+            for part, (k, start, n, numel) in zip(rs.mine, regions[rs.me].pieces):
                 if n:
                     mine[offset:offset + numel].copy_(part.master.reshape(-1))
                 offset += numel
@@ -217,8 +216,8 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
     def zero_grad(self, set_to_none=True):
         for p in self.parts:
             p.master.grad = None
-        for ranks, group, slots, regions, me, mine_parts in self.sets:
-            for slot in slots:
+        for rs in self.sets:
+            for slot in rs.slots:
                 slot.param.grad = None
 
     def get_loss_scale(self):

@@ -12,9 +12,12 @@ micro-batches' gradients accumulate there, the sync and the norm read and write 
 master weights take it as their gradient. Nothing is rounded to bf16 on the way.
 """
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from planner.layout import reduced_together
 
 
 @dataclass(frozen=True)
@@ -71,13 +74,11 @@ def _add_to_main_grad(param):
     param.grad = None
 
 
-def reduced_together(seg, shard_optimizer_state):
-    """Whether a segment takes part in a collective over its holders.
-
-    Only a segment with several contributors needs one for the gradient sum; with the optimizer
-    state sharded, TP replicas also share their segments' state, so every segment with several
-    holders does."""
-    return seg.needs_reduce or (shard_optimizer_state and len(seg.members) > 1)
+class Bucket(NamedTuple):
+    """Segments summed by one collective: over `ranks` in `group` (None: this rank alone)."""
+    ranks: tuple[int, ...]       # plan ranks
+    group: dist.ProcessGroup | None
+    slots: list[Slot]            # this rank's slices, in buffer order
 
 
 class GradientSync:
@@ -87,7 +88,7 @@ class GradientSync:
         by_name = {shard.name: [] for shard, _ in params}
         for shard, p in params:
             by_name[shard.name].append(p)
-        self.buckets = []            # [(rank set, group or None, [Slot])], in global order
+        self.buckets = []            # [Bucket], in global order
         self.owned = []              # Slots this rank counts in the gradient norm
         index = {}
         for seg in segments:
@@ -103,8 +104,8 @@ class GradientSync:
             key = seg.ranks if together else (plan_rank,)
             if key not in index:
                 index[key] = len(self.buckets)
-                self.buckets.append((key, groups.segment_groups.get(key), []))
-            self.buckets[index[key]][2].append(slot)
+                self.buckets.append(Bucket(key, groups.segment_groups.get(key), []))
+            self.buckets[index[key]].slots.append(slot)
             if seg.owner == plan_rank:
                 self.owned.append(slot)
         self.bytes_per_step = 0

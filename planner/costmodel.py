@@ -5,16 +5,20 @@ There are no fudge factors: each constant is a published figure, a measurement (
 or a stated assumption that says so. Units: seconds, bytes, FLOPs, bytes/s.
 
 Notation (Megatron's): b micro-batch size, s sequence length, h hidden size, a attention heads,
-g query groups, d head size (kv_channels), f FFN hidden size, V vocabulary, L layers, t the TP degree.
+g query groups, d head size (kv_channels), f FFN hidden size, V vocabulary, L layers, t the TP
+degree. FLOP formulas live in planner/flops.py, parameter counts in planner/layout.py.
 """
 import os
 from collections import Counter
 from dataclasses import dataclass
-from functools import lru_cache
 
 from planner.catalog import get_gpu
 from planner.errors import SpecError
-from planner.inputs import is_number, read_json
+from planner.flops import attention_flops, head_flops, mlp_flops
+from planner.flops import model_flops_per_sample  # noqa: F401  (importers outside the planner)
+from planner.layout import stage_params
+from planner.layout import total_params  # noqa: F401  (importers outside the planner)
+from planner.profile import MeasuredCosts, attach, read_profile
 
 # ------------------------------------------------------------------------------------- constants
 
@@ -51,11 +55,11 @@ FLASH_ATTENTION = False
 # Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models), Sec. 4.1,
 # activation bytes per layer without sequence parallelism: s*b*h*(34 + 5*a*s/h). Split into the
 # part every TP rank stores (10: norms' inputs, QKV and fc1 inputs, dropout masks), the part split
-# over TP by attention heads (8 + 5as/h: Q, K, V, softmax terms, projection input) and the part split
-# by FFN columns. Their 16 sbh MLP term is a GeLU MLP with F = 4h: fc1 output and GeLU output,
-# 2 bf16 tensors of [s, b, F] = 4 bytes per FFN column per token. A SwiGLU MLP keeps fc1's gate and
-# up outputs, SiLU(gate) and the product that enters fc2: 8 bytes per FFN column per token (the
-# gap showed as 25% too little activation memory against the runtime's saved tensors).
+# over TP by attention heads (8 + 5as/h: Q, K, V, softmax terms, projection input) and the part
+# split by FFN columns. Their 16 sbh MLP term is a GeLU MLP with F = 4h: fc1 output and GeLU
+# output, 2 bf16 tensors of [s, b, F] = 4 bytes per FFN column per token. A SwiGLU MLP keeps fc1's
+# gate and up outputs, SiLU(gate) and the product that enters fc2: 8 bytes per FFN column per
+# token (the gap showed as 25% too little activation memory against the runtime's saved tensors).
 ACT_REPLICATED = 10
 ACT_ATTENTION_SHARDED = 8
 ACT_MLP_BYTES_PER_FFN_COLUMN = {False: 4, True: 8}     # by swiglu
@@ -77,16 +81,7 @@ class Device:
     memory_bytes: float
     mem_bw: float              # bytes/s
     source: str
-    profile: object = None     # planner.profile.ProfiledDevice for a detailed (hexi-profile) profile
-
-
-@lru_cache(maxsize=None)
-def _load_profile(path):
-    data = read_json(path, "profile")      # size, UTF-8, nesting, finite numbers
-    if not isinstance(data, dict) or not is_number(data.get("matmul_tflops")) \
-            or data["matmul_tflops"] <= 0:
-        raise SpecError(f"profile {path}: needs a positive number `matmul_tflops`")
-    return data
+    profile: object = None     # planner.profile.ProfiledDevice of a detailed (hexi-profile) one
 
 
 def device_for(gpu_name, profile=None, procs_per_node=1):
@@ -103,56 +98,25 @@ def device_for(gpu_name, profile=None, procs_per_node=1):
         return Device(gpu.name, gpu.peak_flops, gpu.peak_flops * SUSTAINED_FRACTION_OF_PEAK,
                       gpu.memory_bytes, gpu.mem_bw_gbs * 1e9,
                       f"catalog peak x {SUSTAINED_FRACTION_OF_PEAK}")
-    data = _load_profile(os.path.abspath(profile))
+    data = read_profile(os.path.abspath(profile))
     if data.get("device", gpu.name) != gpu.name:
         raise SpecError(f"profile {profile}: is for {data['device']!r}, node holds {gpu.name}")
-    from planner import profile as measured
     achieved = float(data["matmul_tflops"]) * 1e12
     # a measured GEMM rate above the catalog peak means that peak is not this device's (the CPU
     # row is nominal): MFU is then taken against the measured rate, so it never exceeds 1
     return Device(gpu.name, max(gpu.peak_flops, achieved), achieved,
                   float(data.get("memory_gb", gpu.memory_gb)) * 1e9,
-                  measured.optimizer_mem_bw(data, float(data.get("memory_bandwidth_gbs",
-                                                                 gpu.mem_bw_gbs)) * 1e9),
+                  _optimizer_mem_bw(data, float(data.get("memory_bandwidth_gbs",
+                                                         gpu.mem_bw_gbs)) * 1e9),
                   f"profile {profile}",
-                  measured.attach(data, os.path.abspath(profile), procs_per_node))
+                  attach(data, os.path.abspath(profile), procs_per_node))
 
 
-# ----------------------------------------------------------------------------------------- FLOPs
-
-def attention_flops(m, b):
-    """Forward FLOPs of one layer's attention block, whole (unsharded), for a micro-batch of b.
-
-    QKV: 2*b*s*h*(a*d + 2*g*d) (q is h x a*d, k and v are h x g*d each); scores Q.K^T and context
-    P.V: 2*b*s^2*a*d each, causal mask NOT halved (Megatron's MFU convention); output projection
-    2*b*s*a*d*h. A multiply-add counts as 2 FLOPs.
-    """
-    s, h, a, g, d = m.seq_length, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
-    qkv = 2 * b * s * h * (a * d + 2 * g * d)
-    scores_and_context = 2 * (2 * b * s * s * a * d)
-    proj = 2 * b * s * a * d * h
-    return qkv + scores_and_context + proj
-
-
-def mlp_flops(m, b):
-    """Forward FLOPs of one layer's MLP: SwiGLU has 3 matmuls of h x f (2*b*s*h*f each), else 2."""
-    n_mat = 3 if m.swiglu else 2
-    return n_mat * 2 * b * m.seq_length * m.hidden_size * m.ffn_hidden_size
-
-
-def layer_flops(m, b):
-    """Forward FLOPs of one transformer layer (attention + MLP)."""
-    return attention_flops(m, b) + mlp_flops(m, b)
-
-
-def head_flops(m, b):
-    """Forward FLOPs of the output layer (LM head): 2*b*s*h*V, on the last stage only."""
-    return 2 * b * m.seq_length * m.hidden_size * m.vocab_size
-
-
-def model_flops_per_sample(m):
-    """Training FLOPs of one sample without recompute: 3 x forward (backward = 2 x forward)."""
-    return 3 * (m.num_layers * layer_flops(m, 1) + head_flops(m, 1))
+def _optimizer_mem_bw(data, default_bw):
+    """The bandwidth that makes `optimizer_step_time` reproduce a profile's measured step time
+    per parameter (ADAM_STEP_BYTES_PER_PARAM / s_per_param)."""
+    per = (data.get("optimizer") or {}).get("s_per_param")
+    return ADAM_STEP_BYTES_PER_PARAM / per if per else default_bw
 
 
 # ----------------------------------------------------------------------------------- collectives
@@ -165,7 +129,8 @@ def ring_allreduce_time(nbytes, n, bw, lat):
 
 
 def ring_allgather_time(nbytes, n, bw, lat):
-    """Ring all-gather rebuilding a `nbytes` tensor from n equal parts: (n-1)/n bytes/bw + (n-1) lat."""
+    """Ring all-gather rebuilding a `nbytes` tensor from n equal parts: (n-1)/n bytes/bw +
+    (n-1) latency hops."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     return (n - 1) / n * nbytes / bw + (n - 1) * lat
@@ -194,7 +159,8 @@ class Topology:
             self.local_of.extend(range(n.gpus_per_node))
         self.group_of = [n.group for n in self.nodes]
         self.node_names = {n.name for n in self.nodes}
-        self._by_name_override = any(x in self.node_names and x not in {g.name for g in cluster.groups}
+        group_names = {g.name for g in cluster.groups}
+        self._by_name_override = any(x in self.node_names and x not in group_names
                                      for lk in cluster.links for x in lk.between)
         groups = {g.name: g for g in cluster.groups}
         self.devices = [device_for(n.gpu, groups[n.group].profile, n.gpus_per_node)
@@ -353,26 +319,6 @@ def boundary_times(m, mbs, senders, receivers, topo):
 
 # ------------------------------------------------------------------------------- shards, stages
 
-def proportional_split(total, weights):
-    """Integers >= 1 summing to `total`, proportional to `weights` (largest remainder, stable).
-
-    Used for uneven TP shards: whole query groups, FFN columns and vocabulary rows per rank in
-    proportion to each rank's speed. Equal weights give `even_split`'s result.
-    """
-    n = len(weights)
-    if total < n:
-        raise SpecError(f"cannot split {total} into {n} non-empty shards")
-    wsum = float(sum(weights))
-    spare = total - n
-    exact = [spare * w / wsum for w in weights]
-    sizes = [1 + int(x) for x in exact]
-    rest = total - sum(sizes)
-    order = sorted(range(n), key=lambda i: (-(exact[i] - int(exact[i])), i))
-    for i in order[:rest]:
-        sizes[i] += 1
-    return sizes
-
-
 @dataclass(frozen=True)
 class StageCost:
     """Per micro-batch seconds of one stage (TP group) and its parts, for the schedule and reports.
@@ -388,117 +334,93 @@ class StageCost:
     tp_comm: float             # fwd + bwd TP all-reduce time
 
 
-def layer_times(m, mbs, devices, qg, ffn, tp_link, recompute):
-    """(compute_fwd, tp_comm_fwd, compute_bwd, tp_comm_bwd) of one layer on a TP group.
+class AnalyticCosts:
+    """Per micro-batch costs of a TP group from FLOPs at each device's sustained rate and ring
+    collectives on the group's slowest link."""
 
-    Each TP rank computes its share: attention in proportion to its query groups, the MLP to its
-    FFN columns; the group waits for the slowest rank at each of the two all-reduces per pass
-    (after attention and after the MLP, [s, b, h] bf16 each). Backward = 2 x forward compute and 2
-    all-reduces; full recompute adds one forward (compute and its all-reduces) to backward.
-    """
-    if any(d.profile is not None for d in devices):   # measured times (planner/profile.py)
-        from planner.profile import layer_times as measured
-        return measured(m, mbs, devices, qg, ffn, tp_link, recompute)
-    g, f = m.num_query_groups, m.ffn_hidden_size
-    att, mlp = attention_flops(m, mbs), mlp_flops(m, mbs)
-    c_att = max(att * q / g / dev.flops for q, dev in zip(qg, devices))
-    c_mlp = max(mlp * x / f / dev.flops for x, dev in zip(ffn, devices))
-    cf = c_att + c_mlp
-    t = len(devices)
-    ar = ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t, *tp_link)
-    tf = 2 * ar
-    cb, tb = 2 * cf, 2 * ar
-    if recompute:
-        cb, tb = cb + cf, tb + tf
-    return cf, tf, cb, tb
+    def __init__(self, m, devices, tp_link):
+        self.m, self.devices, self.tp_link = m, devices, tp_link
+
+    def layer_times(self, mbs, qg, ffn, recompute):
+        """(compute_fwd, tp_comm_fwd, compute_bwd, tp_comm_bwd) of one layer.
+
+        Each TP rank computes its share: attention in proportion to its query groups, the MLP
+        to its FFN columns; the group waits for the slowest rank at each of the two all-reduces
+        per pass (after attention and after the MLP, [s, b, h] bf16 each). Backward = 2 x
+        forward compute and 2 all-reduces; full recompute adds one forward (compute and its
+        all-reduces) to backward.
+        """
+        m, devices = self.m, self.devices
+        g, f = m.num_query_groups, m.ffn_hidden_size
+        att, mlp = attention_flops(m, mbs), mlp_flops(m, mbs)
+        c_att = max(att * q / g / dev.flops for q, dev in zip(qg, devices))
+        c_mlp = max(mlp * x / f / dev.flops for x, dev in zip(ffn, devices))
+        cf = c_att + c_mlp
+        t = len(devices)
+        ar = ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t,
+                                 *self.tp_link)
+        tf = 2 * ar
+        cb, tb = 2 * cf, 2 * ar
+        if recompute:
+            cb, tb = cb + cf, tb + tf
+        return cf, tf, cb, tb
+
+    def embedding_times(self, mbs):
+        """(fwd, bwd) of the vocab-parallel embedding: one all-reduce of [s, b, h] in forward."""
+        m = self.m
+        return (ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES,
+                                    len(self.devices), *self.tp_link), 0.0)
+
+    def head_times(self, mbs, vocab):
+        """(fwd, bwd) of the LM head + vocab-parallel cross entropy on the last stage.
+
+        Compute per rank in proportion to its vocabulary rows (2*b*s*h*V forward, 2x backward);
+        forward adds CROSS_ENTROPY_ALLREDUCES all-reduces of [s, b] fp32, backward one
+        all-reduce of the input gradient [s, b, h] bf16 (the head is column-parallel).
+        """
+        m, devices, link = self.m, self.devices, self.tp_link
+        hf = head_flops(m, mbs)
+        c = max(hf * v / m.vocab_size / dev.flops for v, dev in zip(vocab, devices))
+        t = len(devices)
+        small = ring_allreduce_time(m.seq_length * mbs * FP32_BYTES, t, *link)
+        big = ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t, *link)
+        return c + CROSS_ENTROPY_ALLREDUCES * small, 2 * c + big
+
+    def extra(self, mbs, vocab, first):
+        """(fwd, bwd) a stage adds beyond its layers, embedding and head: nothing here."""
+        return 0.0, 0.0
 
 
-def embedding_times(m, mbs, devices, tp_link):
-    """(fwd, bwd) of the vocab-parallel embedding: one all-reduce of [s, b, h] in forward."""
-    if any(d.profile is not None for d in devices):   # measured comm (planner/profile.py)
-        from planner.profile import embedding_times as measured
-        return measured(m, mbs, devices, tp_link)
-    return (ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, len(devices),
-                                *tp_link), 0.0)
-
-
-def head_times(m, mbs, devices, vocab, tp_link):
-    """(fwd, bwd) of the LM head + vocab-parallel cross entropy on the last stage.
-
-    Compute per rank in proportion to its vocabulary rows (2*b*s*h*V forward, 2x backward);
-    forward adds CROSS_ENTROPY_ALLREDUCES all-reduces of [s, b] fp32, backward one all-reduce of
-    the input gradient [s, b, h] bf16 (the head is column-parallel).
-    """
-    if any(d.profile is not None for d in devices):   # measured times (planner/profile.py)
-        from planner.profile import head_times as measured
-        return measured(m, mbs, devices, vocab, tp_link)
-    hf = head_flops(m, mbs)
-    c = max(hf * v / m.vocab_size / dev.flops for v, dev in zip(vocab, devices))
-    t = len(devices)
-    small = ring_allreduce_time(m.seq_length * mbs * FP32_BYTES, t, *tp_link)
-    big = ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t, *tp_link)
-    return c + CROSS_ENTROPY_ALLREDUCES * small, 2 * c + big
+def group_costs(m, devices, tp_link):
+    """The cost source of one TP group, chosen once: measured times (planner.profile) when a
+    device carries a detailed profile, else FLOPs and ring collectives (`AnalyticCosts`). Both
+    answer layer_times, embedding_times, head_times and extra."""
+    if any(d.profile is not None for d in devices):
+        return MeasuredCosts(m, devices, tp_link)
+    return AnalyticCosts(m, devices, tp_link)
 
 
 def stage_cost(m, mbs, devices, shards, n_layers, first, last, tp_link, recompute):
     """StageCost of a stage holding `n_layers` layers (+ embedding if first, + head if last)."""
-    cf, tf, cb, tb = layer_times(m, mbs, devices, shards["query_groups"], shards["ffn"], tp_link,
-                                 recompute)
+    costs = group_costs(m, devices, tp_link)
+    cf, tf, cb, tb = costs.layer_times(mbs, shards["query_groups"], shards["ffn"], recompute)
     fwd, bwd = n_layers * (cf + tf), n_layers * (cb + tb)
     compute, tp = n_layers * (cf + cb), n_layers * (tf + tb)
     if first:
-        ef, eb = embedding_times(m, mbs, devices, tp_link)
+        ef, eb = costs.embedding_times(mbs)
         fwd, bwd, tp = fwd + ef, bwd + eb, tp + ef + eb
     if last:
-        hf, hb = head_times(m, mbs, devices, shards["vocab"], tp_link)
+        hf, hb = costs.head_times(mbs, shards["vocab"])
         fwd, bwd = fwd + hf, bwd + hb
         c = max(head_flops(m, mbs) * v / m.vocab_size / dev.flops
                 for v, dev in zip(shards["vocab"], devices))
         compute, tp = compute + 3 * c, tp + (hf - c) + (hb - 2 * c)
-    if any(d.profile is not None for d in devices):   # embedding compute, runtime overhead
-        from planner.profile import stage_extra
-        xf, xb = stage_extra(m, mbs, devices, shards["vocab"], first)
-        fwd, bwd, compute = fwd + xf, bwd + xb, compute + xf + xb
+    xf, xb = costs.extra(mbs, shards["vocab"], first)   # measured: embedding compute, overhead
+    fwd, bwd, compute = fwd + xf, bwd + xb, compute + xf + xb
     return StageCost(cf, tf, fwd, bwd, compute, tp)
 
 
 # ---------------------------------------------------------------------------------------- memory
-
-def layer_params(m, qg, ffn):
-    """Parameters of one layer on a rank holding `qg` query groups and `ffn` FFN columns.
-
-    QKV rows per query group: (a/g)*d + 2*d, times h columns; output projection h x (a/g)*d per
-    group; fc1 2*ffn x h for SwiGLU (gate and up) else ffn x h; fc2 h x ffn; two RMSNorm/LayerNorm
-    weights of h (replicated on every TP rank). No biases (Llama).
-    """
-    h, d, hpg = m.hidden_size, m.head_dim, m.heads_per_group
-    attn = qg * (hpg * d + 2 * d) * h + qg * hpg * d * h
-    mlp = (2 if m.swiglu else 1) * ffn * h + ffn * h
-    return attn + mlp + 2 * h
-
-
-def stage_params(m, qg, ffn, vocab, n_layers, first, last):
-    """Parameters on one rank of a stage: its layers' shards + embedding/output rows + final norm.
-
-    With tied embeddings and more than one stage, the last stage holds its own copy of the word
-    embedding (Megatron) so the count is the same as untied.
-    """
-    p = n_layers * layer_params(m, qg, ffn)
-    h = m.hidden_size
-    if first:
-        p += vocab * h
-    if last:
-        p += h  # final norm
-        if not (first and not m.untie_embeddings_and_output_weights):
-            p += vocab * h   # output layer (tied on a single stage: shared with the embedding)
-    return p
-
-
-def total_params(m):
-    """Parameters of the whole model (untied: embedding and output layer counted separately)."""
-    return stage_params(m, m.num_query_groups, m.ffn_hidden_size, m.vocab_size, m.num_layers,
-                        True, True)
-
 
 def layer_activation_bytes(m, mbs, qg, ffn, recompute):
     """Bytes one layer keeps for backward per in-flight micro-batch on a rank (Korthikanti 2022).
@@ -563,6 +485,25 @@ def rank_memory(m, mbs, qg, ffn, vocab, n_layers, first, last, position, num_sta
     return MemoryUse(params * WEIGHT_BYTES_PER_PARAM, params * GRAD_BYTES_PER_PARAM,
                      params * OPTIMIZER_BYTES_PER_PARAM * optimizer_fraction, act, logits,
                      FRAMEWORK_RESERVE_BYTES)
+
+
+def layers_that_fit(capacity, m, mbs, qg, ffn, vocab, first, last, position, num_stages,
+                    num_microbatches, recompute, optimizer_fraction=1.0):
+    """The most layers a rank of a stage can hold within `capacity` bytes by `rank_memory`
+    (0 when not even the stage's embedding / head fits). The search's memory limit per stage."""
+    def total(n):
+        return rank_memory(m, mbs, qg, ffn, vocab, n, first, last, position, num_stages,
+                           num_microbatches, recompute, optimizer_fraction).total
+
+    empty = total(0)
+    if empty > capacity:
+        return 0
+    n = int((capacity - empty) // (total(1) - empty))     # memory is linear in the layers
+    while n > 0 and total(n) > capacity:                   # rounding: settle on rank_memory
+        n -= 1
+    while total(n + 1) <= capacity:
+        n += 1
+    return n
 
 
 def optimizer_step_time(params, mem_bw):

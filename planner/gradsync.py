@@ -3,7 +3,8 @@
 The runtime cuts every parameter into the atomic segments of all pipelines' shard boundaries and
 all-reduces each segment over the ranks that hold it (one per pipeline); segments with the same
 rank set are coalesced into one all-reduce. This module derives those rank sets and their sizes
-from a layout, and times them:
+from a layout (and, with the distributed optimizer, each rank's share of their state), and times
+them:
 
 - attention weights (QKV and output projection) are cut by query groups, the MLP (fc1 gate/up and
   fc2) by FFN columns, the embedding and output layer by vocabulary rows;
@@ -21,6 +22,7 @@ from typing import NamedTuple
 
 from planner.costmodel import (BF16_BYTES, GRAD_BYTES_PER_PARAM, ring_allgather_time,
                                ring_allreduce_time, ring_reduce_scatter_time)
+from planner.layout import unit_params, unit_tensors, weighted_split
 
 
 class StageLayout(NamedTuple):
@@ -41,22 +43,24 @@ def _bounds(sizes):
     return out
 
 
-def _add_axis(sets, holders, unit):
+# axes of layout.UnitTensors / UnitParams
+_QUERY_GROUP, _FFN_COLUMN, _LAYER_REPLICATED, _VOCAB_ROW, _FINAL_NORM = range(5)
+
+
+def _add_axis(add, holders, axis, count):
     """Atomic segments of one parameter axis; holders = [(sizes, ranks)] one per holding stage.
 
-    Adds `unit` x segment length elements to sets[rank set]. Holders with identical boundaries
-    are grouped so that the work is segments x pipelines once per distinct layout.
+    Calls add(rank set, axis, units in the segment, count, True) per segment. Holders with
+    identical boundaries are grouped so that the work is segments x pipelines once per distinct
+    layout.
     """
-    if unit == 0:
-        return
     by_bounds = {}
     for sizes, ranks in holders:
         by_bounds.setdefault(sizes, []).append(ranks)
     if len(by_bounds) == 1:             # every holder cut alike: one set per shard
         (sizes, rank_lists), = by_bounds.items()
         for i, n in enumerate(sizes):
-            key = tuple(sorted(map(itemgetter(i), rank_lists)))
-            sets[key] = sets.get(key, 0) + n * unit
+            add(tuple(sorted(map(itemgetter(i), rank_lists))), axis, n, count, True)
         return
     groups = [(_bounds(sizes), rank_lists) for sizes, rank_lists in by_bounds.items()]
     cuts = sorted({c for b, _ in groups for c in b})
@@ -65,37 +69,27 @@ def _add_axis(sets, holders, unit):
         for b, rank_lists in groups:
             i = bisect_right(b, x) - 1
             members.extend(map(itemgetter(i), rank_lists))
-        key = tuple(sorted(members))
-        sets[key] = sets.get(key, 0) + (y - x) * unit
+        add(tuple(sorted(members)), axis, y - x, count, True)
 
 
-def _replicated(sets, stages, elems, together):
-    """A TP-replicated parameter (norm, row-parallel bias) held by `stages`, one per pipeline:
-    every TP rank of them joins (one contributes per stage), as planner.layout cuts it."""
-    if elems and together:
-        key = tuple(sorted(r for st in stages for r in st.ranks))
-        sets[key] = sets.get(key, 0) + elems
+def _replicated(add, stages, axis, count, together):
+    """TP-replicated tensors (norms, row-parallel biases) held by `stages`, one per pipeline.
+    Reduced together (planner.layout.reduced_together), every TP rank of them joins one set
+    (one contributes per stage); otherwise each rank keeps its copy to itself (its own set,
+    with no collective)."""
+    if together:
+        add(tuple(sorted(r for st in stages for r in st.ranks)), axis, 1, count, True)
+    else:
+        for st in stages:
+            for r in st.ranks:
+                add((r,), axis, 1, count, False)
 
 
-def rank_sets(model, pipelines, distributed_optimizer=False):
-    """{sorted rank tuple: elements} of every coalesced gradient collective.
-
-    `pipelines` is a list of lists of StageLayout (stage order). Mirrors planner.layout's
-    gradient_segments and the runtime's buckets (megatron_hexi.grad_sync.reduced_together): a
-    segment joins a collective over its holders when several stages contribute to it, or, with
-    the distributed optimizer, when several ranks hold it. Sets of one rank are included (they
-    cost nothing but the distributed optimizer shards over them too); TP-replicated parameters
-    that need no collective are left out.
-    """
-    m = model
-    h, d, hpg = m.hidden_size, m.head_dim, m.heads_per_group
-    bias = bool(m.add_bias_linear)
-    norm = h * (2 if m.normalization == "LayerNorm" else 1)      # weight (+ bias) per norm
-    fc1 = 2 if m.swiglu else 1
-    per_group = (hpg * d + 2 * d) * (h + bias) + hpg * d * h     # QKV (+ bias) + projection
-    per_ffn = fc1 * (h + bias) + h                                # fc1 (+ bias) + fc2
-    per_layer_replicated = 2 * norm + (2 * h if bias else 0)     # norms (+ proj, fc2 biases)
-    sets = {}
+def _sweep(model, pipelines, distributed_optimizer, add):
+    """Every atomic segment of a layout, as planner.layout's gradient_segments cuts them and
+    the runtime buckets them: add(rank set, axis of layout.UnitTensors, units, count, whether a
+    collective sums it) once per run of `count` identical segments (layers with the same
+    holders)."""
     K = len(pipelines)
 
     def together(stages):
@@ -112,20 +106,65 @@ def rank_sets(model, pipelines, distributed_optimizer=False):
                 j += 1
             pos[pi] = j
             holding.append(pipe[j])
-        _add_axis(sets, [(st.query_groups, st.ranks) for st in holding], n * per_group)
-        _add_axis(sets, [(st.ffn, st.ranks) for st in holding], n * per_ffn)
-        _replicated(sets, holding, n * per_layer_replicated, together(holding))
+        _add_axis(add, [(st.query_groups, st.ranks) for st in holding], _QUERY_GROUP, n)
+        _add_axis(add, [(st.ffn, st.ranks) for st in holding], _FFN_COLUMN, n)
+        _replicated(add, holding, _LAYER_REPLICATED, n, together(holding))
     firsts = [pipe[0] for pipe in pipelines]
     lasts = [pipe[-1] for pipe in pipelines]
-    if m.untie_embeddings_and_output_weights:
-        _add_axis(sets, [(st.vocab, st.ranks) for st in firsts], h)
-        _add_axis(sets, [(st.vocab, st.ranks) for st in lasts], h)
+    if model.untie_embeddings_and_output_weights:
+        _add_axis(add, [(st.vocab, st.ranks) for st in firsts], _VOCAB_ROW, 1)
+        _add_axis(add, [(st.vocab, st.ranks) for st in lasts], _VOCAB_ROW, 1)
     else:
         holders = [(st.vocab, st.ranks) for st in firsts]
         holders += [(st.vocab, st.ranks) for pipe, st in zip(pipelines, lasts) if len(pipe) > 1]
-        _add_axis(sets, holders, h)
-    _replicated(sets, lasts, norm, together(lasts))
+        _add_axis(add, holders, _VOCAB_ROW, 1)
+    _replicated(add, lasts, _FINAL_NORM, 1, together(lasts))
+
+
+def rank_sets(model, pipelines, distributed_optimizer=False):
+    """{sorted rank tuple: elements} of every coalesced gradient collective.
+
+    `pipelines` is a list of lists of StageLayout (stage order). A fast mirror of
+    planner.layout's gradient_segments and reduced_together, which the runtime's buckets follow
+    (pinned by tests/planner/test_gradsync_layout.py): a segment joins a collective over its
+    holders when several stages contribute to it, or, with the distributed optimizer, when
+    several ranks hold it. Sets of one rank are included (they cost nothing); TP-replicated
+    parameters that need no collective are left out. Sizes per unit: layout.unit_params.
+    """
+    unit = unit_params(model)
+    sets = {}
+
+    def add(key, axis, n, count, collective):
+        if collective:
+            sets[key] = sets.get(key, 0) + n * count * unit[axis]
+
+    _sweep(model, pipelines, distributed_optimizer, add)
     return sets
+
+
+def optimizer_elements(model, pipelines, weight_of):
+    """{rank: elements of fp32 master + Adam state it owns} under the distributed optimizer.
+
+    A fast mirror of planner.layout.optimizer_elements for a layout (pinned by
+    tests/planner/test_gradsync_layout.py): the same segments, each tensor's rows cut among
+    the segment's holders by layout.weighted_split with weights `weight_of(rank)`.
+    """
+    tensors = unit_tensors(model)
+    runs = {}                  # rank set -> {(axis, units): segments of that size}
+
+    def add(key, axis, n, count, collective):
+        got = runs.setdefault(key, {})
+        got[axis, n] = got.get((axis, n), 0) + count
+
+    _sweep(model, pipelines, True, add)
+    owned = {}
+    for ranks, sizes in runs.items():
+        weights = [weight_of(r) for r in ranks]
+        for (axis, n), count in sizes.items():
+            for cut in tensors[axis]:
+                for r, rows in zip(ranks, weighted_split(n * cut.rows, weights)):
+                    owned[r] = owned.get(r, 0) + rows * cut.inner * count
+    return owned
 
 
 def allreduce_time(n_elems, ranks, topo, distributed_optimizer):
@@ -154,22 +193,3 @@ def sync_time(sets, topo, distributed_optimizer=False):
             worst = (t, ranks)
     return total, worst
 
-
-def optimizer_shares(sets, weights=None):
-    """{rank: elements of fp32 master + Adam state it owns} under the distributed optimizer.
-
-    Each segment's state is sharded over its rank set, evenly or (with `weights`, e.g. free
-    memory per rank) in proportion to the weights.
-    """
-    owned = {}
-    for ranks, elems in sets.items():
-        if weights is None:
-            share = elems / len(ranks)
-            for r in ranks:
-                owned[r] = owned.get(r, 0.0) + share
-        else:
-            tot = sum(max(weights[r], 0.0) for r in ranks)
-            for r in ranks:
-                w = max(weights[r], 0.0) / tot if tot > 0 else 1.0 / len(ranks)
-                owned[r] = owned.get(r, 0.0) + elems * w
-    return owned

@@ -10,8 +10,58 @@ MLP's local [gate; up] rows are two ranges of the canonical [gate; up].
 each held by a fixed set of ranks. Summing each segment once over its holders (TP replicas count
 once) and dividing by the global token count gives the one-device gradient. The same map serves
 checkpoint resharding and weight initialisation. Pure Python: the planner uses it too.
+
+This module owns parameter geometry for planner and runtime alike: shards and segments, the
+per-rank and total parameter counts (closed forms that `param_shards` agrees with), the splits
+(even, proportional, weighted), which segments are reduced together, and how the distributed
+optimizer shares each segment's state among its holders.
 """
 from dataclasses import dataclass
+from typing import NamedTuple
+
+from planner.catalog import get_gpu
+from planner.errors import SpecError
+
+
+# ---------------------------------------------------------------------------------------- splits
+
+def even_split(total, parts):
+    """Split `total` into `parts` positive sizes differing by at most one, larger ones first."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def weighted_split(length, weights):
+    """Cut `length` into len(weights) parts (zero allowed) in proportion to `weights`.
+
+    Largest remainders, ties to the lower index; equal weights give `even_split`. This is how
+    the distributed optimizer cuts a segment among its holders.
+    """
+    if all(w == weights[0] for w in weights):
+        return even_split(length, len(weights))
+    total = sum(weights)
+    raw = [length * w / total for w in weights]
+    parts = [int(x) for x in raw]
+    order = sorted(range(len(raw)), key=lambda i: raw[i] - parts[i], reverse=True)
+    for i in order[:length - sum(parts)]:
+        parts[i] += 1
+    return parts
+
+
+def proportional_split(total, weights):
+    """Integers >= 1 summing to `total`, proportional to `weights`: one each, and the rest by
+    `weighted_split` (same largest remainders).
+
+    Uneven TP shards: whole query groups, FFN columns and vocabulary rows per rank in proportion
+    to each rank's speed, where every rank must hold some. Equal weights give `even_split`.
+    """
+    n = len(weights)
+    if total < n:
+        raise SpecError(f"cannot split {total} into {n} non-empty shards")
+    return [1 + x for x in weighted_split(total - n, weights)]
+
+
+# -------------------------------------------------------------------------------------- tensors
 
 
 @dataclass(frozen=True)
@@ -30,7 +80,8 @@ class ParamShard:
     dim: int                        # dimension the pieces run along
     pieces: tuple
     tp_replicated: bool             # identical on every rank of the stage (norms, row biases)
-    init: str                       # "normal", "scaled_normal" (output projections) or "ones"/"zeros"
+    init: str                       # "normal", "scaled_normal" (output projections), "ones",
+                                    # "zeros"
 
     @property
     def local_shape(self):
@@ -78,8 +129,9 @@ def param_shards(m, v):
     norm_params = ["weight"] + (["bias"] if m.normalization == "LayerNorm" else [])
     out = []
     if v.holds_embedding:
-        out.append(ParamShard("embedding.word_embeddings.weight", "embedding.word_embeddings.weight",
-                              (V, h), 0, (Piece(0, v.vocab[1], v.vocab[0]),), False, "normal"))
+        emb = "embedding.word_embeddings.weight"
+        out.append(ParamShard(emb, emb, (V, h), 0, (Piece(0, v.vocab[1], v.vocab[0]),), False,
+                              "normal"))
     qg_n, qg_off = v.query_groups
     heads_n, heads_off = v.heads
     f_n, f_off = v.ffn
@@ -126,15 +178,17 @@ def param_shards(m, v):
                              "ones" if p == "weight" else "zeros"))
         tied = not m.untie_embeddings_and_output_weights
         if not (tied and v.holds_embedding):   # tied on one stage: one tensor serves both uses
-            out.append(ParamShard("output_layer.weight",
-                                  "embedding.word_embeddings.weight" if tied else "output_layer.weight",
-                                  (V, h), 0, (Piece(0, v.vocab[1], v.vocab[0]),), False, "normal"))
+            name = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+            out.append(ParamShard("output_layer.weight", name, (V, h), 0,
+                                  (Piece(0, v.vocab[1], v.vocab[0]),), False, "normal"))
     return out
 
 
 @dataclass(frozen=True)
-class _WholeModel:
-    """The view of a rank that holds the whole model: lists canonical parameters in order."""
+class StageView:
+    """What `param_shards` reads of a rank (a plan's RankView has the same fields): its layers
+    and its (count, offset) of query groups, heads, FFN columns and vocabulary rows in the full
+    model."""
     layers: tuple
     query_groups: tuple
     heads: tuple
@@ -146,10 +200,119 @@ class _WholeModel:
 
 def canonical_shards(m):
     """ParamShards of the one-device model of spec `m`: canonical names, shapes and order."""
-    return param_shards(m, _WholeModel((0, m.num_layers), (m.num_query_groups, 0),
-                                       (m.num_attention_heads, 0), (m.ffn_hidden_size, 0),
-                                       (m.vocab_size, 0)))
+    return param_shards(m, StageView((0, m.num_layers), (m.num_query_groups, 0),
+                                     (m.num_attention_heads, 0), (m.ffn_hidden_size, 0),
+                                     (m.vocab_size, 0)))
 
+
+# ------------------------------------------------------------------------------ parameter counts
+
+class TensorCut(NamedTuple):
+    """One tensor (or one fused piece of it) as a split axis cuts it: `rows` along its split
+    dimension per unit of the axis, `inner` elements per row."""
+    rows: int
+    inner: int
+
+
+class UnitTensors(NamedTuple):
+    """The tensors each split axis cuts, per unit of the axis (the geometry of `param_shards`).
+
+    Per layer: `query_group` (QKV weight and bias rows, output projection columns),
+    `ffn_column` (fc1 rows, two pieces for SwiGLU's gate and up, with their bias; fc2
+    columns), `layer_replicated` (whole tensors on every TP rank: the two norms' weight and
+    bias, the row-parallel biases of the output projection and fc2). Once: `vocab_row` (one row
+    of the embedding or of the output layer), `final_norm` (whole tensors, last stage).
+    """
+    query_group: tuple
+    ffn_column: tuple
+    layer_replicated: tuple
+    vocab_row: tuple
+    final_norm: tuple
+
+
+def unit_tensors(m):
+    """UnitTensors of model spec `m` (LayerNorm has a bias beside its weight; RMSNorm none)."""
+    h, d, hpg = m.hidden_size, m.head_dim, m.heads_per_group
+    bias = m.add_bias_linear
+    norm = [TensorCut(h, 1)] * (2 if m.normalization == "LayerNorm" else 1)
+    fc1 = [TensorCut(1, h)] * (2 if m.swiglu else 1)
+    return UnitTensors(
+        query_group=tuple([TensorCut((hpg + 2) * d, h)] + [TensorCut((hpg + 2) * d, 1)] * bias
+                          + [TensorCut(hpg * d, h)]),
+        ffn_column=tuple(fc1 + [TensorCut(1, 1)] * len(fc1) * bias + [TensorCut(1, h)]),
+        layer_replicated=tuple(2 * norm + [TensorCut(h, 1)] * 2 * bias),
+        vocab_row=(TensorCut(1, h),),
+        final_norm=tuple(norm))
+
+
+class UnitParams(NamedTuple):
+    """Parameters per unit of each axis of UnitTensors: a rank holding q query groups and f FFN
+    columns has q * query_group + f * ffn_column + layer_replicated parameters per layer."""
+    query_group: int
+    ffn_column: int
+    layer_replicated: int
+    vocab_row: int
+    final_norm: int
+
+
+def unit_params(m):
+    """UnitParams of model spec `m`: the elements of its UnitTensors, in closed form (the
+    search counts parameters often; tests/planner/test_geometry_owner.py pins the two)."""
+    h, d, hpg = m.hidden_size, m.head_dim, m.heads_per_group
+    bias = 1 if m.add_bias_linear else 0
+    norm = h * (2 if m.normalization == "LayerNorm" else 1)
+    fc1_rows = 2 if m.swiglu else 1
+    return UnitParams((hpg + 2) * d * (h + bias) + hpg * d * h, fc1_rows * (h + bias) + h,
+                      2 * norm + 2 * h * bias, h, norm)
+
+
+def layer_params(m, query_groups, ffn):
+    """Parameters of one layer on a rank holding `query_groups` query groups and `ffn` FFN
+    columns (norms and row-parallel biases counted on every TP rank)."""
+    return _layer_params(unit_params(m), query_groups, ffn)
+
+
+def _layer_params(u, query_groups, ffn):
+    return query_groups * u.query_group + ffn * u.ffn_column + u.layer_replicated
+
+
+def stage_params(m, query_groups, ffn, vocab, n_layers, first, last):
+    """Parameters on one rank of a stage: its layers' shards, embedding rows (first stage),
+    final norm and output rows (last stage).
+
+    Tied embeddings on more than one stage: the last stage holds its own copy of the word
+    embedding rows (Megatron), so the count is as untied; on a single stage one tensor serves
+    both uses.
+    """
+    u = unit_params(m)
+    p = n_layers * _layer_params(u, query_groups, ffn)
+    if first:
+        p += vocab * u.vocab_row
+    if last:
+        p += u.final_norm
+        if not (first and not m.untie_embeddings_and_output_weights):
+            p += vocab * u.vocab_row
+    return p
+
+
+def view_params(m, v):
+    """Parameters of the stage model of a rank seen through `v` (a RankView or StageView)."""
+    return stage_params(m, v.query_groups[0], v.ffn[0], v.vocab[0] if v.vocab else 0,
+                        v.layers[1] - v.layers[0], v.holds_embedding, v.holds_output)
+
+
+def rank_params(plan, rank):
+    """Parameters `rank` holds under `plan`."""
+    return view_params(plan.model, plan.rank_view(rank))
+
+
+def total_params(m):
+    """Parameters of the one-device model (untied: embedding and output layer both counted)."""
+    return stage_params(m, m.num_query_groups, m.ffn_hidden_size, m.vocab_size, m.num_layers,
+                        True, True)
+
+
+# -------------------------------------------------------------------------------------- segments
 
 def gradient_segments(plan):
     """Every atomic gradient segment of the model, in one global order (parameter, start).
@@ -187,8 +350,63 @@ def gradient_segments(plan):
 
 def segment_numel(shape, seg):
     """Elements of one segment of a parameter of canonical `shape`."""
-    n = seg.end - seg.start
+    return (seg.end - seg.start) * _row_numel(shape, seg.dim)
+
+
+def _row_numel(shape, dim):
+    """Elements of one index along `dim` of a tensor of `shape`."""
+    n = 1
     for i, size in enumerate(shape):
-        if i != seg.dim:
+        if i != dim:
             n *= size
     return n
+
+
+def reduced_together(seg, shard_optimizer_state):
+    """Whether a segment takes part in a collective over its holders.
+
+    Only a segment with several contributors needs one for the gradient sum; with the optimizer
+    state sharded, TP replicas also share their segments' state, so every segment with several
+    holders does."""
+    return seg.needs_reduce or (shard_optimizer_state and len(seg.members) > 1)
+
+
+# ----------------------------------------------------------------------- distributed optimizer
+
+def optimizer_weight(gpu, optimizer_shard):
+    """A holder's weight when a segment's fp32 master and Adam state is cut among its holders.
+
+    `optimizer_shard` "memory": the catalog memory of the rank's GPU (`gpu` is the plan's
+    ranks[r].gpu), so the split follows from the plan alone and is the same on every launch;
+    "even": 1 for everyone.
+    """
+    return get_gpu(gpu).memory_gb if optimizer_shard == "memory" else 1.0
+
+
+def optimizer_split(seg, weight_of):
+    """Rows along `seg.dim` of segment `seg` that each holder (in `seg.ranks` order) owns the
+    optimizer state of: `weighted_split` of its length by `weight_of(rank)`."""
+    return weighted_split(seg.end - seg.start, [weight_of(r) for r in seg.ranks])
+
+
+def optimizer_elements(model, segments, weight_of):
+    """{rank: elements of fp32 master + Adam state it owns} under the distributed optimizer.
+
+    Every segment (with the state sharded, each is its own holders' collective, see
+    `reduced_together`) is cut by `optimizer_split`; a rank owns its rows times the elements
+    per row. The runtime (megatron_hexi.distributed_optimizer) cuts with the same functions.
+    """
+    per_row = {sh.name: _row_numel(sh.shape, sh.dim) for sh in canonical_shards(model)}
+    owned = {}
+    for seg in segments:
+        inner = per_row[seg.name]
+        for r, rows in zip(seg.ranks, optimizer_split(seg, weight_of)):
+            owned[r] = owned.get(r, 0) + rows * inner
+    return owned
+
+
+def plan_optimizer_elements(plan):
+    """`optimizer_elements` of a plan under its own `training.optimizer_shard`."""
+    mode = plan.training.optimizer_shard
+    return optimizer_elements(plan.model, gradient_segments(plan),
+                              lambda r: optimizer_weight(plan.ranks[r].gpu, mode))

@@ -15,6 +15,7 @@ from planner.cluster import ClusterSpec, load_cluster_dict
 from planner.errors import PlanError, SpecError
 from planner.inputs import document_problems, int_problem, is_int, is_number, name_problem, \
     read_json, short
+from planner.layout import even_split
 from planner.limits import MAX_BATCH, MAX_GPUS
 from planner.models import ModelSpec, model_from_dict
 
@@ -32,12 +33,6 @@ _ESTIMATE_NUMBERS = ("iteration_time_s", "tokens_per_s", "mfu", "grad_sync_time_
                      "optimizer_step_time_s")
 _ESTIMATE_LISTS = ("peak_memory_gb", "memory_capacity_gb", "pipeline_time_s")
 _ESTIMATE_STRINGS = ("bottleneck", "strategy")
-
-
-def even_split(total, parts):
-    """Split `total` into `parts` positive sizes differing by at most one, larger ones first."""
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,19 @@ the cores by a further k x threads / cores (time-slicing). The simulator then co
 that computes for part of the step as that part of a process (planner/simulator.py). GPU
 profiles get no contention.
 
+A TP group with a profiled device takes all its costs from `MeasuredCosts`
+(planner/costmodel.group_costs chooses it once per group).
+
 Pure Python (no torch): the planner must not import torch.
 """
 from bisect import bisect_left
 from functools import lru_cache
+from typing import NamedTuple
 import math
+
+from planner.errors import SpecError
+from planner.flops import attention_flops, attention_fraction, head_flops, mlp_flops
+from planner.inputs import is_number, read_json
 
 FORMAT = "hexi-device-profile/1"
 _MODEL_KEYS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -35,8 +43,35 @@ _MODEL_KEYS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_que
                "untie_embeddings_and_output_weights")
 
 
+@lru_cache(maxsize=None)
+def read_profile(path):
+    """The JSON of a profile file (plain or detailed), checked for `matmul_tflops`."""
+    data = read_json(path, "profile")      # size, UTF-8, nesting, finite numbers
+    if not isinstance(data, dict) or not is_number(data.get("matmul_tflops")) \
+            or data["matmul_tflops"] <= 0:
+        raise SpecError(f"profile {path}: needs a positive number `matmul_tflops`")
+    return data
+
+
 def is_detailed(data):
     return isinstance(data, dict) and data.get("format") == FORMAT and bool(data.get("layer"))
+
+
+class _ProfiledModel(NamedTuple):
+    """The model a profile was measured with, as the FLOP formulas read it (from its JSON)."""
+    seq_length: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    ffn_hidden_size: int
+    swiglu: bool
+
+    @classmethod
+    def of(cls, m):
+        h, a = m["hidden_size"], m["num_attention_heads"]
+        return cls(m["seq_length"], h, a, m["num_query_groups"], m.get("kv_channels") or h // a,
+                   m["ffn_hidden_size"], m.get("swiglu", True))
 
 
 def _interp(xs, ys, x):
@@ -100,8 +135,7 @@ class DeviceProfile:
         self.cores = int(data.get("cpu_cores", 1) or 1)
         self.is_cpu = data.get("device") == "CPU"
         self.act_bytes = 4 if data.get("dtype") == "float32" else 2
-        att, mlp = _flops_split(m)
-        self._att_frac = att / (att + mlp)
+        self._att_frac = attention_fraction(_ProfiledModel.of(m))
         g, f, v = m["num_query_groups"], m["ffn_hidden_size"], m["vocab_size"]
         self.layer = _Grid(data["layer"], lambda r: self.share(r["query_groups"] / g,
                                                                 r["ffn"] / f),
@@ -180,15 +214,6 @@ class DeviceProfile:
         return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
 
 
-def _flops_split(m):
-    s, h, a = m["seq_length"], m["hidden_size"], m["num_attention_heads"]
-    g = m["num_query_groups"]
-    d = m.get("kv_channels") or h // a
-    att = 2 * s * h * (a * d + 2 * g * d) + 4 * s * s * a * d + 2 * s * a * d * h
-    mlp = (3 if m.get("swiglu", True) else 2) * 2 * s * h * m["ffn_hidden_size"]
-    return att, mlp
-
-
 class ProfiledDevice:
     """What a Device carries: the profile and the contention of its node."""
     __slots__ = ("profile", "slowdown")
@@ -199,8 +224,7 @@ class ProfiledDevice:
 
 @lru_cache(maxsize=None)
 def _profile_of(path):
-    from planner.costmodel import _load_profile
-    return DeviceProfile(_load_profile(path), path)
+    return DeviceProfile(read_profile(path), path)
 
 
 def attach(data, path, procs_per_node):
@@ -213,34 +237,84 @@ def attach(data, path, procs_per_node):
 
 # ------------------------------------------------------------------------- cost-model hooks
 
-def _uses(dev, m):
-    p = dev.profile
-    return p is not None and p.profile.matches(m)
+class MeasuredCosts:
+    """Per micro-batch costs of a TP group in which a device carries a detailed profile.
+
+    Each device's source is chosen once, here: its profile where it was measured for this model,
+    else FLOPs at its sustained rate (a profile of another model gives only `matmul_tflops`).
+    The group waits for its slowest device. Collectives follow the first profiled device's
+    measurements (in-situ TP runs, the all-reduce curve or its fit).
+    """
+
+    def __init__(self, m, devices, tp_link):
+        self.m, self.devices, self.tp_link = m, devices, tuple(tp_link)
+        self.measured = [d.profile if d.profile is not None and d.profile.profile.matches(m)
+                         else None for d in devices]
+        self.comm = next(d.profile.profile for d in devices if d.profile is not None)
+
+    def layer_times(self, mbs, qg, ffn, recompute):
+        """(compute_fwd, tp_comm_fwd, compute_bwd, tp_comm_bwd) of one layer."""
+        m = self.m
+        g, f = m.num_query_groups, m.ffn_hidden_size
+        cf = cb = 0.0
+        for q, x, dev, pd in zip(qg, ffn, self.devices, self.measured):
+            if pd is not None:
+                s = pd.profile.share(q / g, x / f)
+                fw = pd.profile.layer("fwd_s", s, mbs) * pd.slowdown
+                bw = pd.profile.layer("bwd_recompute_s" if recompute else "bwd_s", s, mbs) \
+                    * pd.slowdown
+            else:
+                fw = (attention_flops(m, mbs) * q / g + mlp_flops(m, mbs) * x / f) / dev.flops
+                bw = fw * (3 if recompute else 2)
+            cf, cb = max(cf, fw), max(cb, bw)
+        t, prof = len(self.devices), self.comm
+        if t > 1 and prof.in_situ_tp(m, t, self.tp_link):
+            tb = prof.tp_comm("bwd_recompute_s" if recompute else "bwd_s", mbs)
+            return cf, prof.tp_comm("fwd_s", mbs), cb, tb
+        ar = tp_allreduce(prof, m, mbs, t, self.tp_link)
+        return cf, 2 * ar, cb, (4 if recompute else 2) * ar
+
+    def embedding_times(self, mbs):
+        """(fwd, bwd) of the vocab-parallel embedding's communication: the forward all-reduce
+        of [s, b, h] (its compute is in `extra`)."""
+        return tp_allreduce(self.comm, self.m, mbs, len(self.devices), self.tp_link), 0.0
+
+    def head_times(self, mbs, vocab):
+        """(fwd, bwd) of the LM head + loss: measured by vocabulary share where profiled."""
+        m = self.m
+        cf = cb = 0.0
+        for v, dev, pd in zip(vocab, self.devices, self.measured):
+            if pd is not None and pd.profile.head is not None:
+                share = v / m.vocab_size
+                fw = pd.profile.head("fwd_s", share, mbs) * pd.slowdown
+                bw = pd.profile.head("bwd_s", share, mbs) * pd.slowdown
+            else:
+                fw = head_flops(m, mbs) * v / m.vocab_size / dev.flops
+                bw = 2 * fw
+            cf, cb = max(cf, fw), max(cb, bw)
+        t, prof = len(self.devices), self.comm
+        small = prof.allreduce(m.seq_length * mbs * 4, t, self.tp_link)
+        return cf + 3 * small, cb + tp_allreduce(prof, m, mbs, t, self.tp_link)
+
+    def extra(self, mbs, vocab, first):
+        """(fwd, bwd) seconds the stage adds per micro-batch: the embedding's measured compute
+        (first stage) and the runtime's measured per-micro-batch overhead."""
+        ef = eb = over = 0.0
+        for v, pd in zip(vocab, self.measured):
+            if pd is None:
+                continue
+            over = max(over, pd.profile.per_microbatch_s * pd.slowdown)
+            if first and pd.profile.embedding is not None:
+                share = v / self.m.vocab_size
+                ef = max(ef, pd.profile.embedding("fwd_s", share, mbs) * pd.slowdown)
+                eb = max(eb, pd.profile.embedding("bwd_s", share, mbs) * pd.slowdown)
+        return ef + over, eb
 
 
 def layer_times(m, mbs, devices, qg, ffn, tp_link, recompute):
-    """costmodel.layer_times with measured per-layer times where a device has a profile."""
-    g, f = m.num_query_groups, m.ffn_hidden_size
-    cf = cb = 0.0
-    for q, x, dev in zip(qg, ffn, devices):
-        if _uses(dev, m):
-            pd = dev.profile
-            s = pd.profile.share(q / g, x / f)
-            fw = pd.profile.layer("fwd_s", s, mbs) * pd.slowdown
-            bw = pd.profile.layer("bwd_recompute_s" if recompute else "bwd_s", s, mbs) \
-                * pd.slowdown
-        else:
-            from planner.costmodel import attention_flops, mlp_flops
-            fw = (attention_flops(m, mbs) * q / g + mlp_flops(m, mbs) * x / f) / dev.flops
-            bw = fw * (3 if recompute else 2)
-        cf, cb = max(cf, fw), max(cb, bw)
-    t = len(devices)
-    prof = next((d.profile.profile for d in devices if d.profile is not None), None)
-    if t > 1 and prof.in_situ_tp(m, t, tuple(tp_link)):
-        tb = prof.tp_comm("bwd_recompute_s" if recompute else "bwd_s", mbs)
-        return cf, prof.tp_comm("fwd_s", mbs), cb, tb
-    ar = tp_allreduce(prof, m, mbs, t, tp_link)
-    return cf, 2 * ar, cb, (4 if recompute else 2) * ar
+    """(compute_fwd, tp_comm_fwd, compute_bwd, tp_comm_bwd) of one layer on a TP group with a
+    profiled device (`MeasuredCosts.layer_times`)."""
+    return MeasuredCosts(m, devices, tp_link).layer_times(mbs, qg, ffn, recompute)
 
 
 def tp_allreduce(prof, m, mbs, t, tp_link):
@@ -253,62 +327,12 @@ def tp_allreduce(prof, m, mbs, t, tp_link):
     return prof.allreduce(m.seq_length * mbs * m.hidden_size * prof.act_bytes, t, tuple(tp_link))
 
 
-def head_times(m, mbs, devices, vocab, tp_link):
-    """costmodel.head_times with the measured LM head + loss where a device has a profile."""
-    from planner.costmodel import head_flops
-    cf = cb = 0.0
-    for v, dev in zip(vocab, devices):
-        if _uses(dev, m) and dev.profile.profile.head is not None:
-            pd = dev.profile
-            share = v / m.vocab_size
-            fw = pd.profile.head("fwd_s", share, mbs) * pd.slowdown
-            bw = pd.profile.head("bwd_s", share, mbs) * pd.slowdown
-        else:
-            fw = head_flops(m, mbs) * v / m.vocab_size / dev.flops
-            bw = 2 * fw
-        cf, cb = max(cf, fw), max(cb, bw)
-    t = len(devices)
-    prof = next((d.profile.profile for d in devices if d.profile is not None), None)
-    small = prof.allreduce(m.seq_length * mbs * 4, t, tuple(tp_link))
-    return cf + 3 * small, cb + tp_allreduce(prof, m, mbs, t, tp_link)
-
-
-def embedding_times(m, mbs, devices, tp_link):
-    """costmodel.embedding_times on a profiled device: the forward all-reduce of [s, b, h]."""
-    prof = next(d.profile.profile for d in devices if d.profile is not None)
-    return tp_allreduce(prof, m, mbs, len(devices), tp_link), 0.0
-
-
-def stage_extra(m, mbs, devices, vocab, first):
-    """(fwd, bwd) seconds a profiled stage adds per micro-batch: the embedding's compute (first
-    stage) and the runtime's measured per-micro-batch overhead."""
-    ef = eb = over = 0.0
-    for i, dev in enumerate(devices):
-        if not _uses(dev, m):
-            continue
-        pd = dev.profile
-        over = max(over, pd.profile.per_microbatch_s * pd.slowdown)
-        if first and pd.profile.embedding is not None:
-            share = vocab[i] / m.vocab_size
-            ef = max(ef, pd.profile.embedding("fwd_s", share, mbs) * pd.slowdown)
-            eb = max(eb, pd.profile.embedding("bwd_s", share, mbs) * pd.slowdown)
-    return ef + over, eb
-
-
 def step_overhead(device):
     """Seconds per iteration the runtime adds on a profiled device (beyond per-parameter Adam)."""
     pd = device.profile
     if pd is None:
         return 0.0
     return (pd.profile.per_step_s + pd.profile.opt_fixed_s) * pd.slowdown
-
-
-def optimizer_mem_bw(data, default_bw):
-    """The bandwidth that makes costmodel.optimizer_step_time reproduce the measured per-parameter
-    step time (ADAM_STEP_BYTES_PER_PARAM / s_per_param)."""
-    from planner.costmodel import ADAM_STEP_BYTES_PER_PARAM
-    per = (data.get("optimizer") or {}).get("s_per_param")
-    return ADAM_STEP_BYTES_PER_PARAM / per if per else default_bw
 
 
 # ------------------------------------------------------------------------------- reporting

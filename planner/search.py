@@ -17,16 +17,19 @@ import itertools
 import math
 import sys
 import time
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from planner import costmodel as cm
 from planner.errors import SpecError
 from planner.gradsync import StageLayout, rank_sets, sync_time
-from planner.plan import build_plan, even_split
+from planner.layout import even_split, total_params
+from planner.plan import build_plan
 from planner.search_partition import (greedy_partition, make_units, metis_partition, refine,
                                       striped_partition)
 from planner.search_pipeline import (Context, best_pipeline, build_pipeline, draft_to_stages,
                                      unit_options)
-from planner.simulator import simulate, simulate_layout
+from planner.simulator import SimulationCache, simulate, simulate_layout
 
 STRATEGIES = ("hexi", "uniform", "exhaustive")
 MICRO_BATCH_CANDIDATES = (1, 2, 4)          # searched when --micro-batch-size is not given
@@ -124,10 +127,19 @@ def rebalance(drafts, ms, max_moves=None):
     return ms, max(times)
 
 
+@dataclass(eq=False)
 class _Candidate:
-    def __init__(self, drafts, ms, mbs, recompute):
-        self.drafts, self.ms, self.mbs, self.recompute = drafts, ms, mbs, recompute
-        self.estimate = None
+    """A laid-out partition with its micro-batch counts, and what the search learns of it."""
+    drafts: list                   # PipelineDraft per pipeline
+    ms: list                       # micro-batches per pipeline
+    mbs: int
+    recompute: bool
+    pipe_time: float               # slowest pipeline by the drafts' linear fits
+    ctx: Context = None            # the context, partition and pipeline cache it came from,
+    parts: list = None             # so that it can be refined and polished
+    cache: dict = None
+    sync: float = None             # serial gradient sync seconds (`Searcher.proxy`)
+    estimate: object = None        # the simulator's Estimate (`Searcher.score`)
 
     def layouts(self, model):
         out = []
@@ -170,18 +182,18 @@ class Searcher:
         self.rc_list = {"auto": [False, True], "on": [True], "off": [False]}[recompute]
         self.by_name = self.topo._by_name_override
         self.max_chunks = max(n.gpus_per_node for n in self.topo.nodes)
+        # caches of this search
         self._contexts = {}
+        self._fits = {}                     # schedule fits by stage times
+        self.simulations = SimulationCache()
 
     # -------------------------------------------------------------------------------- helpers
     def context(self, mbs, rc, K):
-        """Shared per (micro-batch, recompute, state bytes/param) so caches carry across K."""
-        state = (cm.WEIGHT_BYTES_PER_PARAM + cm.GRAD_BYTES_PER_PARAM
-                 + cm.OPTIMIZER_BYTES_PER_PARAM / (K if self.dist_opt else 1))
-        key = (mbs, rc, state)
+        """Shared per (micro-batch, recompute, optimizer share) so caches carry across K."""
+        fraction = 1 / K if self.dist_opt else 1.0
+        key = (mbs, rc, fraction)
         if key not in self._contexts:
-            ctx = Context(self.model, self.topo, mbs, rc, state)
-            ctx.pipelines = {}
-            self._contexts[key] = ctx
+            self._contexts[key] = Context(self.model, self.topo, mbs, rc, fraction, self._fits)
         return self._contexts[key]
 
     def chunk_levels(self):
@@ -203,10 +215,10 @@ class Searcher:
             pool = {}
             for u in sorted(part, key=lambda u: u.ranks):
                 pool.setdefault(u.key, []).append(u)
-            units = [pool[k].pop(0) for k in sol[0]]
-            return build_pipeline(ctx, units, sol[1], m_est).fit()
+            units = [pool[k].pop(0) for k in sol.unit_keys]
+            return build_pipeline(ctx, units, sol.ks, m_est).fit(ctx.fits)
         d = best_pipeline(ctx, part, m_est, exhaustive, polish)
-        cache[key] = None if d is None else (tuple(u.key for u in d.units), d.ks)
+        cache[key] = None if d is None else _Solution(tuple(u.key for u in d.units), d.ks)
         return d
 
     def evaluate(self, ctx, parts, mbs, exhaustive, cache, polish=False):
@@ -227,13 +239,13 @@ class Searcher:
         ms = allocate(drafts, U)
         if ms is None:
             return None
-        cand = _Candidate(drafts, ms, mbs, ctx.recompute)
-        cand.pipe_time = max(d.fixed + d.rate * m for d, m in zip(drafts, ms))
-        return cand
+        return _Candidate(drafts, ms, mbs, ctx.recompute,
+                          max(d.fixed + d.rate * m for d, m in zip(drafts, ms)), ctx, parts,
+                          cache)
 
     def proxy(self, cand):
         """Pipelines' time + serial gradient sync: ranks candidates before the exact score."""
-        if not hasattr(cand, "sync"):
+        if cand.sync is None:
             cand.sync = sync_time(rank_sets(self.model, cand.layouts(self.model), self.dist_opt),
                                   self.topo, self.dist_opt)[0]
         return cand.pipe_time + cand.sync
@@ -244,7 +256,7 @@ class Searcher:
             cand.ms, _ = rebalance(cand.drafts, cand.ms)
             cand.estimate = simulate_layout(self.model, self.cluster, cand.layouts(self.model),
                                             [(cand.mbs, m) for m in cand.ms], cand.recompute,
-                                            self.dist_opt, "even", self.topo)
+                                            self.dist_opt, "even", self.topo, self.simulations)
         e = cand.estimate
         return (not e.fits_memory, e.iteration_time_s)
 
@@ -279,7 +291,6 @@ class Searcher:
                             seen.add(sig)
                             cand = self.evaluate(ctx, parts, mbs, False, cache)
                             if cand is not None:
-                                cand.ctx, cand.parts, cand.cache = ctx, parts, cache
                                 cands.append(cand)
                         self.progress(f"recompute={rc} micro-batch {mbs}: {n} units, K={K}, "
                                       f"{len(cands)} candidates")
@@ -321,9 +332,7 @@ class Searcher:
                             max_trials=16 if big else 64)
         if res is None or parts is cand.parts:
             return None
-        got = res[2]
-        got.ctx, got.parts, got.cache = ctx, parts, cache
-        return got
+        return res[2]          # the _Candidate of `evaluate` above
 
     def exhaustive(self):
         levels = []
@@ -417,10 +426,10 @@ class Searcher:
                         lay = [[StageLayout(tuple(s["ranks"]), tuple(s["layers"]), *shards)
                                 for s in pp_["stages"]] for pp_ in pipes]
                         e = simulate_layout(m, self.cluster, lay, [(mbs, per // mbs)] * d, rc,
-                                            self.dist_opt, "even", self.topo)
+                                            self.dist_opt, "even", self.topo, self.simulations)
                         key = (not e.fits_memory, e.iteration_time_s)
-                        if best is None or key < best[0]:
-                            best = (key, pipes, rc)
+                        if best is None or key < best.key:
+                            best = _Uniform(key, pipes, rc)
                 self.progress(f"uniform: TP {t} x PP {p} x DP {d}")
         return best
 
@@ -429,19 +438,19 @@ class Searcher:
         if strategy not in STRATEGIES:
             raise SpecError(f"--strategy: must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         uni = self.uniform() if strategy in ("uniform", "hexi") else None
+        uni_fits = uni is not None and not uni.key[0]
         cand = {"hexi": self.hexi, "exhaustive": self.exhaustive}.get(strategy, lambda: None)()
         if cand is not None and not self.score(cand)[0] and (
-                uni is None or uni[0][0] or self.score(cand)[1] <= uni[0][1]):
+                not uni_fits or self.score(cand)[1] <= uni.key[1]):
             plan = build_plan(self.cluster, self.model, self.gbs, cand.pipelines(self.model),
                               recompute=cand.recompute, use_distributed_optimizer=self.dist_opt)
-        elif uni is not None and not uni[0][0]:
+        elif uni_fits:
             # hexi keeps the uniform layout as one of its seeds: it never does worse
-            _, pipes, rc = uni
-            plan = build_plan(self.cluster, self.model, self.gbs, pipes, recompute=rc,
-                              use_distributed_optimizer=self.dist_opt)
+            plan = build_plan(self.cluster, self.model, self.gbs, uni.pipelines,
+                              recompute=uni.recompute, use_distributed_optimizer=self.dist_opt)
         else:
             raise SpecError(self.explain_infeasible(strategy))
-        est = simulate(plan, self.topo)
+        est = simulate(plan, self.topo, self.simulations)
         if not est.fits_memory:     # the search scores with the same model: a bug if reached
             raise SpecError(f"internal: the {strategy} plan does not fit: {est.bottleneck}")
         plan.estimate = est.to_dict()
@@ -451,7 +460,7 @@ class Searcher:
     def explain_infeasible(self, strategy):
         """One line: which memory term does not fit, by how much, and what would."""
         m, topo = self.model, self.topo
-        P = cm.total_params(m)
+        P = total_params(m)
         N = topo.cluster.num_gpus
         devs = [topo.device_of(r) for r in range(N)]
         room = sum(d.memory_bytes - cm.FRAMEWORK_RESERVE_BYTES for d in devs)
@@ -490,6 +499,19 @@ class Searcher:
                 f"({act / 1e9:.2f} GB per layer per micro-batch of {mbs}"
                 f"{' with recompute' if rc else ''}) or a stage's embedding / LM head do not fit "
                 f"in what is left on the GPUs; try " + ", ".join(hints))
+
+
+class _Solution(NamedTuple):
+    """A part's best pipeline, by unit kinds: re-mapped onto any part of the same kinds."""
+    unit_keys: tuple               # unit kinds in stage order
+    ks: tuple                      # stages each unit hosts
+
+
+class _Uniform(NamedTuple):
+    """The best uniform layout found: its sort key, plan pipelines and recompute."""
+    key: tuple                     # (does not fit, iteration seconds)
+    pipelines: list
+    recompute: bool
 
 
 def _divisors(n):

@@ -4,16 +4,16 @@ A unit is a set of GPUs of one machine (same type, fast links). For each unit we
 stages it hosts (its GPUs split into equal TP groups: any GPU count per machine); the units are
 ordered with a top-tau greedy search that favours fast links between consecutive stages; layers
 go to stages by a dynamic programme that minimises the pipeline's 1F1B time under every stage's
-memory limit. All times and bytes come from planner.costmodel.
+memory limit. All times and bytes come from planner.costmodel, shard sizes from planner.layout.
 """
 import heapq
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from planner import costmodel as cm
+from planner.layout import proportional_split
 from planner.schedule import linear_fit, pipeline_time, steady_period
-
-_FITS = {}     # schedule fits by stage times: identical pipelines are simulated once
 
 # Pipelines of at most this many units also get a per-unit pass over stage counts.
 PER_UNIT_REFINE_MAX_UNITS = 16
@@ -76,22 +76,31 @@ class PipelineDraft:
         f, b = self.fwd_bwd()
         return pipeline_time(f, b, self.xf, self.xb, m)
 
-    def fit(self):
+    def fit(self, memo):
+        """Set `fixed` and `rate` from the schedule (`memo`: fits by stage times, so that
+        identical pipelines are simulated once)."""
         f, b = self.fwd_bwd()
         key = (tuple(f), tuple(b), tuple(self.xf), tuple(self.xb))
-        got = _FITS.get(key)
+        got = memo.get(key)
         if got is None:
-            got = _FITS[key] = linear_fit(f, b, self.xf, self.xb)
+            got = memo[key] = linear_fit(f, b, self.xf, self.xb)
         self.fixed, self.rate = got
         return self
 
 
 class Context:
-    """Search-wide inputs and caches: model, topology, batch knobs, memory rule."""
+    """Inputs and caches of one search for one (micro-batch, recompute, optimizer share) knob:
+    model, topology, batch knobs; `fits` is shared by the search's contexts.
 
-    def __init__(self, model, topo, mbs, recompute, state_bytes_per_param):
+    `optimizer_fraction`: the share of its optimizer state a rank is assumed to hold while
+    stages are laid out (1, or 1/K for the distributed optimizer over K pipelines); the
+    simulator then checks the exact shares."""
+
+    def __init__(self, model, topo, mbs, recompute, optimizer_fraction, fits):
         self.model, self.topo, self.mbs, self.recompute = model, topo, mbs, recompute
-        self.state_bytes = state_bytes_per_param
+        self.optimizer_fraction = optimizer_fraction
+        self.fits = fits
+        self.pipelines = {}        # best pipeline per part signature (planner.search)
         self._stage = {}
         self._boundary = {}
         self._unit_stage = {}
@@ -108,33 +117,25 @@ class Context:
             return StageDraft(tuple(ranks), got.shards, got.cf, got.cb, got.ef, got.eb, got.nmax)
         devs = [topo.device_of(r) for r in ranks]
         speeds = [d.flops for d in devs]
-        shards = {"query_groups": tuple(cm.proportional_split(m.num_query_groups, speeds)),
-                  "ffn": tuple(cm.proportional_split(m.ffn_hidden_size, speeds)),
-                  "vocab": tuple(cm.proportional_split(m.vocab_size, speeds))}
-        link = topo.slowest(ranks)
-        cf, tf, cb, tb = cm.layer_times(m, self.mbs, devs, shards["query_groups"], shards["ffn"],
-                                        link, self.recompute)
+        shards = {"query_groups": tuple(proportional_split(m.num_query_groups, speeds)),
+                  "ffn": tuple(proportional_split(m.ffn_hidden_size, speeds)),
+                  "vocab": tuple(proportional_split(m.vocab_size, speeds))}
+        costs = cm.group_costs(m, devs, topo.slowest(ranks))
+        cf, tf, cb, tb = costs.layer_times(self.mbs, shards["query_groups"], shards["ffn"],
+                                           self.recompute)
         ef = eb = 0.0
         if first:
-            a, b = cm.embedding_times(m, self.mbs, devs, link)
+            a, b = costs.embedding_times(self.mbs)
             ef, eb = ef + a, eb + b
         if last:
-            a, b = cm.head_times(m, self.mbs, devs, shards["vocab"], link)
+            a, b = costs.head_times(self.mbs, shards["vocab"])
             ef, eb = ef + a, eb + b
-        inflight = num_stages - position   # upper bound of 1F1B in-flight micro-batches
-        nmax = 10 ** 9
-        for i, r in enumerate(ranks):
-            qg, ff, vv = shards["query_groups"][i], shards["ffn"][i], shards["vocab"][i]
-            fixed_params = cm.stage_params(m, qg, ff, vv, 0, first, last)
-            fixed = (cm.FRAMEWORK_RESERVE_BYTES + fixed_params * self.state_bytes
-                     + (m.seq_length * self.mbs * vv * cm.FP32_BYTES if last else 0)
-                     + (cm.layer_activation_bytes(m, self.mbs, qg, ff, False)
-                        if self.recompute else 0))
-            per_layer = (cm.layer_params(m, qg, ff) * self.state_bytes
-                         + inflight * cm.layer_activation_bytes(m, self.mbs, qg, ff,
-                                                                self.recompute))
-            room = devs[i].memory_bytes - fixed
-            nmax = min(nmax, int(room // per_layer) if room > 0 else 0)
+        # memory: 1F1B keeps at most num_stages - position micro-batches in flight
+        nmax = min(cm.layers_that_fit(dev.memory_bytes, m, self.mbs, qg, ff, vv, first, last,
+                                      position, num_stages, num_stages - position,
+                                      self.recompute, self.optimizer_fraction)
+                   for dev, qg, ff, vv in zip(devs, shards["query_groups"], shards["ffn"],
+                                              shards["vocab"]))
         st = StageDraft(tuple(ranks), shards, cf + tf, cb + tb, ef, eb, nmax)
         self._stage[key] = st
         return StageDraft(st.ranks, st.shards, st.cf, st.cb, st.ef, st.eb, st.nmax)
@@ -253,14 +254,26 @@ def build_pipeline(ctx, units, ks, m_est):
     if tpl is None:
         return None
     groups = _tp_groups(units, ks)
-    stages = [StageDraft(g, r[0], r[1], r[2], r[3], r[4], r[5], x)
+    stages = [StageDraft(g, r.shards, r.cf, r.cb, r.ef, r.eb, r.nmax, x)
               for g, r, x in zip(groups, tpl.rows, tpl.layers)]
     return PipelineDraft(stages, tpl.xf, tpl.xb, units=tuple(units), ks=tuple(ks))
 
 
+@dataclass(slots=True)
+class _StageRow:
+    """One stage of a template: shards, per-layer seconds, extras (including the boundary
+    all-gathers around it) and the most layers that fit."""
+    shards: dict
+    cf: float
+    cb: float
+    ef: float
+    eb: float
+    nmax: int
+
+
 class _Template:
-    """A laid-out pipeline without ranks: per stage [shards, cf, cb, ef, eb, nmax], the layer
-    counts, the boundary transfers and phase 2's objective."""
+    """A laid-out pipeline without ranks: a _StageRow per stage, the layer counts, the boundary
+    transfers and phase 2's objective."""
     __slots__ = ("rows", "layers", "xf", "xb", "obj")
 
     def __init__(self, rows, layers, xf, xb, obj):
@@ -288,10 +301,16 @@ class _Choice:
         self.units, self.ks = tuple(units), tuple(ks)
 
 
+class _Scored(NamedTuple):
+    """What the search compares: phase 2's objective of a choice (lower is better)."""
+    obj: float
+    choice: _Choice
+
+
 def _score(ctx, order, ks, m_est):
-    """(objective, _Choice) or None: what the search compares, without building the draft."""
+    """_Scored or None: what the search compares, without building the draft."""
     tpl = _template(ctx, order, ks, m_est)
-    return None if tpl is None else (tpl.obj, _Choice(order, ks))
+    return None if tpl is None else _Scored(tpl.obj, _Choice(order, ks))
 
 
 def _tp_groups(units, ks):
@@ -319,7 +338,7 @@ def _build_pipeline(ctx, units, ks, m_est):
             st = stage_cache.get((u.key, t, first, last, p - i))
             if st is None:
                 st = ctx.unit_stage(u, u.ranks[j * t:(j + 1) * t], first, last, i, p)
-            row = [st.shards, st.cf, st.cb, st.ef, st.eb, st.nmax]
+            row = _StageRow(st.shards, st.cf, st.cb, st.ef, st.eb, st.nmax)
             if prev is not None:
                 pu, pt, pj = prev
                 bd = boundary_cache.get((pu.key, pt, u.key, t, pu.node == u.node))
@@ -329,29 +348,24 @@ def _build_pipeline(ctx, units, ks, m_est):
                 (tf, gf), (tb, gb) = bd
                 xf.append(tf)
                 xb.append(tb)
-                row[3] += gf
-                rows[-1][4] += gb
+                row.ef += gf
+                rows[-1].eb += gb
             rows.append(row)
             prev = (u, t, j)
             i += 1
-    n = assign_layers(L, [r[1] + r[2] for r in rows], [r[3] + r[4] for r in rows],
-                      [r[5] for r in rows], m_est)
+    n = assign_layers(L, [r.cf + r.cb for r in rows], [r.ef + r.eb for r in rows],
+                      [r.nmax for r in rows], m_est)
     if n is None:
         return None
-    f = [x * r[1] + r[3] for x, r in zip(n, rows)]
-    b = [x * r[2] + r[4] for x, r in zip(n, rows)]
+    f = [x * r.cf + r.ef for x, r in zip(n, rows)]
+    b = [x * r.cb + r.eb for x, r in zip(n, rows)]
     return _Template(rows, n, xf, xb, _objective_times(f, b, xf, xb, m_est))
 
 
-def _objective(draft, m_est):
+def _objective_times(f, b, xf, xb, m_est):
     """Phase 2's estimate of the 1F1B time of m_est micro-batches: the first micro-batch through
     every stage and link, then m_est - 1 periods of the steady state (which slow links lengthen,
     `steady_period`)."""
-    f, b = draft.fwd_bwd()
-    return _objective_times(f, b, draft.xf, draft.xb, m_est)
-
-
-def _objective_times(f, b, xf, xb, m_est):
     return (m_est - 1) * steady_period(f, b, xf, xb) + sum(f) + sum(b) + sum(xf) + sum(xb)
 
 
@@ -413,23 +427,23 @@ def best_pipeline(ctx, units, m_est, exhaustive=False, polish=False):
         if exhaustive:
             for ks in itertools.product(*opts):
                 got = _score(ctx, order, ks, m_est)
-                if got is not None and (best is None or got[0] < best[0]):
+                if got is not None and (best is None or got.obj < best.obj):
                     best = got
             continue
         if n_order == 0 or n_order == len(uniq) - 1:     # best top-tau order, memory order
             got = _coordinate_descent(ctx, order, opts, m_est)
         elif best is not None:                           # other orders: the chosen stage counts
-            sel = {u.key: k for u, k in zip(best[1].units, best[1].ks)}
+            sel = {u.key: k for u, k in zip(best.choice.units, best.choice.ks)}
             got = _score(ctx, order, tuple(sel[u.key] for u in order), m_est)
         else:
             got = _coordinate_descent(ctx, order, opts, m_est)
-        if got is not None and (best is None or got[0] < best[0]):
+        if got is not None and (best is None or got.obj < best.obj):
             best = got
     if polish and not exhaustive and best is not None:
         best = _block_orders(ctx, units, m_est, best, seen)
     if best is None:
         return None
-    return build_pipeline(ctx, best[1].units, best[1].ks, m_est).fit()
+    return build_pipeline(ctx, best.choice.units, best.choice.ks, m_est).fit(ctx.fits)
 
 
 def _block_orders(ctx, units, m_est, best, tried):
@@ -458,13 +472,13 @@ def _block_orders(ctx, units, m_est, best, tried):
         if len(perms) > BLOCK_ORDERS_MAX:
             return best
     # each order scored with the stage counts chosen so far and with the fewest stages per unit
-    sels = [{u.key: k for u, k in zip(best[1].units, best[1].ks)},
+    sels = [{u.key: k for u, k in zip(best.choice.units, best.choice.ks)},
             {u.key: unit_options(len(u.ranks), ctx.model)[0] for u in units}]
     scored = []
     for i, order in enumerate(perms):
         if tuple(u.key for u in order) in tried:
             continue
-        objs = [got[0] for got in (_score(ctx, order, tuple(sel[u.key] for u in order), m_est)
+        objs = [got.obj for got in (_score(ctx, order, tuple(sel[u.key] for u in order), m_est)
                                    for sel in sels) if got is not None]
         if objs:
             scored.append((min(objs), i, order))
@@ -472,7 +486,7 @@ def _block_orders(ctx, units, m_est, best, tried):
     for _, _, order in scored[:BLOCK_ORDERS_REFINED]:
         opts = [unit_options(len(u.ranks), ctx.model) for u in order]
         got = _coordinate_descent(ctx, order, opts, m_est)
-        if got is not None and got[0] < best[0]:
+        if got is not None and got.obj < best.obj:
             best = got
     return best
 
@@ -509,13 +523,13 @@ def _coordinate_descent(ctx, order, opts, m_est):
                         continue
                     trial = {**sel, k: x}
                     got = score(trial)
-                    if got is not None and (cur is None or got[0] < cur[0] - 1e-12):
+                    if got is not None and (cur is None or got.obj < cur.obj - 1e-12):
                         sel, cur, improved = trial, got, True
             if not improved:
                 break
         if cur is not None and len(order) <= PER_UNIT_REFINE_MAX_UNITS:
             # then per unit: machines of one type may host different stage counts
-            ks = list(cur[1].ks)
+            ks = list(cur.choice.ks)
             for i in [j for _ in range(2) for j in reversed(range(len(order)))]:
                 for x in opts[i]:
                     if x == ks[i]:
@@ -524,7 +538,7 @@ def _coordinate_descent(ctx, order, opts, m_est):
                     if trial not in cache:
                         cache[trial] = _score(ctx, order, trial, m_est)
                     got = cache[trial]
-                    if got is not None and got[0] < cur[0] - 1e-12:
+                    if got is not None and got.obj < cur.obj - 1e-12:
                         cur, ks = got, list(trial)
             # and swaps: which machine of a type hosts more stages (a two-coordinate move)
             for i in range(len(order)):
@@ -537,9 +551,9 @@ def _coordinate_descent(ctx, order, opts, m_est):
                     if trial not in cache:
                         cache[trial] = _score(ctx, order, trial, m_est)
                     got = cache[trial]
-                    if got is not None and got[0] < cur[0] - 1e-12:
+                    if got is not None and got.obj < cur.obj - 1e-12:
                         cur, ks = got, list(trial)
-        if cur is not None and (best is None or cur[0] < best[0]):
+        if cur is not None and (best is None or cur.obj < best.obj):
             best = cur
     return best
 

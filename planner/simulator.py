@@ -9,13 +9,30 @@ CPU contention (profiled CPU nodes only): processes that share a node slow each 
 they compute. The pipelines are evaluated once at the node's full contention; each rank then
 gets the contention of 1 + the share of the step its node's other processes compute (their
 stages' forward + backward time over the iteration), and the pipelines are evaluated again.
+
+Distributed optimizer: each rank holds the fp32 master and Adam state of the elements
+planner.layout.optimizer_elements gives it (the runtime's own split; counted here by its fast
+mirror planner.gradsync.optimizer_elements).
 """
 from dataclasses import dataclass, field, replace
 
 from planner import costmodel as cm
-from planner.gradsync import StageLayout, optimizer_shares, rank_sets, sync_time
+from planner.flops import model_flops_per_sample
+from planner.gradsync import StageLayout, optimizer_elements, rank_sets, sync_time
+from planner.layout import optimizer_weight
 from planner.profile import step_overhead
 from planner.schedule import pipeline_time
+
+
+class SimulationCache:
+    """Memo of one search (or any run of many simulations of one model on one topology):
+    identical pipelines are evaluated once, and a layout's optimizer shares are cut once."""
+
+    MAX_ENTRIES = 20_000       # per memo: cleared beyond, so that memory stays bounded
+
+    def __init__(self):
+        self.pipelines = {}
+        self.optimizer = {}
 
 
 @dataclass
@@ -67,12 +84,12 @@ def layouts_of(plan):
     return out
 
 
-def simulate(plan, topo=None):
+def simulate(plan, topo=None, cache=None):
     """Estimate of a validated Plan."""
     return simulate_layout(plan.model, plan.cluster, layouts_of(plan),
                            [(p.micro_batch_size, p.num_microbatches) for p in plan.pipelines],
                            plan.training.recompute, plan.training.use_distributed_optimizer,
-                           plan.training.optimizer_shard, topo)
+                           plan.training.optimizer_shard, topo, cache)
 
 
 def _gpu_label(topo, ranks):
@@ -83,30 +100,26 @@ def _gpu_label(topo, ranks):
 
 
 def simulate_layout(model, cluster, layouts, batches, recompute, distributed_optimizer=False,
-                    optimizer_shard="even", topo=None):
-    """Estimate of a layout: `layouts` as from layouts_of, `batches` [(mbs, num_microbatches)]."""
+                    optimizer_shard="even", topo=None, cache=None):
+    """Estimate of a layout: `layouts` as from layouts_of, `batches` [(mbs, num_microbatches)].
+
+    `cache`: a SimulationCache shared by the calls of one search (None: a fresh one)."""
     m = model
     topo = topo or cm.Topology(cluster)
-    K = len(layouts)
+    cache = cache if cache is not None else SimulationCache()
     sets = rank_sets(m, layouts, distributed_optimizer)
     sync, worst_sync = sync_time(sets, topo, distributed_optimizer)
-    ptimes, reports, ranks_all, mems_all = _pipelines(m, topo, layouts, batches, recompute)
+    ptimes, reports, ranks_all, mems_all = _pipelines(m, topo, layouts, batches, recompute, cache)
     slow = _shared_node_slowdowns(topo, reports, batches, max(ptimes) + sync)
     if slow:
         ptimes, reports, ranks_all, mems_all = _pipelines(m, topo, layouts, batches, recompute,
-                                                          slow)
+                                                          cache, slow)
     nonopt = dict(zip(ranks_all, mems_all))          # rank -> MemoryUse without optimizer state
     node_of, devices = topo.node_of, topo.devices
 
-    fraction = None
-    if distributed_optimizer and K > 1:
-        params_of = {r: mem.weights / cm.WEIGHT_BYTES_PER_PARAM for r, mem in nonopt.items()}
-        weights = None
-        if optimizer_shard == "memory":
-            weights = {r: devices[node_of[r]].memory_bytes - mem.total
-                       for r, mem in nonopt.items()}
-        owned = optimizer_shares(sets, weights)
-        fraction = {r: min(1.0, owned.get(r, 0.0) / params_of[r]) for r in nonopt}
+    owned = None                                     # rank -> optimizer-state elements it owns
+    if distributed_optimizer:
+        owned = _optimizer_elements(m, topo, layouts, optimizer_shard, cache)
     opt_time, peak, cap, terms = 0.0, [], [], []
     fits, worst_mem, used_peak = True, None, 0.0
     # ranks with the same memory, optimizer share and machine kind are computed once (and share
@@ -115,15 +128,15 @@ def simulate_layout(model, cluster, layouts, batches, recompute, distributed_opt
     node_sig = [topo.node_sig(n) for n in range(len(topo.nodes))]
     for r in sorted(nonopt):
         base, n = nonopt[r], node_of[r]
-        f = 1.0 if fraction is None else fraction[r]
-        key = (id(base), f, node_sig[n])
+        key = (id(base), None if owned is None else owned[r], node_sig[n])
         got = seen.get(key)
         if got is None:
             dev = devices[n]
-            params = base.weights / cm.WEIGHT_BYTES_PER_PARAM
-            opt = params * cm.OPTIMIZER_BYTES_PER_PARAM * f
+            # elements whose fp32 master and Adam state this rank keeps and steps
+            state = base.weights / cm.WEIGHT_BYTES_PER_PARAM if owned is None else owned[r]
+            opt = state * cm.OPTIMIZER_BYTES_PER_PARAM
             total = base.total + opt
-            step = cm.optimizer_step_time(params * f, dev.mem_bw) + step_overhead(dev)
+            step = cm.optimizer_step_time(state, dev.mem_bw) + step_overhead(dev)
             t = {k: v / 1e9 for k, v in base.terms().items()}
             t["optimizer"] = opt / 1e9
             got = seen[key] = (total, step, t, dev.memory_bytes, dev.peak_flops)
@@ -143,17 +156,33 @@ def simulate_layout(model, cluster, layouts, batches, recompute, distributed_opt
     iteration = max(ptimes) + sync + opt_time
     samples = sum(mbs * nmb for mbs, nmb in batches)
     tokens = samples * m.seq_length
-    mfu = samples * cm.model_flops_per_sample(m) / (iteration * used_peak)
+    mfu = samples * model_flops_per_sample(m) / (iteration * used_peak)
     bottleneck = _bottleneck(topo, reports, ptimes, batches, sync, worst_sync, opt_time,
                              iteration, worst_mem)
     return Estimate(iteration, tokens / iteration, mfu, peak, cap, terms, ptimes, sync, opt_time,
                     bottleneck, fits, reports)
 
 
-def _pipelines(m, topo, layouts, batches, recompute, slow=None):
+def _optimizer_elements(m, topo, layouts, optimizer_shard, cache):
+    """{rank: elements of optimizer state it owns}, weighted (optimizer_shard "memory") by the
+    catalog GPU of each rank's node, as the plan names it."""
+    key = (optimizer_shard, tuple(tuple(pipe) for pipe in layouts))
+    got = cache.optimizer.get(key)
+    if got is None:
+        if len(cache.optimizer) > cache.MAX_ENTRIES:
+            cache.optimizer.clear()
+        nodes, node_of = topo.nodes, topo.node_of
+        got = cache.optimizer[key] = optimizer_elements(
+            m, layouts, lambda r: optimizer_weight(nodes[node_of[r]].gpu, optimizer_shard))
+    return got
+
+
+def _pipelines(m, topo, layouts, batches, recompute, sim_cache, slow=None):
     """(1F1B time per pipeline, StageReports, ranks in stage order, their MemoryUse); `slow`:
     {rank: compute slowdown} replacing the node's full contention for those ranks."""
-    cache = _cache(topo, m)
+    cache = sim_cache.pipelines
+    if len(cache) > sim_cache.MAX_ENTRIES:
+        cache.clear()
     ptimes, reports, ranks_all, mems_all = [], [], [], []
     for pi, (stages, (mbs, nmb)) in enumerate(zip(layouts, batches)):
         ranks = [r for st in stages for r in st.ranks]
@@ -203,17 +232,6 @@ def _device(topo, rank, slow):
     if s is None:
         return dev
     return replace(dev, profile=type(dev.profile)(dev.profile.profile, s))
-
-
-def _cache(topo, model):
-    """Per topology and model memo of pipeline evaluations (the search simulates many plans)."""
-    caches = topo.__dict__.setdefault("_simulator_cache", {})
-    got = caches.get(id(model))
-    if got is None or got[0] is not model:
-        got = caches[id(model)] = (model, {})
-    if len(got[1]) > 20_000:
-        got[1].clear()
-    return got[1]
 
 
 def _pipeline_eval(m, topo, stages, mbs, nmb, recompute, slow=None):
@@ -269,5 +287,5 @@ def _bottleneck(topo, reports, ptimes, batches, sync, worst_sync, opt_time, iter
     parts = {"compute": st.compute, "TP all-reduce": st.tp_comm, "stage-boundary p2p": st.p2p_in}
     why = max(parts, key=parts.get)
     return (f"pipeline {slow} stage {st.stage} ({_gpu_label(topo, st.ranks)}): {per * 1e3:.3g} ms "
-            f"per micro-batch, mostly {why} ({parts[why] / per:.0%}); pipeline {ptimes[slow]:.3g} s "
-            f"of iteration {iteration:.3g} s")
+            f"per micro-batch, mostly {why} ({parts[why] / per:.0%}); pipeline "
+            f"{ptimes[slow]:.3g} s of iteration {iteration:.3g} s")

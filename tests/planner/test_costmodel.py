@@ -4,6 +4,8 @@ import json
 import pytest
 
 from planner import costmodel as cm
+from planner import flops
+from planner import layout
 from planner.cluster import load_cluster_dict
 from planner.models import load_model
 from planner.schedule import pipeline_time, simulate_1f1b
@@ -15,22 +17,22 @@ L7 = load_model("llama2-7b")
 
 def test_attention_flops_hand_computed():
     # qkv 2*32*64*(64+2*64) + scores/context 2*(2*32*32*4*16) + proj 2*32*64*64
-    assert cm.attention_flops(TINY, 1) == 786432 + 262144 + 262144
+    assert flops.attention_flops(TINY, 1) == 786432 + 262144 + 262144
     # GQA: k and v are h x g*d = 64 x 32: qkv 2*32*64*(64 + 64)
-    assert cm.attention_flops(GQA, 1) == 524288 + 2 * (2 * 32 * 32 * 8 * 8) + 2 * 32 * 64 * 64
+    assert flops.attention_flops(GQA, 1) == 524288 + 2 * (2 * 32 * 32 * 8 * 8) + 2 * 32 * 64 * 64
 
 
 def test_mlp_head_and_model_flops():
-    assert cm.mlp_flops(TINY, 2) == 3 * 2 * 2 * 32 * 64 * 256
-    assert cm.head_flops(TINY, 1) == 2 * 32 * 64 * 128
+    assert flops.mlp_flops(TINY, 2) == 3 * 2 * 2 * 32 * 64 * 256
+    assert flops.head_flops(TINY, 1) == 2 * 32 * 64 * 128
     per_sample = 3 * (4 * (1310720 + 3145728) + 524288)
-    assert cm.model_flops_per_sample(TINY) == per_sample
+    assert flops.model_flops_per_sample(TINY) == per_sample
 
 
 def test_llama2_7b_layer_flops_match_closed_form():
     b, s, h, f = 1, 4096, 4096, 11008
     closed = 8 * b * s * h * h + 4 * b * s * s * h + 6 * b * s * h * f   # MHA, causal not halved
-    assert cm.layer_flops(L7, b) == closed
+    assert flops.layer_flops(L7, b) == closed
     assert closed == pytest.approx(1.9327e12, rel=1e-4)
 
 
@@ -76,30 +78,33 @@ def test_slowest_pair():
 
 
 def test_proportional_split():
-    assert cm.proportional_split(52, [1] * 8) == [7, 7, 7, 7, 6, 6, 6, 6]
-    assert cm.proportional_split(10, [2, 1, 1]) == [4, 3, 3]
-    assert sum(cm.proportional_split(11008, [165, 71, 71])) == 11008
+    assert layout.proportional_split(52, [1] * 8) == [7, 7, 7, 7, 6, 6, 6, 6]
+    assert layout.proportional_split(10, [2, 1, 1]) == [4, 3, 3]
+    assert sum(layout.proportional_split(11008, [165, 71, 71])) == 11008
 
 
 def test_uneven_tp_shards_cost_in_proportion():
     dev = cm.device_for("A100-SXM-80GB")
-    cf, tf, cb, tb = cm.layer_times(TINY, 1, [dev, dev], [3, 1], [192, 64], (1e9, 0.0), False)
-    expect = (cm.attention_flops(TINY, 1) * 3 / 4 + cm.mlp_flops(TINY, 1) * 192 / 256) / dev.flops
+    costs = cm.group_costs(TINY, [dev, dev], (1e9, 0.0))
+    assert isinstance(costs, cm.AnalyticCosts)
+    cf, tf, cb, tb = costs.layer_times(1, [3, 1], [192, 64], False)
+    expect = (flops.attention_flops(TINY, 1) * 3 / 4
+              + flops.mlp_flops(TINY, 1) * 192 / 256) / dev.flops
     assert cf == pytest.approx(expect)
     assert tf == pytest.approx(2 * cm.ring_allreduce_time(32 * 64 * 2, 2, 1e9, 0.0))
     assert cb == pytest.approx(2 * cf) and tb == pytest.approx(tf)
-    cf2, tf2, cb2, tb2 = cm.layer_times(TINY, 1, [dev, dev], [3, 1], [192, 64], (1e9, 0.0), True)
+    cf2, tf2, cb2, tb2 = costs.layer_times(1, [3, 1], [192, 64], True)
     assert cb2 == pytest.approx(3 * cf) and tb2 == pytest.approx(2 * tf)
 
 
 def test_params_and_memory():
-    assert cm.layer_params(TINY, 4, 256) == 4 * 64 * 64 + 3 * 64 * 256 + 2 * 64
-    assert cm.total_params(TINY) == 4 * 65664 + 2 * 128 * 64 + 64
+    assert layout.layer_params(TINY, 4, 256) == 4 * 64 * 64 + 3 * 64 * 256 + 2 * 64
+    assert layout.total_params(TINY) == 4 * 65664 + 2 * 128 * 64 + 64
     tied = load_model("tiny-tied")
-    assert cm.total_params(tied) == 4 * 65664 + 128 * 64 + 64
+    assert layout.total_params(tied) == 4 * 65664 + 128 * 64 + 64
     # llama2-7b, one GPU: 18 B/param
     mem = cm.rank_memory(L7, 1, 32, 11008, 32000, 32, True, True, 0, 1, 8, False)
-    P = cm.total_params(L7)
+    P = layout.total_params(L7)
     assert P == pytest.approx(6.738e9, rel=1e-3)
     assert mem.weights + mem.grads + mem.optimizer == pytest.approx(18 * P)
     sbh = 4096 * 4096
@@ -118,7 +123,7 @@ def test_params_and_memory():
     assert cm.in_flight_microbatches(3, 4, 8) == 1
     assert cm.in_flight_microbatches(0, 4, 2) == 2
     half = cm.rank_memory(L7, 1, 32, 11008, 32000, 1, False, False, 0, 1, 1, False, 0.5)
-    assert half.optimizer == pytest.approx(12 * cm.layer_params(L7, 32, 11008) * 0.5)
+    assert half.optimizer == pytest.approx(12 * layout.layer_params(L7, 32, 11008) * 0.5)
 
 
 def test_optimizer_step_time():

@@ -1,9 +1,10 @@
 """The cost model's gradient collectives are exactly the runtime's buckets.
 
 planner.gradsync re-derives, for speed, the rank sets and volumes that planner.layout gives the
-runtime (gradient_segments; megatron_hexi.grad_sync buckets segments by Segment.ranks, fp32). For
-example plans, searched plans (tied embeddings, GQA) and hand-made uneven shards, the rank sets
-and bytes per rank set must be equal, with and without the distributed optimizer.
+runtime (gradient_segments; megatron_hexi.grad_sync buckets segments by Segment.ranks, fp32), and
+the distributed optimizer's shares (layout.optimizer_elements). For example plans, searched plans
+(tied embeddings, GQA) and hand-made uneven shards, the rank sets and bytes per rank set must be
+equal, with and without the distributed optimizer, and so must the shares, even and by memory.
 """
 import dataclasses
 import glob
@@ -12,8 +13,15 @@ import os
 import pytest
 
 from planner.cluster import load_cluster_dict
-from planner.gradsync import rank_sets
-from planner.layout import canonical_shards, gradient_segments, segment_numel
+from planner.gradsync import optimizer_elements, rank_sets
+from planner.layout import (
+    canonical_shards,
+    gradient_segments,
+    optimizer_weight,
+    plan_optimizer_elements,
+    reduced_together,
+    segment_numel,
+)
 from planner.models import load_model
 from planner.plan import build_plan, load_plan
 from planner.random_clusters import random_cluster
@@ -25,15 +33,12 @@ GRAD_BYTES = 4        # fp32 gradient buffers, reduced as fp32
 
 
 def runtime_buckets(plan, distributed_optimizer):
-    """{rank set: bytes} of the runtime's collectives, from planner.layout only.
-
-    Mirrors megatron_hexi.grad_sync.reduced_together (not imported: it needs torch): a segment
-    joins a collective when it has several contributors or, with the optimizer state sharded,
-    several holders."""
+    """{rank set: bytes} of the runtime's collectives: planner.layout's segments and its
+    `reduced_together`, which megatron_hexi.grad_sync buckets by."""
     shapes = {s.name: s.shape for s in canonical_shards(plan.model)}
     out = {}
     for seg in gradient_segments(plan):
-        if seg.needs_reduce or (distributed_optimizer and len(seg.members) > 1):
+        if reduced_together(seg, distributed_optimizer):
             out[seg.ranks] = out.get(seg.ranks, 0) + GRAD_BYTES * segment_numel(shapes[seg.name],
                                                                                  seg)
     return out
@@ -106,3 +111,18 @@ def test_gradsync_rank_sets_equal_runtime_buckets(distributed_optimizer):
         assert got == want, name
         multi += len(plan.pipelines) > 1
     assert multi >= 8          # the comparison covers real cross-pipeline syncs
+
+
+@pytest.mark.parametrize("optimizer_shard", ["even", "memory"])
+def test_gradsync_optimizer_shares_equal_layout(optimizer_shard):
+    kinds = 0
+    for name, plan in PLANS:
+        plan = dataclasses.replace(plan, training=dataclasses.replace(
+            plan.training, use_distributed_optimizer=True, optimizer_shard=optimizer_shard))
+        want = plan_optimizer_elements(plan)
+        gpus = [e.gpu for e in plan.ranks]
+        got = optimizer_elements(plan.model, layouts_of(plan),
+                                 lambda r, gpus=gpus: optimizer_weight(gpus[r], optimizer_shard))
+        assert got == want, name
+        kinds += len(set(gpus)) > 1
+    assert kinds >= 2          # the memory weights differ between holders somewhere

@@ -4,7 +4,9 @@ import os
 import pytest
 
 from planner import costmodel as cm
+from planner import flops
 from planner.cluster import load_cluster_dict
+from planner.layout import total_params
 from planner.models import load_model
 from planner.plan import build_plan, load_plan
 from planner.simulator import simulate
@@ -21,15 +23,15 @@ def test_single_gpu_by_hand():
                                   "stages": [{"ranks": [0], "layers": [0, 4]}]}])
     est = simulate(plan)
     dev = cm.device_for("A100-SXM-80GB")
-    fwd = (4 * cm.layer_flops(m, 2) + cm.head_flops(m, 2)) / dev.flops
-    opt = cm.total_params(m) * 30 / (2039e9)
+    fwd = (4 * flops.layer_flops(m, 2) + flops.head_flops(m, 2)) / dev.flops
+    opt = total_params(m) * 30 / (2039e9)
     assert est.iteration_time_s == pytest.approx(2 * 3 * fwd + opt)
-    assert est.mfu == pytest.approx(4 * cm.model_flops_per_sample(m) /
+    assert est.mfu == pytest.approx(4 * flops.model_flops_per_sample(m) /
                                     (est.iteration_time_s * 312e12))
     assert est.tokens_per_s == pytest.approx(4 * 32 / est.iteration_time_s)
     assert est.grad_sync_time_s == 0.0
     assert est.peak_memory_gb[0] == pytest.approx(
-        (18 * cm.total_params(m) + 4 * cm.layer_activation_bytes(m, 2, 4, 256, False)
+        (18 * total_params(m) + 4 * cm.layer_activation_bytes(m, 2, 4, 256, False)
          + 32 * 2 * 128 * 4 + cm.FRAMEWORK_RESERVE_BYTES) / 1e9)
 
 

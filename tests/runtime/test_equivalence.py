@@ -77,6 +77,9 @@ def test_distributed_optimizer_matches_one_rank(name, shard, tmp_path, tmp_path_
     canonical = sum(math.prod(s.shape) for s in canonical_shards(load_model(model)))
     assert sum(sharded.values()) == 12 * canonical
     assert all(sharded[r] < 12 * held[r] for r in range(world))
+    # The planner predicts exactly what the runtime holds: both cut every segment with
+    # planner.layout (optimizer_weight, weighted_split), 12 bytes per owned element.
+    assert predicted == [sharded[r] for r in range(world)]
 
 
 @pytest.mark.parametrize("defect", ["misaligned_fused", "equal_weighting",
