@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 pretrain_gpt.py --hetero-plan-path plan.json --mock-data \
         --train-iters 3 --lr 1e-3 --lr-decay-style constant
 """
+
 from megatron_hexi.training import cli
 
 if __name__ == "__main__":

@@ -4,28 +4,48 @@ Model and batch flags may be omitted (the plan has them); one that contradicts t
 error, and so is any flag this runtime does not support (it is named, never silently ignored).
 The checked flags become a RunConfig (run_config), the only form the runtime reads.
 """
+
+from __future__ import annotations
+
 import argparse
 import math
 import re
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
+from megatron_hexi.config import (
+    CheckpointConfig,
+    DataConfig,
+    DropoutConfig,
+    LoggingConfig,
+    LRScheduleConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    RunConfig,
+    RuntimeConfig,
+    TrainingConfig,
+)
 from planner.errors import SpecError
 
-from megatron_hexi.config import (CheckpointConfig, DataConfig, DropoutConfig, LoggingConfig,
-                                  LRScheduleConfig, OptimizerConfig, PrecisionConfig, RunConfig,
-                                  RuntimeConfig, TrainingConfig)
+if TYPE_CHECKING:
+    from planner.plan import Plan
 
 # Megatron flag -> plan model field, for the contradiction check.
 MODEL_FLAGS = {
-    "num_layers": "num_layers", "hidden_size": "hidden_size",
-    "ffn_hidden_size": "ffn_hidden_size", "num_attention_heads": "num_attention_heads",
-    "num_query_groups": "num_query_groups", "seq_length": "seq_length",
-    "max_position_embeddings": "seq_length", "kv_channels": "head_dim",
-    "norm_epsilon": "norm_epsilon", "rotary_base": "rotary_base",
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_query_groups",
+    "seq_length": "seq_length",
+    "max_position_embeddings": "seq_length",
+    "kv_channels": "head_dim",
+    "norm_epsilon": "norm_epsilon",
+    "rotary_base": "rotary_base",
 }
 
 
-def finite_float(text):
+def finite_float(text: str) -> float:
     """argparse type: a float that is finite (`nan`, `inf` and `1e999` are refused)."""
     try:
         value = float(text)
@@ -39,48 +59,66 @@ def finite_float(text):
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is a SpecError: one `pretrain_gpt.py: error:` line, exit 2."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         raise SpecError(message)
 
 
 class Range(NamedTuple):
     """Allowed values of a numeric flag: [low, high], either end open or absent."""
+
     low: float
     high: float | None = None
     low_open: bool = False
     high_open: bool = False
 
-    def describe(self):
+    def describe(self) -> str:
         low = f"{'>' if self.low_open else '>='} {self.low}"
         if self.high is None:
             return low
         return f"{low} and {'<' if self.high_open else '<='} {self.high}"
 
-    def holds(self, value):
+    def holds(self, value: float) -> bool:
         above = value > self.low or (value == self.low and not self.low_open)
-        below = (self.high is None or value < self.high
-                 or (value == self.high and not self.high_open))
+        below = (
+            self.high is None or value < self.high or (value == self.high and not self.high_open)
+        )
         return above and below
 
 
 RANGES = {
-    "lr": Range(0), "min_lr": Range(0), "lr_warmup_init": Range(0), "weight_decay": Range(0),
-    "clip_grad": Range(0), "adam_beta1": Range(0, 1, high_open=True),
-    "adam_beta2": Range(0, 1, high_open=True), "adam_eps": Range(0, low_open=True),
-    "attention_dropout": Range(0, 1), "hidden_dropout": Range(0, 1),
-    "norm_epsilon": Range(0, low_open=True), "distributed_timeout_minutes": Range(0, low_open=True),
-    "train_iters": Range(1), "log_interval": Range(1), "lr_decay_iters": Range(1),
-    "lr_warmup_iters": Range(0), "seed": Range(0, 2 ** 32 - 1), "micro_batch_size": Range(1),
-    "global_batch_size": Range(1), "save_interval": Range(1), "exit_interval": Range(1),
-    "tensorboard_log_interval": Range(1), "ckpt_step": Range(0),
+    "lr": Range(0),
+    "min_lr": Range(0),
+    "lr_warmup_init": Range(0),
+    "weight_decay": Range(0),
+    "clip_grad": Range(0),
+    "adam_beta1": Range(0, 1, high_open=True),
+    "adam_beta2": Range(0, 1, high_open=True),
+    "adam_eps": Range(0, low_open=True),
+    "attention_dropout": Range(0, 1),
+    "hidden_dropout": Range(0, 1),
+    "norm_epsilon": Range(0, low_open=True),
+    "distributed_timeout_minutes": Range(0, low_open=True),
+    "train_iters": Range(1),
+    "log_interval": Range(1),
+    "lr_decay_iters": Range(1),
+    "lr_warmup_iters": Range(0),
+    "seed": Range(0, 2**32 - 1),
+    "micro_batch_size": Range(1),
+    "global_batch_size": Range(1),
+    "save_interval": Range(1),
+    "exit_interval": Range(1),
+    "tensorboard_log_interval": Range(1),
+    "ckpt_step": Range(0),
 }
 
 
-def check_ranges(args):
+def check_ranges(args: argparse.Namespace) -> None:
     """Every numeric flag that is given lies in its range (one line per flag that does not)."""
-    problems = [f"--{flag.replace('_', '-')} must be {r.describe()}, got {getattr(args, flag)}"
-                for flag, r in RANGES.items()
-                if getattr(args, flag) is not None and not r.holds(getattr(args, flag))]
+    problems = [
+        f"--{flag.replace('_', '-')} must be {r.describe()}, got {getattr(args, flag)}"
+        for flag, r in RANGES.items()
+        if getattr(args, flag) is not None and not r.holds(getattr(args, flag))
+    ]
     if problems:
         raise SpecError(problems)
 
@@ -88,7 +126,7 @@ def check_ranges(args):
 SPLIT = re.compile(r"^\s*[0-9.eE+]+(\s*[,/]\s*[0-9.eE+]+){0,2}\s*$")
 
 
-def check_split(text):
+def check_split(text: str) -> None:
     """--split in Megatron's syntax: up to three non-negative weights (train, valid, test),
     separated by ',' or '/', with a positive sum."""
     parts = re.split(r"\s*[,/]\s*", text.strip()) if SPLIT.match(text) else []
@@ -97,18 +135,27 @@ def check_split(text):
     except ValueError:
         weights = []
     if not weights or not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
-        raise SpecError(f"--split {text!r}: give up to three non-negative weights with a "
-                        f"positive sum, as '969,30,1' or '98/2/0'")
+        raise SpecError(
+            f"--split {text!r}: give up to three non-negative weights with a "
+            f"positive sum, as '969,30,1' or '98/2/0'"
+        )
 
 
-def build_parser():
-    p = _Parser(prog="pretrain_gpt.py", allow_abbrev=False,
-                description="Train a GPT under a heterogeneous plan.")
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="pretrain_gpt.py",
+        allow_abbrev=False,
+        description="Train a GPT under a heterogeneous plan.",
+    )
     h = p.add_argument_group("hetero")
     h.add_argument("--hetero-plan-path", required=True, help="plan JSON (hexi-plan)")
     h.add_argument("--hetero-metrics-path", default=None, help="JSONL metrics per iteration")
-    h.add_argument("--hetero-device", choices=["cpu", "cuda"], default=None,
-                   help="default: cuda when available, else cpu (GPUs emulated by processes)")
+    h.add_argument(
+        "--hetero-device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="default: cuda when available, else cpu (GPUs emulated by processes)",
+    )
     m = p.add_argument_group("model (optional: taken from the plan)")
     for flag in MODEL_FLAGS:
         kind = finite_float if flag == "norm_epsilon" else int
@@ -133,8 +180,11 @@ def build_parser():
     b.add_argument("--train-iters", type=int, required=True)
     b.add_argument("--lr", type=finite_float, required=True)
     b.add_argument("--min-lr", type=finite_float, default=0.0)
-    b.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine",
-                                                "inverse-square-root"], default="linear")
+    b.add_argument(
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine", "inverse-square-root"],
+        default="linear",
+    )
     b.add_argument("--lr-decay-iters", type=int, default=None)
     b.add_argument("--lr-warmup-iters", type=int, default=0)
     b.add_argument("--lr-warmup-init", type=finite_float, default=0.0)
@@ -144,10 +194,18 @@ def build_parser():
     b.add_argument("--adam-eps", type=finite_float, default=1e-8)
     b.add_argument("--clip-grad", type=finite_float, default=1.0)
     b.add_argument("--optimizer", choices=["adam"], default="adam")
-    b.add_argument("--use-distributed-optimizer", action="store_true", default=None,
-                   help="shard fp32 master weights and Adam state (the plan must assume it)")
-    b.add_argument("--hetero-optimizer-shard", choices=["even", "memory"], default=None,
-                   help="how optimizer state is cut over a segment's ranks (the plan says)")
+    b.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        default=None,
+        help="shard fp32 master weights and Adam state (the plan must assume it)",
+    )
+    b.add_argument(
+        "--hetero-optimizer-shard",
+        choices=["even", "memory"],
+        default=None,
+        help="how optimizer state is cut over a segment's ranks (the plan says)",
+    )
     b.add_argument("--bf16", action="store_true")
     b.add_argument("--seed", type=int, default=1234)
     d = p.add_argument_group("data and logging")
@@ -159,61 +217,98 @@ def build_parser():
     d.add_argument("--tokenizer-model", default=None)
     d.add_argument("--log-interval", type=int, default=1)
     d.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None)
-    d.add_argument("--distributed-timeout-minutes", type=finite_float, default=10.0,
-                   help="collective timeout; fractions allowed (a dead or hung peer fails every "
-                        "rank within it)")
+    d.add_argument(
+        "--distributed-timeout-minutes",
+        type=finite_float,
+        default=10.0,
+        help="collective timeout; fractions allowed (a dead or hung peer fails every "
+        "rank within it)",
+    )
     d.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
     d.add_argument("--tensorboard-log-interval", type=int, default=1)
-    d.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
-                   dest="check_for_nan_in_loss_and_grad",
-                   help="keep training when the loss or the gradient norm is NaN or infinite "
-                        "(default: stop with an error, as Megatron-LM does)")
-    d.add_argument("--exit-interval", type=int, default=None,
-                   help="stop (saving first, with --save) when the iteration is a multiple of it")
+    d.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        action="store_false",
+        dest="check_for_nan_in_loss_and_grad",
+        help="keep training when the loss or the gradient norm is NaN or infinite "
+        "(default: stop with an error, as Megatron-LM does)",
+    )
+    d.add_argument(
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="stop (saving first, with --save) when the iteration is a multiple of it",
+    )
     c = p.add_argument_group("checkpoints")
     c.add_argument("--save", default=None, help="checkpoint directory to save to")
-    c.add_argument("--save-interval", type=int, default=None,
-                   help="save every N iterations (and always at the end with --save)")
+    c.add_argument(
+        "--save-interval",
+        type=int,
+        default=None,
+        help="save every N iterations (and always at the end with --save)",
+    )
     c.add_argument("--load", default=None, help="checkpoint directory to resume from")
-    c.add_argument("--ckpt-step", type=int, default=None,
-                   help="load this iteration instead of latest_checkpointed_iteration.txt's")
-    c.add_argument("--finetune", action="store_true",
-                   help="load weights only: iteration 0, fresh Adam state and RNGs")
+    c.add_argument(
+        "--ckpt-step",
+        type=int,
+        default=None,
+        help="load this iteration instead of latest_checkpointed_iteration.txt's",
+    )
+    c.add_argument(
+        "--finetune",
+        action="store_true",
+        help="load weights only: iteration 0, fresh Adam state and RNGs",
+    )
     c.add_argument("--no-load-optim", action="store_true", help="do not load Adam state")
     c.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
-    c.add_argument("--override-opt_param-scheduler", action="store_true",
-                   dest="override_opt_param_scheduler",
-                   help="use this run's lr schedule, not the checkpoint's")
-    c.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
-                   dest="use_checkpoint_opt_param_scheduler",
-                   help="use the checkpoint's lr schedule")
-    h.add_argument("--hetero-load-if-exists", action="store_true",
-                   help="with --load: start fresh if DIR holds no checkpoint at all (a first run "
-                        "of a restartable job); a missing or corrupt part of one is still an error")
+    c.add_argument(
+        "--override-opt_param-scheduler",
+        action="store_true",
+        dest="override_opt_param_scheduler",
+        help="use this run's lr schedule, not the checkpoint's",
+    )
+    c.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        action="store_true",
+        dest="use_checkpoint_opt_param_scheduler",
+        help="use the checkpoint's lr schedule",
+    )
+    h.add_argument(
+        "--hetero-load-if-exists",
+        action="store_true",
+        help="with --load: start fresh if DIR holds no checkpoint at all (a first run "
+        "of a restartable job); a missing or corrupt part of one is still an error",
+    )
     return p
 
 
-def parse_args(argv=None):
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     flags = [u for u in unknown if u.startswith("--")]
     if flags:
-        raise SpecError(f"unsupported flag{'s' if len(flags) > 1 else ''}: {' '.join(flags)} "
-                        f"(this runtime does not implement {'them' if len(flags) > 1 else 'it'}; "
-                        f"see pretrain_gpt.py --help)")
+        raise SpecError(
+            f"unsupported flag{'s' if len(flags) > 1 else ''}: {' '.join(flags)} "
+            f"(this runtime does not implement {'them' if len(flags) > 1 else 'it'}; "
+            f"see pretrain_gpt.py --help)"
+        )
     if unknown:
         raise SpecError(f"unexpected argument: {' '.join(unknown)}")
     if args.recompute_activations:
-        raise SpecError("--recompute-activations (selective recompute) is not supported; use "
-                        "--recompute-granularity full, or plan with recompute")
+        raise SpecError(
+            "--recompute-activations (selective recompute) is not supported; use "
+            "--recompute-granularity full, or plan with recompute"
+        )
     check_ranges(args)
     check_split(args.split)
     if not args.mock_data and not args.data_path:
         raise SpecError("give --mock-data or --data-path")
-    if args.data_path and (args.tokenizer_type != "HuggingFaceTokenizer"
-                           or not args.tokenizer_model):
-        raise SpecError("--data-path needs --tokenizer-type HuggingFaceTokenizer and "
-                        "--tokenizer-model PATH")
+    if args.data_path and (
+        args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model
+    ):
+        raise SpecError(
+            "--data-path needs --tokenizer-type HuggingFaceTokenizer and --tokenizer-model PATH"
+        )
     if args.save_interval and not args.save:
         raise SpecError("--save-interval needs --save DIR")
     loading = ("ckpt_step", "finetune", "no_load_optim", "no_load_rng", "hetero_load_if_exists")
@@ -223,50 +318,68 @@ def parse_args(argv=None):
     return args
 
 
-def check_against_plan(args, plan):
+def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
     """Every given flag must agree with the plan; returns nothing, raises SpecError otherwise."""
     m = plan.model
     problems = []
     for flag, field in MODEL_FLAGS.items():
         given = getattr(args, flag)
         if given is not None and given != getattr(m, field):
-            problems.append(f"--{flag.replace('_', '-')} {given} contradicts the plan's model "
-                            f"{field} {getattr(m, field)}")
+            problems.append(
+                f"--{flag.replace('_', '-')} {given} contradicts the plan's model "
+                f"{field} {getattr(m, field)}"
+            )
     if args.swiglu is not None and args.swiglu != m.swiglu:
         problems.append(f"--swiglu contradicts the plan's model (swiglu: {m.swiglu})")
-    if (args.untie_embeddings_and_output_weights is not None
-            and not m.untie_embeddings_and_output_weights):
-        problems.append("--untie-embeddings-and-output-weights contradicts the plan's model "
-                        "(tied embeddings)")
+    if (
+        args.untie_embeddings_and_output_weights is not None
+        and not m.untie_embeddings_and_output_weights
+    ):
+        problems.append(
+            "--untie-embeddings-and-output-weights contradicts the plan's model (tied embeddings)"
+        )
     if args.normalization is not None and args.normalization != m.normalization:
-        problems.append(f"--normalization {args.normalization} contradicts the plan's "
-                        f"{m.normalization}")
+        problems.append(
+            f"--normalization {args.normalization} contradicts the plan's {m.normalization}"
+        )
     if args.disable_bias_linear is not None and m.add_bias_linear:
         problems.append("--disable-bias-linear contradicts the plan's model (add_bias_linear)")
     if args.global_batch_size is not None and args.global_batch_size != plan.global_batch_size:
-        problems.append(f"--global-batch-size {args.global_batch_size} contradicts the plan's "
-                        f"global_batch_size {plan.global_batch_size}")
+        problems.append(
+            f"--global-batch-size {args.global_batch_size} contradicts the plan's "
+            f"global_batch_size {plan.global_batch_size}"
+        )
     sizes = sorted({p.micro_batch_size for p in plan.pipelines})
     if args.micro_batch_size is not None and sizes != [args.micro_batch_size]:
-        problems.append(f"--micro-batch-size {args.micro_batch_size} contradicts the plan's "
-                        f"micro-batch sizes {sizes}")
+        problems.append(
+            f"--micro-batch-size {args.micro_batch_size} contradicts the plan's "
+            f"micro-batch sizes {sizes}"
+        )
     tps = sorted({s.tp_size for p in plan.pipelines for s in p.stages})
     if args.tensor_model_parallel_size is not None and tps != [args.tensor_model_parallel_size]:
-        problems.append(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
-                        f"contradicts the plan's TP degrees {tps}")
+        problems.append(
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
+            f"contradicts the plan's TP degrees {tps}"
+        )
     pps = sorted({len(p.stages) for p in plan.pipelines})
     if args.pipeline_model_parallel_size is not None and pps != [args.pipeline_model_parallel_size]:
-        problems.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} "
-                        f"contradicts the plan's stage counts {pps}")
+        problems.append(
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} "
+            f"contradicts the plan's stage counts {pps}"
+        )
     t = plan.training
     if args.use_distributed_optimizer and not t.use_distributed_optimizer:
-        problems.append("--use-distributed-optimizer contradicts the plan (use_distributed_"
-                        "optimizer: false); re-plan with hexi-plan ... --use-distributed-optimizer")
+        problems.append(
+            "--use-distributed-optimizer contradicts the plan (use_distributed_"
+            "optimizer: false); re-plan with hexi-plan ... --use-distributed-optimizer"
+        )
     shard = args.hetero_optimizer_shard
     if shard is not None and (not t.use_distributed_optimizer or shard != t.optimizer_shard):
-        problems.append(f"--hetero-optimizer-shard {shard} contradicts the plan "
-                        f"(use_distributed_optimizer: {str(t.use_distributed_optimizer).lower()}, "
-                        f"optimizer_shard: {t.optimizer_shard})")
+        problems.append(
+            f"--hetero-optimizer-shard {shard} contradicts the plan "
+            f"(use_distributed_optimizer: {str(t.use_distributed_optimizer).lower()}, "
+            f"optimizer_shard: {t.optimizer_shard})"
+        )
     wants_recompute = args.recompute_granularity == "full"
     if args.recompute_granularity is not None and wants_recompute != plan.training.recompute:
         problems.append("--recompute-granularity full contradicts the plan (recompute: false)")
@@ -277,50 +390,88 @@ def check_against_plan(args, plan):
 # Flags that never reach the runtime as values: the plan decides what they describe (the flags
 # are only checked against it, check_against_plan), or they accept Megatron-LM's one supported
 # value. Every other flag maps onto a RunConfig field (run_config; tests check both lists).
-NOT_IN_RUN_CONFIG = frozenset({
-    "hetero_plan_path",                                     # read into the Plan itself
-    *MODEL_FLAGS, "group_query_attention", "swiglu", "untie_embeddings_and_output_weights",
-    "normalization", "position_embedding_type", "disable_bias_linear",
-    "recompute_activations", "recompute_granularity", "recompute_method", "recompute_num_layers",
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
-    "global_batch_size", "use_distributed_optimizer", "hetero_optimizer_shard",
-    "optimizer",                                            # adam only
-    "tokenizer_type",                                       # HuggingFaceTokenizer only
-})
+NOT_IN_RUN_CONFIG = frozenset(
+    {
+        "hetero_plan_path",  # read into the Plan itself
+        *MODEL_FLAGS,
+        "group_query_attention",
+        "swiglu",
+        "untie_embeddings_and_output_weights",
+        "normalization",
+        "position_embedding_type",
+        "disable_bias_linear",
+        "recompute_activations",
+        "recompute_granularity",
+        "recompute_method",
+        "recompute_num_layers",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "micro_batch_size",
+        "global_batch_size",
+        "use_distributed_optimizer",
+        "hetero_optimizer_shard",
+        "optimizer",  # adam only
+        "tokenizer_type",  # HuggingFaceTokenizer only
+    }
+)
 
 
-def run_config(args):
+def run_config(args: argparse.Namespace) -> RunConfig:
     """The parsed flags (parse_args) as a RunConfig: the one place a flag reaches the runtime."""
     return RunConfig(
         training=TrainingConfig(
-            train_iters=args.train_iters, seed=args.seed, exit_interval=args.exit_interval,
-            check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad),
+            train_iters=args.train_iters,
+            seed=args.seed,
+            exit_interval=args.exit_interval,
+            check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
+        ),
         optimizer=OptimizerConfig(
-            lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-            clip_grad=args.clip_grad),
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad,
+        ),
         lr_schedule=LRScheduleConfig(
-            lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
-            lr_warmup_iters=args.lr_warmup_iters, lr_warmup_init=args.lr_warmup_init),
+            lr_decay_style=args.lr_decay_style,
+            lr_decay_iters=args.lr_decay_iters,
+            lr_warmup_iters=args.lr_warmup_iters,
+            lr_warmup_init=args.lr_warmup_init,
+        ),
         precision=PrecisionConfig(bf16=args.bf16),
-        dropout=DropoutConfig(attention_dropout=args.attention_dropout,
-                              hidden_dropout=args.hidden_dropout),
+        dropout=DropoutConfig(
+            attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout
+        ),
         data=DataConfig(
             mock_data=args.mock_data,
             data_path=None if args.data_path is None else tuple(args.data_path),
-            split=args.split, data_cache_path=args.data_cache_path,
-            tokenizer_model=args.tokenizer_model),
+            split=args.split,
+            data_cache_path=args.data_cache_path,
+            tokenizer_model=args.tokenizer_model,
+        ),
         checkpoint=CheckpointConfig(
-            save=args.save, save_interval=args.save_interval, load=args.load,
-            load_if_exists=args.hetero_load_if_exists, ckpt_step=args.ckpt_step,
-            finetune=args.finetune, no_load_optim=args.no_load_optim,
+            save=args.save,
+            save_interval=args.save_interval,
+            load=args.load,
+            load_if_exists=args.hetero_load_if_exists,
+            ckpt_step=args.ckpt_step,
+            finetune=args.finetune,
+            no_load_optim=args.no_load_optim,
             no_load_rng=args.no_load_rng,
             override_opt_param_scheduler=args.override_opt_param_scheduler,
-            use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler),
+            use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        ),
         logging=LoggingConfig(
-            log_interval=args.log_interval, metrics_path=args.hetero_metrics_path,
+            log_interval=args.log_interval,
+            metrics_path=args.hetero_metrics_path,
             tensorboard_dir=args.tensorboard_dir,
-            tensorboard_log_interval=args.tensorboard_log_interval),
+            tensorboard_log_interval=args.tensorboard_log_interval,
+        ),
         runtime=RuntimeConfig(
-            device=args.hetero_device, distributed_backend=args.distributed_backend,
-            distributed_timeout_minutes=args.distributed_timeout_minutes))
+            device=args.hetero_device,
+            distributed_backend=args.distributed_backend,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
+        ),
+    )

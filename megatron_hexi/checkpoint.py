@@ -59,6 +59,9 @@ Optimizer state is reached only through `owned_ranges` (what a rank writes) and
 distributed optimizer (megatron_hexi.distributed_optimizer) alike: the files hold canonical
 ranges, so a checkpoint saved with either loads with either, under any plan.
 """
+
+from __future__ import annotations
+
 import base64
 import dataclasses
 import json
@@ -70,7 +73,9 @@ import shutil
 import signal
 import time
 import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -79,8 +84,28 @@ import torch.distributed as dist
 from planner.errors import SpecError
 from planner.layout import canonical_shards, gradient_segments, segment_numel
 
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    import numpy.typing as npt
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from safetensors import safe_open
+
+    from megatron_hexi.config import CheckpointConfig
+    from megatron_hexi.training import Trainer
+    from planner.layout import ParamShard, Segment
+    from planner.models import ModelSpec
+    from planner.plan import Plan
+
+    # A tensor to write: (kind, canonical name, dim, global start, canonical shape, tensor).
+    Entry = tuple[str, str, int, int, Sequence[int], torch.Tensor]
+    # What this rank writes of one canonical range: (name, dim, canonical shape, global start,
+    # {kind: tensor}).
+    OwnedRange = tuple[str, int, tuple[int, ...], int, dict[str, torch.Tensor]]
+
 FORMAT = "megatron-hexi-checkpoint"
-FORMAT_VERSION = 3     # 2: checksums, save id, iteration in every rank file; 3: per block
+FORMAT_VERSION = 3  # 2: checksums, save id, iteration in every rank file; 3: per block
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "checkpoint.json"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
@@ -110,17 +135,18 @@ class CheckpointError(SpecError):
     """A missing, corrupt or incompatible checkpoint: one line naming the file or the field."""
 
 
-def iteration_dir_name(iteration):
+def iteration_dir_name(iteration: int | None) -> str:
     return "release" if iteration is None else f"iter_{iteration:07d}"
 
 
-def rank_file_name(rank):
+def rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 
 
 # ------------------------------------------------------------------------------------- writing
 
-def writer_segments(plan):
+
+def writer_segments(plan: Plan) -> dict[int, list[Segment]]:
     """{plan rank: [Segment]}: every atomic segment once, by the least-loaded rank holding it."""
     shapes = {s.name: s.shape for s in canonical_shards(plan.model)}
     load = [0] * plan.world_size
@@ -132,7 +158,9 @@ def writer_segments(plan):
     return out
 
 
-def local_runs(params, segments):
+def local_runs(
+    params: Iterable[tuple[ParamShard, torch.Tensor]], segments: Iterable[Segment]
+) -> list[tuple[ParamShard, torch.Tensor, int, int, int]]:
     """[(ParamShard, param, local_start, global_start, length)]: this rank's owned segments,
     merged into runs that are contiguous both locally and in the canonical tensor."""
     owned = {}
@@ -156,24 +184,27 @@ def local_runs(params, segments):
         owned[shard.name] = intervals
     left = {n: iv for n, iv in owned.items() if iv}
     if left:
-        raise RuntimeError(f"checkpoint: segments {left} are assigned to a rank that does not "
-                           f"hold them (layout bug)")
+        raise RuntimeError(
+            f"checkpoint: segments {left} are assigned to a rank that does not "
+            f"hold them (layout bug)"
+        )
     return runs
 
 
-def entry_key(kind, name, start):
+def entry_key(kind: str, name: str, start: int) -> str:
     return f"{kind}/{name}/{start}"
 
 
-def block_checksums(tensor, block_bytes=BLOCK_BYTES):
+def block_checksums(tensor: torch.Tensor, block_bytes: int = BLOCK_BYTES) -> list[str]:
     """CRC-32 (8 hex digits) of each `block_bytes` block of a contiguous CPU tensor's bytes,
     exactly as safetensors stores them (the last block may be shorter; none if it is empty)."""
     data = tensor.reshape(-1).view(torch.uint8).numpy()
-    return [f"{zlib.crc32(data[i:i + block_bytes]):08x}"
-            for i in range(0, data.size, block_bytes)]
+    return [
+        f"{zlib.crc32(data[i : i + block_bytes]):08x}" for i in range(0, data.size, block_bytes)
+    ]
 
 
-def tensor_bytes(row):
+def tensor_bytes(row: Mapping[str, Any]) -> int:
     """Size in bytes of the tensor an index row describes."""
     numel = row["length"]
     for i, n in enumerate(row["shape"]):
@@ -182,11 +213,13 @@ def tensor_bytes(row):
     return numel * ITEMSIZE[row["dtype"]]
 
 
-def overlapping_blocks(shape, itemsize, dim, a, b, block_bytes):
+def overlapping_blocks(
+    shape: Sequence[int], itemsize: int, dim: int, a: int, b: int, block_bytes: int
+) -> np.ndarray:
     """Boolean array over the blocks of a row-major tensor of `shape`: True where a block holds
     bytes of the slice [a, b) along `dim` (one byte run per index of the dimensions before it)."""
     inner = itemsize
-    for n in shape[dim + 1:]:
+    for n in shape[dim + 1 :]:
         inner *= n
     outer = 1
     for n in shape[:dim]:
@@ -199,12 +232,13 @@ def overlapping_blocks(shape, itemsize, dim, a, b, block_bytes):
     last = first + (b - a) * inner - 1
     # +1 where a run starts, -1 after the block where it ends: the running sum is > 0 on blocks
     # some run overlaps (runs are sorted and disjoint).
-    marks = (np.bincount(first // block_bytes, minlength=nblocks + 1)
-             - np.bincount(last // block_bytes + 1, minlength=nblocks + 1))
+    marks = np.bincount(first // block_bytes, minlength=nblocks + 1) - np.bincount(
+        last // block_bytes + 1, minlength=nblocks + 1
+    )
     return np.cumsum(marks[:nblocks]) > 0
 
 
-def blocks_bytes(blocks, block_bytes, nbytes):
+def blocks_bytes(blocks: npt.ArrayLike, block_bytes: int, nbytes: int) -> int:
     """Bytes in the blocks `blocks` (indices) of a tensor of `nbytes` bytes cut into blocks of
     `block_bytes`, the last one shorter when `block_bytes` does not divide `nbytes` (what a
     verified read checks; the benchmark computes the same for other block sizes)."""
@@ -220,7 +254,7 @@ def blocks_bytes(blocks, block_bytes, nbytes):
 FINITE_CHUNK = 1 << 20
 
 
-def non_finite(t):
+def non_finite(t: torch.Tensor) -> bool:
     """True if the CPU tensor `t` (any strides) holds NaN or inf. numpy, not torch: numpy runs a
     reduction on the calling thread alone and releases the GIL, so the verification threads do
     not each start a team of torch's intra-op threads. min and max propagate NaN and need no
@@ -233,49 +267,74 @@ def non_finite(t):
         return not (np.isfinite(a.min()) and np.isfinite(a.max()))
     bits = np.atleast_1d(t.view(torch.int16).numpy().view(np.uint16))
     rows = max(1, FINITE_CHUNK // max(1, bits[0].size))
-    return any(int((bits[i:i + rows] & 0x7FFF).max()) >= 0x7F80
-               for i in range(0, bits.shape[0], rows))
+    return any(
+        int((bits[i : i + rows] & 0x7FFF).max()) >= 0x7F80 for i in range(0, bits.shape[0], rows)
+    )
 
 
-def meta_checksum(meta):
+def meta_checksum(meta: Mapping[str, Any]) -> str:
     """Checksum of checkpoint.json's content (every key but 'checksum'), in a canonical form."""
-    text = json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True,
-                      separators=(",", ":"))
+    text = json.dumps(
+        {k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True, separators=(",", ":")
+    )
     return f"{CHECKSUM}:{zlib.crc32(text.encode()):08x}"
 
 
-def write_rank_file(path, entries, iteration, save_id, block_bytes=BLOCK_BYTES):
+def write_rank_file(
+    path: str | os.PathLike[str],
+    entries: Iterable[Entry],
+    iteration: int,
+    save_id: str,
+    block_bytes: int = BLOCK_BYTES,
+) -> list[dict[str, Any]]:
     """entries: [(kind, name, dim, start, canonical shape, tensor)]; writes and fsyncs `path`,
     with each tensor's block checksums (of the bytes handed to the writer), the block size, the
     iteration and the save id in its metadata. Returns the index rows for checkpoint.json."""
     from safetensors.torch import save_file
+
     tensors, index = {}, []
     for kind, name, dim, start, shape, tensor in entries:
         key = entry_key(kind, name, start)
         tensors[key] = tensor.detach().cpu().contiguous()
-        index.append({"key": key, "kind": kind, "name": name, "dim": dim, "start": start,
-                      "length": tensor.shape[dim], "shape": list(shape),
-                      "dtype": str(tensor.dtype).replace("torch.", ""),
-                      "checksums": block_checksums(tensors[key], block_bytes)})
-    save_file(tensors, str(path), metadata={"format": FORMAT,
-                                            "format_version": str(FORMAT_VERSION),
-                                            "iteration": str(iteration), "save_id": save_id,
-                                            "block_bytes": str(block_bytes),
-                                            "index": json.dumps(index)})
-    os.chmod(path, 0o644)    # safetensors creates 0600; others on a shared file system read it
+        index.append(
+            {
+                "key": key,
+                "kind": kind,
+                "name": name,
+                "dim": dim,
+                "start": start,
+                "length": tensor.shape[dim],
+                "shape": list(shape),
+                "dtype": str(tensor.dtype).replace("torch.", ""),
+                "checksums": block_checksums(tensors[key], block_bytes),
+            }
+        )
+    save_file(
+        tensors,
+        str(path),
+        metadata={
+            "format": FORMAT,
+            "format_version": str(FORMAT_VERSION),
+            "iteration": str(iteration),
+            "save_id": save_id,
+            "block_bytes": str(block_bytes),
+            "index": json.dumps(index),
+        },
+    )
+    os.chmod(path, 0o644)  # safetensors creates 0600; others on a shared file system read it
     _fsync_file(path)
     return index
 
 
-def _cores():
+def _cores() -> int:
     """Cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
-    except AttributeError:     # not on Linux
+    except AttributeError:  # not on Linux
         return os.cpu_count() or 1
 
 
-def _fsync_file(path):
+def _fsync_file(path: str | os.PathLike[str]) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -283,14 +342,14 @@ def _fsync_file(path):
         os.close(fd)
 
 
-def _fsync_dir(path):
+def _fsync_dir(path: str | os.PathLike[str]) -> None:
     try:
         _fsync_file(path)
-    except OSError:     # some file systems do not support fsync on directories
+    except OSError:  # some file systems do not support fsync on directories
         pass
 
 
-def write_pointer(save_dir, iteration):
+def write_pointer(save_dir: str, iteration: int | None) -> None:
     """Replace latest_checkpointed_iteration.txt atomically (temporary name, fsync, rename)."""
     tmp = os.path.join(save_dir, f".{TRACKER}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
@@ -301,7 +360,7 @@ def write_pointer(save_dir, iteration):
     _fsync_dir(save_dir)
 
 
-def commit_directory(save_dir, tmp_dir, iteration):
+def commit_directory(save_dir: str, tmp_dir: str, iteration: int | None) -> str:
     """Rename a complete temporary directory to its final name (replacing an older save of the
     same iteration), then fsync the parent."""
     final = os.path.join(save_dir, iteration_dir_name(iteration))
@@ -318,7 +377,7 @@ def commit_directory(save_dir, tmp_dir, iteration):
     return final
 
 
-def _write_json(path, data):
+def _write_json(path: str, data: Any) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
@@ -326,17 +385,20 @@ def _write_json(path, data):
         os.fsync(f.fileno())
 
 
-def _fault(iteration, rank, phase):
+def _fault(iteration: int, rank: int, phase: str) -> None:
     spec = os.environ.get("HEXI_FAULT_INJECT", "")
     if spec.startswith("kill-in-save:"):
         _, it, r, ph = spec.split(":")
         if int(it) == iteration and int(r) == rank and ph == phase:
-            print(f"HEXI_FAULT_INJECT: rank {rank} kills itself in the save of iteration "
-                  f"{iteration} ({phase})", flush=True)
+            print(
+                f"HEXI_FAULT_INJECT: rank {rank} kills itself in the save of iteration "
+                f"{iteration} ({phase})",
+                flush=True,
+            )
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _agree(error, what, value=None):
+def _agree(error: str | dict[str, list[int]] | None, what: str, value: Any = None) -> list[Any]:
     """Collective status exchange (also the barrier between save/load phases): every rank raises
     the same CheckpointError if any rank failed (`error`: a line, or {line: [launch ranks]} for
     failures gathered from other ranks), one line per distinct failure. Returns every rank's
@@ -345,14 +407,18 @@ def _agree(error, what, value=None):
     dist.all_gather_object(everyone, (error, value))
     failed = {}
     for r, (e, _) in enumerate(everyone):
-        if isinstance(e, dict):     # {error: [launch ranks]}: gathered from them by this rank
+        if isinstance(e, dict):  # {error: [launch ranks]}: gathered from them by this rank
             for text, ranks in e.items():
                 failed.setdefault(text, []).extend(ranks)
         elif e:
             failed.setdefault(e, []).append(r)
     if failed:
-        raise CheckpointError([f"{what}: {e} (launch rank{'s' if len(rs) > 1 else ''} "
-                               f"{', '.join(map(str, rs))})" for e, rs in failed.items()])
+        raise CheckpointError(
+            [
+                f"{what}: {e} (launch rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
+                for e, rs in failed.items()
+            ]
+        )
     return [v for _, v in everyone]
 
 
@@ -360,12 +426,15 @@ class _Failed(Exception):
     """Another rank's save failed (the error is already gathered): rank 0 commits nothing."""
 
 
-def _first_non_finite(entries):
+def _first_non_finite(entries: Sequence[Entry]) -> tuple[int, str | None]:
     """(number of entries whose tensor holds NaN or inf, "KIND of NAME (tensor KEY)" of the
     first). torch.aminmax on the tensors where they live (one pass each, NaN propagates: the
     extremes are finite iff every value is), one transfer for all."""
-    extremes = [(i, torch.stack(torch.aminmax(e[5].detach()))) for i, e in enumerate(entries)
-                if e[5].numel()]
+    extremes = [
+        (i, torch.stack(torch.aminmax(e[5].detach())))
+        for i, e in enumerate(entries)
+        if e[5].numel()
+    ]
     if not extremes:
         return 0, None
     finite = torch.stack([x for _, x in extremes]).isfinite().all(dim=1).cpu().tolist()
@@ -376,18 +445,19 @@ def _first_non_finite(entries):
     return len(bad), f"{kind} of {name} (tensor {entry_key(kind, name, start)})"
 
 
-def _last_complete(save_dir):
+def _last_complete(save_dir: str) -> str:
     """What the pointer of `save_dir` names, for a failed save's message."""
     try:
         with open(os.path.join(save_dir, TRACKER)) as f:
             text = f.read().strip()
     except OSError:
         return f"{save_dir} holds no complete checkpoint"
-    return ("the last complete checkpoint is "
-            + ("release" if text == "release" else f"iteration {text}"))
+    return "the last complete checkpoint is " + (
+        "release" if text == "release" else f"iteration {text}"
+    )
 
 
-def save(trainer, save_dir, iteration):
+def save(trainer: Trainer, save_dir: str, iteration: int) -> tuple[float, int]:
     """Save the trainer's state after `iteration` steps (collective). Returns (seconds, bytes).
     Refuses, on every rank, to save a tensor that holds NaN or inf (a run that keeps going with
     --no-check-for-nan-in-loss-and-grad): a load would refuse it, so the previous checkpoint
@@ -399,11 +469,11 @@ def save(trainer, save_dir, iteration):
     if launch_rank == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
-            for name in os.listdir(save_dir):     # left by saves that were killed
+            for name in os.listdir(save_dir):  # left by saves that were killed
                 path = os.path.join(save_dir, name)
                 if name.startswith(".iter_") and name.endswith(".tmp.old"):
-                    final = os.path.join(save_dir, name[1:-len(".tmp.old")])
-                    if not os.path.exists(final):   # killed between the two renames: put back
+                    final = os.path.join(save_dir, name[1 : -len(".tmp.old")])
+                    if not os.path.exists(final):  # killed between the two renames: put back
                         os.replace(path, final)
                         continue
                 if name.startswith(".iter_") and ".tmp" in name:
@@ -411,8 +481,11 @@ def save(trainer, save_dir, iteration):
             os.makedirs(tmp_dir)
         except OSError as e:
             error = f"cannot create {tmp_dir}: {e}"
-    save_id = _agree(error, f"checkpoint save of iteration {iteration}",
-                     secrets.token_hex(8) if launch_rank == 0 else None)[0]
+    save_id = _agree(
+        error,
+        f"checkpoint save of iteration {iteration}",
+        secrets.token_hex(8) if launch_rank == 0 else None,
+    )[0]
 
     index, size, non_finite_count, first_non_finite = [], 0, 0, None
     try:
@@ -428,11 +501,17 @@ def save(trainer, save_dir, iteration):
             size = os.path.getsize(path)
         _fault(iteration, rank, "written")
         error = None
-    except Exception as e:   # noqa: BLE001 - reported on every rank by _agree
+    except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
         error = f"{type(e).__name__}: {e}"
-    mine = {"plan_rank": rank, "index": index, "bytes": size, "rng": rng_state(),
-            "adam_steps": sorted(_adam_steps(trainer.optimizer)), "error": error,
-            "non_finite": (non_finite_count, first_non_finite)}
+    mine = {
+        "plan_rank": rank,
+        "index": index,
+        "bytes": size,
+        "rng": rng_state(),
+        "adam_steps": sorted(_adam_steps(trainer.optimizer)),
+        "error": error,
+        "non_finite": (non_finite_count, first_non_finite),
+    }
     everyone = [None] * dist.get_world_size() if launch_rank == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     error = None
@@ -444,11 +523,12 @@ def save(trainer, save_dir, iteration):
                 if e["error"]:
                     failed.setdefault(e["error"], []).append(i)
             bad = [(i, e["non_finite"]) for i, e in enumerate(everyone) if e["non_finite"][0]]
-            if bad:     # one line: the first tensor, the count, the ranks
+            if bad:  # one line: the first tensor, the count, the ranks
                 count = sum(n for _, (n, _) in bad)
                 more = f", as are {count - 1} more tensors" if count > 1 else ""
-                failed[f"{bad[0][1][1]} is not finite{more}: not saved; "
-                       f"{_last_complete(save_dir)}"] = [i for i, _ in bad]
+                failed[
+                    f"{bad[0][1][1]} is not finite{more}: not saved; {_last_complete(save_dir)}"
+                ] = [i for i, _ in bad]
             if failed:
                 error = failed
                 raise _Failed
@@ -456,16 +536,22 @@ def save(trainer, save_dir, iteration):
             if len(steps) > 1:
                 raise RuntimeError(f"parameters have different Adam step counts: {sorted(steps)}")
             meta = {
-                "format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration,
-                "save_id": save_id, "block_bytes": BLOCK_BYTES,
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "iteration": iteration,
+                "save_id": save_id,
+                "block_bytes": BLOCK_BYTES,
                 "consumed_samples": iteration * plan.global_batch_size,
                 "global_batch_size": plan.global_batch_size,
-                "model": dataclasses.asdict(plan.model), "plan": plan.to_dict(),
-                "has_optimizer_state": bool(steps), "adam_step": steps.pop() if steps else None,
+                "model": dataclasses.asdict(plan.model),
+                "plan": plan.to_dict(),
+                "has_optimizer_state": bool(steps),
+                "adam_step": steps.pop() if steps else None,
                 "scheduler": trainer.scheduler.state_dict(),
                 "rng": {str(e["plan_rank"]): e["rng"] for e in everyone},
-                "files": {rank_file_name(e["plan_rank"]): e["index"]
-                          for e in everyone if e["index"]},
+                "files": {
+                    rank_file_name(e["plan_rank"]): e["index"] for e in everyone if e["index"]
+                },
                 "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
             }
             meta["checksum"] = meta_checksum(meta)
@@ -474,7 +560,7 @@ def save(trainer, save_dir, iteration):
             commit_directory(save_dir, tmp_dir, iteration)
             _fault(iteration, rank, "renamed")
             write_pointer(save_dir, iteration)
-        except Exception as e:   # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             if not isinstance(e, _Failed):
                 error = f"{type(e).__name__}: {e}"
             # Nothing of a failed save stays behind (gone already if it failed after the rename).
@@ -483,39 +569,62 @@ def save(trainer, save_dir, iteration):
     return time.perf_counter() - start, total
 
 
-def save_params_only(out_dir, model, tensors, extra=None, iteration=None):
+def save_params_only(
+    out_dir: str,
+    model: ModelSpec,
+    tensors: Mapping[str, torch.Tensor],
+    extra: Mapping[str, Any] | None = None,
+    iteration: int | None = None,
+) -> str:
     """Write a checkpoint holding whole canonical tensors {name: tensor} as if one rank held
     everything, without optimizer state (used by the Hugging Face importer). One process."""
     names = [s.name for s in canonical_shards(model)]
     if set(names) != set(tensors):
-        raise CheckpointError(f"params-only checkpoint: tensors {sorted(set(names) ^ set(tensors))}"
-                              f" do not match the model's parameters")
+        raise CheckpointError(
+            f"params-only checkpoint: tensors {sorted(set(names) ^ set(tensors))}"
+            f" do not match the model's parameters"
+        )
     shapes = {s.name: (s.shape, s.dim) for s in canonical_shards(model)}
     entries = []
     for name in names:
         shape, dim = shapes[name]
         if tuple(tensors[name].shape) != tuple(shape):
-            raise CheckpointError(f"{name}: shape {tuple(tensors[name].shape)}, the model "
-                                  f"needs {tuple(shape)}")
+            raise CheckpointError(
+                f"{name}: shape {tuple(tensors[name].shape)}, the model needs {tuple(shape)}"
+            )
         entries.append(("param", name, dim, 0, shape, tensors[name]))
     count, first = _first_non_finite(entries)
     if count:
-        raise CheckpointError(f"{out_dir}: {first} is not finite"
-                              + (f", as are {count - 1} more tensors" if count > 1 else "")
-                              + ": not saved (a load would refuse it)")
+        raise CheckpointError(
+            f"{out_dir}: {first} is not finite"
+            + (f", as are {count - 1} more tensors" if count > 1 else "")
+            + ": not saved (a load would refuse it)"
+        )
     os.makedirs(out_dir, exist_ok=True)
     tmp_dir = os.path.join(out_dir, f".{iteration_dir_name(iteration)}.tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
     save_id = secrets.token_hex(8)
-    index = write_rank_file(os.path.join(tmp_dir, rank_file_name(0)), entries, iteration or 0,
-                            save_id)
-    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "iteration": iteration or 0,
-            "save_id": save_id, "block_bytes": BLOCK_BYTES, "consumed_samples": 0,
-            "global_batch_size": None,
-            "model": dataclasses.asdict(model), "plan": None, "has_optimizer_state": False,
-            "adam_step": None, "scheduler": None, "rng": {},
-            "files": {rank_file_name(0): index}, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    index = write_rank_file(
+        os.path.join(tmp_dir, rank_file_name(0)), entries, iteration or 0, save_id
+    )
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "iteration": iteration or 0,
+        "save_id": save_id,
+        "block_bytes": BLOCK_BYTES,
+        "consumed_samples": 0,
+        "global_batch_size": None,
+        "model": dataclasses.asdict(model),
+        "plan": None,
+        "has_optimizer_state": False,
+        "adam_step": None,
+        "scheduler": None,
+        "rng": {},
+        "files": {rank_file_name(0): index},
+        "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     meta.update(extra or {})
     meta["checksum"] = meta_checksum(meta)
     _write_json(os.path.join(tmp_dir, METADATA), meta)
@@ -526,7 +635,8 @@ def save_params_only(out_dir, model, tensors, extra=None, iteration=None):
 
 # ------------------------------------------------------------------------------------- reading
 
-def _is_int(v, low=0):
+
+def _is_int(v: object, low: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
@@ -543,10 +653,16 @@ META_KEYS = (
     ("has_optimizer_state", lambda v: isinstance(v, bool), "true or false"),
     ("adam_step", lambda v: v is None or _is_int(v), "null or an integer >= 0"),
     ("scheduler", lambda v: v is None or isinstance(v, dict), "null or an object"),
-    ("rng", lambda v: isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()),
-     "an object of per-rank objects"),
-    ("files", lambda v: isinstance(v, dict) and all(isinstance(x, list) for x in v.values()),
-     "an object of file name -> list of index rows"),
+    (
+        "rng",
+        lambda v: isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()),
+        "an object of per-rank objects",
+    ),
+    (
+        "files",
+        lambda v: isinstance(v, dict) and all(isinstance(x, list) for x in v.values()),
+        "an object of file name -> list of index rows",
+    ),
 )
 ROW_KEYS = (
     ("key", lambda v: isinstance(v, str), "a string"),
@@ -555,54 +671,76 @@ ROW_KEYS = (
     ("dim", _is_int, "an integer >= 0"),
     ("start", _is_int, "an integer >= 0"),
     ("length", _is_int, "an integer >= 0"),
-    ("shape", lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
-     "a list of integers >= 0"),
+    (
+        "shape",
+        lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+        "a list of integers >= 0",
+    ),
     ("dtype", lambda v: v in ITEMSIZE, f"one of {', '.join(ITEMSIZE)}"),
-    ("checksums", lambda v: isinstance(v, list) and all(isinstance(x, str) and HEX32.fullmatch(x)
-                                                        for x in v),
-     f"a list of {CHECKSUM}s (8 hex digits each)"),
+    (
+        "checksums",
+        lambda v: isinstance(v, list) and all(isinstance(x, str) and HEX32.fullmatch(x) for x in v),
+        f"a list of {CHECKSUM}s (8 hex digits each)",
+    ),
 )
 
 
-def check_meta(meta, path, iteration):
+def check_meta(meta: dict[str, Any], path: str, iteration: int) -> None:
     """Refuse a checkpoint.json with a missing or malformed key, an iteration other than the one
     its directory is named for, or content that does not match its own checksum."""
-    def test(obj, keys, where):
+
+    def test(
+        obj: Mapping[str, Any],
+        keys: Iterable[tuple[str, Callable[[Any], bool], str]],
+        where: str,
+    ) -> None:
         for key, ok, what in keys:
             if key not in obj:
                 raise CheckpointError(f"{path}: key {where}{key!r} missing")
             if not ok(obj[key]):
-                raise CheckpointError(f"{path}: {where}{key} must be {what}, got "
-                                      f"{json.dumps(obj[key])[:60]}")
+                raise CheckpointError(
+                    f"{path}: {where}{key} must be {what}, got {json.dumps(obj[key])[:60]}"
+                )
+
     test(meta, META_KEYS, "")
     for fname, rows in meta["files"].items():
         if not RANK_FILE.fullmatch(fname):
-            raise CheckpointError(f"{path}: files: {fname[:60]!r} is not a rank file name "
-                                  f"(rank_NNNNN.safetensors)")
+            raise CheckpointError(
+                f"{path}: files: {fname[:60]!r} is not a rank file name (rank_NNNNN.safetensors)"
+            )
         for i, row in enumerate(rows):
             where = f"files.{fname}[{i}]."
             if not isinstance(row, dict):
                 raise CheckpointError(f"{path}: {where[:-1]} must be an object")
             test(row, ROW_KEYS, where)
-            if (row["key"] != entry_key(row["kind"], row["name"], row["start"])
-                    or row["dim"] >= len(row["shape"])
-                    or row["start"] + row["length"] > row["shape"][row["dim"]]):
-                raise CheckpointError(f"{path}: {where[:-1]} ({row['key'][:80]}) is inconsistent "
-                                      f"(key, dim, start, length and shape disagree)")
+            if (
+                row["key"] != entry_key(row["kind"], row["name"], row["start"])
+                or row["dim"] >= len(row["shape"])
+                or row["start"] + row["length"] > row["shape"][row["dim"]]
+            ):
+                raise CheckpointError(
+                    f"{path}: {where[:-1]} ({row['key'][:80]}) is inconsistent "
+                    f"(key, dim, start, length and shape disagree)"
+                )
             blocks = -(-tensor_bytes(row) // meta["block_bytes"])
             if len(row["checksums"]) != blocks:
-                raise CheckpointError(f"{path}: {where}checksums has {len(row['checksums'])} "
-                                      f"entries, its {tensor_bytes(row)} bytes make {blocks} "
-                                      f"blocks of block_bytes {meta['block_bytes']}")
+                raise CheckpointError(
+                    f"{path}: {where}checksums has {len(row['checksums'])} "
+                    f"entries, its {tensor_bytes(row)} bytes make {blocks} "
+                    f"blocks of block_bytes {meta['block_bytes']}"
+                )
     if meta["has_optimizer_state"] and meta["adam_step"] is None:
         raise CheckpointError(f"{path}: adam_step must be an integer when has_optimizer_state")
     if meta["iteration"] != iteration:
-        raise CheckpointError(f"{path}: iteration {meta['iteration']}, but its directory is the "
-                              f"checkpoint of iteration {iteration} (edited, or copied from "
-                              f"another save)")
+        raise CheckpointError(
+            f"{path}: iteration {meta['iteration']}, but its directory is the "
+            f"checkpoint of iteration {iteration} (edited, or copied from "
+            f"another save)"
+        )
     if meta["checksum"] != meta_checksum(meta):
-        raise CheckpointError(f"{path}: its content does not match its checksum (edited or "
-                              f"damaged after the save)")
+        raise CheckpointError(
+            f"{path}: its content does not match its checksum (edited or damaged after the save)"
+        )
 
 
 class Checkpoint:
@@ -612,7 +750,7 @@ class Checkpoint:
     checkpoint.json. `read_bytes` and `checked_bytes` count what the verified reads read and
     what they checked (tests and the benchmark compare them)."""
 
-    def __init__(self, load_dir, step=None, verify=True):
+    def __init__(self, load_dir: str, step: int | None = None, verify: bool = True) -> None:
         self.load_dir = load_dir
         self.verify = verify
         if not os.path.isdir(load_dir):
@@ -620,9 +758,11 @@ class Checkpoint:
         if step is None:
             pointer = os.path.join(load_dir, TRACKER)
             if not os.path.isfile(pointer):
-                raise CheckpointError(f"{pointer}: missing (no checkpoint was completed in "
-                                      f"{load_dir}; a first run of a restartable job can add "
-                                      f"--hetero-load-if-exists)")
+                raise CheckpointError(
+                    f"{pointer}: missing (no checkpoint was completed in "
+                    f"{load_dir}; a first run of a restartable job can add "
+                    f"--hetero-load-if-exists)"
+                )
             text = open(pointer).read().strip()
             if text == "release":
                 step = None
@@ -630,16 +770,20 @@ class Checkpoint:
                 try:
                     step = int(text)
                 except ValueError:
-                    raise CheckpointError(f"{pointer}: corrupt (holds {text[:40]!r}, expected an "
-                                          f"iteration number or 'release')")
+                    raise CheckpointError(
+                        f"{pointer}: corrupt (holds {text[:40]!r}, expected an "
+                        f"iteration number or 'release')"
+                    )
         self.dir = os.path.join(load_dir, iteration_dir_name(step))
         aside = os.path.join(load_dir, f".{iteration_dir_name(step)}.tmp.old")
         if not os.path.isdir(self.dir) and os.path.isfile(os.path.join(aside, METADATA)):
-            self.dir = aside    # a re-save of this iteration was killed between its two renames
+            self.dir = aside  # a re-save of this iteration was killed between its two renames
         meta_path = os.path.join(self.dir, METADATA)
         if not os.path.isdir(self.dir):
-            raise CheckpointError(f"{self.dir}: missing (the pointer or --ckpt-step names "
-                                  f"iteration {step if step is not None else 'release'})")
+            raise CheckpointError(
+                f"{self.dir}: missing (the pointer or --ckpt-step names "
+                f"iteration {step if step is not None else 'release'})"
+            )
         try:
             with open(meta_path) as f:
                 self.meta = json.load(f)
@@ -650,8 +794,10 @@ class Checkpoint:
         if not isinstance(self.meta, dict) or self.meta.get("format") != FORMAT:
             raise CheckpointError(f"{meta_path}: not a megatron-hexi checkpoint")
         if self.meta.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{meta_path}: format_version {self.meta.get('format_version')},"
-                                  f" this runtime reads {FORMAT_VERSION}")
+            raise CheckpointError(
+                f"{meta_path}: format_version {self.meta.get('format_version')},"
+                f" this runtime reads {FORMAT_VERSION}"
+            )
         check_meta(self.meta, meta_path, 0 if step is None else step)
         self.iteration = self.meta["iteration"]
         self.index = {}
@@ -659,27 +805,31 @@ class Checkpoint:
             for row in rows:
                 self.index.setdefault((row["kind"], row["name"]), []).append((fname, row))
         self._files = {}
-        self._tensors = {}        # (file, key): [mapped tensor, its bytes, blocks checks started]
-        self._pending = []        # the checks (futures), in reading order
+        self._tensors = {}  # (file, key): [mapped tensor, its bytes, blocks checks started]
+        self._pending = []  # the checks (futures), in reading order
         self._pool = None
         self.read_bytes = 0
         self.checked_bytes = 0
 
     @property
-    def has_optimizer_state(self):
+    def has_optimizer_state(self) -> bool:
         return bool(self.meta.get("has_optimizer_state"))
 
-    def check_model(self, model):
+    def check_model(self, model: ModelSpec) -> None:
         """One error naming every model field that differs from the checkpoint's."""
         saved = self.meta["model"]
         mine = dataclasses.asdict(model)
-        diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {mine[k]!r}"
-                for k in mine if k not in NOT_COMPARED and saved.get(k) != mine[k]]
+        diff = [
+            f"{k}: checkpoint {saved.get(k)!r}, this run {mine[k]!r}"
+            for k in mine
+            if k not in NOT_COMPARED and saved.get(k) != mine[k]
+        ]
         if diff:
             raise CheckpointError(f"{self.dir} holds a different model ({'; '.join(diff)})")
 
-    def _open(self, fname):
+    def _open(self, fname: str) -> safe_open:
         from safetensors import safe_open
+
         if fname not in self._files:
             path = os.path.join(self.dir, fname)
             if not os.path.isfile(path):
@@ -687,14 +837,14 @@ class Checkpoint:
             try:
                 handle = safe_open(path, framework="pt")
                 header = handle.metadata() or {}
-            except Exception as e:   # noqa: BLE001 - safetensors raises its own error types
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
                 raise CheckpointError(f"{path}: corrupt or truncated ({e})")
             if self.verify:
                 self._check_rank_file(path, header, fname)
             self._files[fname] = handle
         return self._files[fname]
 
-    def _check_rank_file(self, path, header, fname):
+    def _check_rank_file(self, path: str, header: Mapping[str, str], fname: str) -> None:
         """A rank file must come from this very save and list the tensors checkpoint.json does."""
         if header.get("format") != FORMAT:
             raise CheckpointError(f"{path}: not a megatron-hexi rank file")
@@ -702,19 +852,26 @@ class Checkpoint:
         if mine != (str(self.iteration), self.meta["save_id"]):
             raise CheckpointError(
                 f"{path}: from another save (iteration {mine[0]}, save id {mine[1]}; "
-                f"{METADATA} has iteration {self.iteration}, save id {self.meta['save_id']})")
+                f"{METADATA} has iteration {self.iteration}, save id {self.meta['save_id']})"
+            )
         try:
             index = json.loads(header.get("index", ""))
         except ValueError:
             index = None
         if index != self.meta["files"][fname]:
-            raise CheckpointError(f"{path}: its tensor list and checksums differ from "
-                                  f"{METADATA}'s (a file of another save, or edited)")
+            raise CheckpointError(
+                f"{path}: its tensor list and checksums differ from "
+                f"{METADATA}'s (a file of another save, or edited)"
+            )
         if header.get("block_bytes") != str(self.meta["block_bytes"]):
-            raise CheckpointError(f"{path}: checksum blocks of {header.get('block_bytes')} bytes, "
-                                  f"{METADATA} says {self.meta['block_bytes']}")
+            raise CheckpointError(
+                f"{path}: checksum blocks of {header.get('block_bytes')} bytes, "
+                f"{METADATA} says {self.meta['block_bytes']}"
+            )
 
-    def _verified_slice(self, path, f, row, dim, a, b):
+    def _verified_slice(
+        self, path: str, f: safe_open, row: Mapping[str, Any], dim: int, a: int, b: int
+    ) -> torch.Tensor:
         """Slice [a, b) along `dim` of a stored tensor, as a view of its mapping (only the pages
         it touches are read). Schedules the checks of the blocks it overlaps that no earlier read
         of this tensor scheduled, and the NaN/inf check of the slice; they run in the background,
@@ -728,8 +885,9 @@ class Checkpoint:
         if state is None:
             full = f.get_tensor(row["key"])
             if str(full.dtype).replace("torch.", "") != row["dtype"]:
-                raise CheckpointError(f"{path}: {row['key']} is {full.dtype}, {METADATA} says "
-                                      f"{row['dtype']}")
+                raise CheckpointError(
+                    f"{path}: {row['key']} is {full.dtype}, {METADATA} says {row['dtype']}"
+                )
             nblocks = len(row["checksums"])
             state = [full, full.reshape(-1).view(torch.uint8).numpy(), np.zeros(nblocks, bool)]
             self._tensors[(path, row["key"])] = state
@@ -748,14 +906,23 @@ class Checkpoint:
             # into the model. Neither starts threads of its own (torch's intra-op threads, set
             # process-wide, would run a team per worker: workers x threads), so the pool alone
             # bounds the threads: at most VERIFY_THREADS, fewer on fewer cores.
-            self._pool = ThreadPoolExecutor(min(VERIFY_THREADS, _cores()),
-                                            thread_name_prefix="checkpoint-verify")
-        self._pending.append(self._pool.submit(self._check_slice, path, row, flat, block,
-                                               new.tolist(), data))
+            self._pool = ThreadPoolExecutor(
+                min(VERIFY_THREADS, _cores()), thread_name_prefix="checkpoint-verify"
+            )
+        self._pending.append(
+            self._pool.submit(self._check_slice, path, row, flat, block, new.tolist(), data)
+        )
         return data
 
     @staticmethod
-    def _check_slice(path, row, flat, block, blocks, data):
+    def _check_slice(
+        path: str,
+        row: Mapping[str, Any],
+        flat: np.ndarray,
+        block: int,
+        blocks: Iterable[int],
+        data: torch.Tensor,
+    ) -> None:
         what = f"{path}: {row['kind']} of {row['name']} (tensor {row['key']})"
         for i in blocks:
             lo, hi = i * block, min((i + 1) * block, flat.size)
@@ -764,11 +931,12 @@ class Checkpoint:
                 raise CheckpointError(
                     f"{what} does not match its checksum (block {i}, bytes [{lo}, {hi}): stored "
                     f"{CHECKSUM}:{row['checksums'][i]}, read {CHECKSUM}:{digest}): changed or "
-                    f"damaged after the save")
+                    f"damaged after the save"
+                )
         if non_finite(data):
             raise CheckpointError(f"{what} holds NaN or inf")
 
-    def finish(self):
+    def finish(self) -> None:
         """Wait for the checks of the tensors read so far; raise the first failure in reading
         order (the same on every run)."""
         pending, self._pending = self._pending, []
@@ -776,10 +944,20 @@ class Checkpoint:
             if isinstance(error, CheckpointError):
                 raise error
             if error is not None:
-                raise CheckpointError(f"{self.dir}: checking a tensor failed "
-                                      f"({type(error).__name__}: {error})")
+                raise CheckpointError(
+                    f"{self.dir}: checking a tensor failed ({type(error).__name__}: {error})"
+                )
 
-    def read_range(self, kind, name, dim, start, length, shape, out):
+    def read_range(
+        self,
+        kind: str,
+        name: str,
+        dim: int,
+        start: int,
+        length: int,
+        shape: Sequence[int],
+        out: torch.Tensor,
+    ) -> None:
         """Fill `out` (canonical `shape` with `length` along `dim`) with [start, start + length)
         of tensor `name`/`kind`, from whichever files hold overlapping ranges."""
         rows = self.index.get((kind, name))
@@ -788,9 +966,11 @@ class Checkpoint:
         covered = []
         for fname, row in rows:
             if row["dim"] != dim or tuple(row["shape"]) != tuple(shape):
-                raise CheckpointError(f"{self.dir}/{fname}: {row['key']} has canonical shape "
-                                      f"{row['shape']} (dim {row['dim']}), expected "
-                                      f"{list(shape)} (dim {dim})")
+                raise CheckpointError(
+                    f"{self.dir}/{fname}: {row['key']} has canonical shape "
+                    f"{row['shape']} (dim {row['dim']}), expected "
+                    f"{list(shape)} (dim {dim})"
+                )
             lo = max(start, row["start"])
             hi = min(start + length, row["start"] + row["length"])
             if lo >= hi:
@@ -802,18 +982,20 @@ class Checkpoint:
                 want = list(shape)
                 want[dim] = row["length"]
                 if list(sl.get_shape()) != want:
-                    raise CheckpointError(f"{path}: {row['key']} has shape {sl.get_shape()}, "
-                                          f"the index says {want}")
+                    raise CheckpointError(
+                        f"{path}: {row['key']} has shape {sl.get_shape()}, the index says {want}"
+                    )
                 if self.verify:
-                    data = self._verified_slice(path, f, row, dim, lo - row["start"],
-                                                hi - row["start"])
+                    data = self._verified_slice(
+                        path, f, row, dim, lo - row["start"], hi - row["start"]
+                    )
                 else:
                     idx = [slice(None)] * len(shape)
                     idx[dim] = slice(lo - row["start"], hi - row["start"])
                     data = sl[tuple(idx)]
             except CheckpointError:
                 raise
-            except Exception as e:   # noqa: BLE001
+            except Exception as e:  # noqa: BLE001
                 raise CheckpointError(f"{path}: corrupt or truncated ({type(e).__name__}: {e})")
             out.narrow(dim, lo - start, hi - lo).copy_(data.to(out.dtype))
             covered.append((lo, hi))
@@ -823,10 +1005,19 @@ class Checkpoint:
                 break
             pos = max(pos, hi)
         if pos < start + length:
-            raise CheckpointError(f"{self.dir}: no file holds {kind} of {name} [{pos}, "
-                                  f"{start + length}) along dim {dim}")
+            raise CheckpointError(
+                f"{self.dir}: no file holds {kind} of {name} [{pos}, "
+                f"{start + length}) along dim {dim}"
+            )
 
-    def read_full(self, name, shape, dim, kind="param", dtype=None):
+    def read_full(
+        self,
+        name: str,
+        shape: Sequence[int],
+        dim: int,
+        kind: str = "param",
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
         """A whole canonical tensor (export, tests), in its stored dtype unless `dtype`."""
         rows = self.index.get((kind, name))
         if not rows:
@@ -837,15 +1028,24 @@ class Checkpoint:
         self.finish()
         return out
 
-    def read_local(self, shard, kind, dtype=torch.float32):
+    def read_local(
+        self, shard: ParamShard, kind: str, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """This rank's local tensor of `shard` (its pieces concatenated)."""
         out = torch.empty(shard.local_shape, dtype=dtype)
         for piece in shard.pieces:
-            self.read_range(kind, shard.name, shard.dim, piece.global_start, piece.length,
-                            shard.shape, out.narrow(shard.dim, piece.local_start, piece.length))
+            self.read_range(
+                kind,
+                shard.name,
+                shard.dim,
+                piece.global_start,
+                piece.length,
+                shard.shape,
+                out.narrow(shard.dim, piece.local_start, piece.length),
+            )
         return out
 
-    def release(self):
+    def release(self) -> None:
         """Stop the checks not yet started, wait for those running (they read the mappings) and
         release the thread pool and the mapped files; never raises, so that error paths can call
         it without hiding their own error. Unfinished checks are dropped unreported."""
@@ -856,17 +1056,22 @@ class Checkpoint:
         self._files.clear()
         self._tensors.clear()
 
-    def close(self):
+    def close(self) -> None:
         """Finish the checks (raising a failure), then release the files."""
         try:
             self.finish()
         finally:
             self.release()
 
-    def __enter__(self):
+    def __enter__(self) -> Checkpoint:
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         """Leaving normally reports the checks (`close`); leaving on an error only releases."""
         if exc_type is None:
             self.close()
@@ -874,25 +1079,28 @@ class Checkpoint:
             self.release()
 
 
-def read_full_model(load_dir, step=None):
+def read_full_model(
+    load_dir: str, step: int | None = None
+) -> tuple[Checkpoint, ModelSpec, dict[str, torch.Tensor]]:
     """(Checkpoint, ModelSpec, {canonical name: full tensor}) of a checkpoint, one process."""
     from planner.models import model_from_dict
+
     with Checkpoint(load_dir, step) as ckpt:
         model = model_from_dict(ckpt.meta["model"], f"{ckpt.dir}/{METADATA}: model")
-        tensors = {s.name: ckpt.read_full(s.name, s.shape, s.dim)
-                   for s in canonical_shards(model)}
+        tensors = {s.name: ckpt.read_full(s.name, s.shape, s.dim) for s in canonical_shards(model)}
     return ckpt, model, tensors
 
 
-def checkpoint_exists(load_dir):
+def checkpoint_exists(load_dir: str) -> bool:
     """True if DIR holds a pointer or any checkpoint directory (used by --hetero-load-if-exists)."""
     if not os.path.isdir(load_dir):
         return False
-    return any(n == TRACKER or n.startswith("iter_") or n == "release"
-               for n in os.listdir(load_dir))
+    return any(
+        n == TRACKER or n.startswith("iter_") or n == "release" for n in os.listdir(load_dir)
+    )
 
 
-def load(trainer, config, verify=True):
+def load(trainer: Trainer, config: CheckpointConfig, verify: bool = True) -> tuple[int, float]:
     """Load `config.load` (a CheckpointConfig, megatron_hexi.config) into the trainer
     (collective). Returns (iteration, seconds). Every check, verification included, runs before
     the status exchange, so every rank raises the same CheckpointError; `verify=False` only
@@ -909,13 +1117,18 @@ def load(trainer, config, verify=True):
         with Checkpoint(config.load, config.ckpt_step, verify=verify) as ckpt:
             ckpt.check_model(plan.model)
             saved_gbs = ckpt.meta.get("global_batch_size")
-            if (not finetune and ckpt.iteration and saved_gbs is not None
-                    and saved_gbs != plan.global_batch_size):
+            if (
+                not finetune
+                and ckpt.iteration
+                and saved_gbs is not None
+                and saved_gbs != plan.global_batch_size
+            ):
                 raise CheckpointError(
                     f"{ckpt.dir}: saved with global batch size {saved_gbs}, this plan has "
                     f"{plan.global_batch_size}: the data position (global batch i = samples "
                     f"[i x G, (i + 1) x G)) cannot continue; use --finetune to start at "
-                    f"iteration 0 from these weights")
+                    f"iteration 0 from these weights"
+                )
             with torch.no_grad():
                 for shard, param in trainer.params:
                     param.copy_(ckpt.read_local(shard, "param", param.dtype))
@@ -929,35 +1142,44 @@ def load(trainer, config, verify=True):
                 _load_scheduler(trainer.scheduler, ckpt.meta["scheduler"], config)
             except CheckpointError:
                 raise
-            except Exception as e:   # noqa: BLE001 - a key missing or of the wrong type
-                raise CheckpointError(f"{meta_path}: scheduler: malformed "
-                                      f"({type(e).__name__}: {e})")
+            except Exception as e:  # noqa: BLE001 - a key missing or of the wrong type
+                raise CheckpointError(
+                    f"{meta_path}: scheduler: malformed ({type(e).__name__}: {e})"
+                )
         same_plan = (ckpt.meta["plan"] or {}).get("pipelines") == plan.to_dict()["pipelines"]
         if load_rng and ckpt.meta["rng"]:
             if same_plan and str(trainer.rank) in ckpt.meta["rng"]:
                 try:
                     set_rng_state(ckpt.meta["rng"][str(trainer.rank)])
-                except Exception as e:   # noqa: BLE001
-                    raise CheckpointError(f"{meta_path}: rng.{trainer.rank}: malformed "
-                                          f"({type(e).__name__}: {e})")
+                except Exception as e:  # noqa: BLE001
+                    raise CheckpointError(
+                        f"{meta_path}: rng.{trainer.rank}: malformed ({type(e).__name__}: {e})"
+                    )
             else:
-                notes.append("RNG states not restored: the checkpoint's plan differs (RNGs stay "
-                             "seeded from --seed)")
+                notes.append(
+                    "RNG states not restored: the checkpoint's plan differs (RNGs stay "
+                    "seeded from --seed)"
+                )
     except CheckpointError as e:
         error = str(e)
-    except Exception as e:   # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
     _agree(error, f"loading checkpoint {config.load}")
 
     iteration = 0 if finetune else ckpt.iteration
     seconds = time.perf_counter() - start
     if dist.get_rank() == 0:
-        print(f" loaded checkpoint from {ckpt.dir} at iteration {iteration} in {seconds:.3f} s"
-              + "".join(f"; {n}" for n in notes), flush=True)
+        print(
+            f" loaded checkpoint from {ckpt.dir} at iteration {iteration} in {seconds:.3f} s"
+            + "".join(f"; {n}" for n in notes),
+            flush=True,
+        )
     return iteration, seconds
 
 
-def _load_scheduler(scheduler, saved, config):
+def _load_scheduler(
+    scheduler: OptimizerParamScheduler, saved: dict[str, Any], config: CheckpointConfig
+) -> None:
     """Megatron's rule: the run's schedule must match the checkpoint's (one clear error naming
     the field) unless --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler."""
     mine = scheduler.state_dict()
@@ -966,15 +1188,20 @@ def _load_scheduler(scheduler, saved, config):
     elif config.use_checkpoint_opt_param_scheduler:
         scheduler.use_checkpoint_opt_param_scheduler = True
     else:
-        ignored = {"num_steps"} | ({"wd_incr_steps"} if mine.get("wd_incr_style") == "constant"
-                                   else set())
-        diff = [f"{k}: checkpoint {saved[k]!r}, this run {mine[k]!r}" for k in mine
-                if k not in ignored and k in saved and saved[k] != mine[k]]
+        ignored = {"num_steps"} | (
+            {"wd_incr_steps"} if mine.get("wd_incr_style") == "constant" else set()
+        )
+        diff = [
+            f"{k}: checkpoint {saved[k]!r}, this run {mine[k]!r}"
+            for k in mine
+            if k not in ignored and k in saved and saved[k] != mine[k]
+        ]
         if diff:
             raise CheckpointError(
                 f"--load {config.load}: the learning-rate schedule differs from the checkpoint's "
                 f"({'; '.join(diff)}); give the same --lr/--min-lr/--lr-*/--train-iters, or "
-                f"--use-checkpoint-opt_param-scheduler / --override-opt_param-scheduler")
+                f"--use-checkpoint-opt_param-scheduler / --override-opt_param-scheduler"
+            )
         saved = {**saved, "wd_incr_steps": mine["wd_incr_steps"]}
     scheduler.load_state_dict(saved)
 
@@ -989,11 +1216,12 @@ def _load_scheduler(scheduler, saved, config):
 #   parts.
 # Either way the files hold canonical ranges, so either optimizer loads what the other saved.
 
-def _is_sharded(optimizer):
+
+def _is_sharded(optimizer: MegatronOptimizer) -> bool:
     return hasattr(optimizer, "parts") and hasattr(optimizer, "all_gather_params")
 
 
-def _main_params(optimizer):
+def _main_params(optimizer: MegatronOptimizer) -> dict[int, torch.Tensor]:
     """{id(model parameter): the fp32 tensor the optimizer updates (itself in fp32 training)}."""
     if hasattr(optimizer, "float16_groups"):
         out = {}
@@ -1005,49 +1233,69 @@ def _main_params(optimizer):
     return {id(p): p for g in optimizer.param_groups for p in g["params"]}
 
 
-def _state(optimizer):
-    return optimizer.optimizer.state      # torch AdamW inside megatron-core's wrapper
+def _state(optimizer: MegatronOptimizer) -> dict[torch.Tensor, dict[str, Any]]:
+    return optimizer.optimizer.state  # torch AdamW inside megatron-core's wrapper
 
 
-def _with_moments(tensors, state):
+def _with_moments(
+    tensors: dict[str, torch.Tensor], state: Mapping[str, Any] | None
+) -> dict[str, torch.Tensor]:
     if state:
         tensors.update(exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
     return tensors
 
 
-def owned_ranges(trainer):
+def owned_ranges(trainer: Trainer) -> list[OwnedRange]:
     """[(name, dim, canonical shape, global start, {kind: tensor})]: what this rank writes."""
     opt = trainer.optimizer
     shapes = {shard.name: shard.shape for shard, _ in trainer.params}
     state = _state(opt)
     if _is_sharded(opt):
-        return [(p.name, p.dim, shapes[p.name], p.global_start,
-                 _with_moments({"param": p.master}, state.get(p.master)))
-                for p in opt.parts if p.length]
+        return [
+            (
+                p.name,
+                p.dim,
+                shapes[p.name],
+                p.global_start,
+                _with_moments({"param": p.master}, state.get(p.master)),
+            )
+            for p in opt.parts
+            if p.length
+        ]
     main = _main_params(opt)
     out = []
     for shard, param, local_start, global_start, length in local_runs(
-            trainer.params, writer_segments(trainer.plan)[trainer.rank]):
+        trainer.params, writer_segments(trainer.plan)[trainer.rank]
+    ):
         mp = main[id(param)]
         tensors = _with_moments({"param": mp}, state.get(mp))
-        out.append((shard.name, shard.dim, shard.shape, global_start,
-                    {k: t.narrow(shard.dim, local_start, length) for k, t in tensors.items()}))
+        out.append(
+            (
+                shard.name,
+                shard.dim,
+                shard.shape,
+                global_start,
+                {k: t.narrow(shard.dim, local_start, length) for k, t in tensors.items()},
+            )
+        )
     return out
 
 
-def _adam_steps(optimizer):
+def _adam_steps(optimizer: MegatronOptimizer) -> set[int]:
     """The set of Adam step counts over this rank's optimizer state (empty before step 1)."""
     return {int(float(s["step"])) for s in _state(optimizer).values() if "step" in s}
 
 
 @torch.no_grad()
-def restore_optimizer(trainer, ckpt, adam_step):
+def restore_optimizer(trainer: Trainer, ckpt: Checkpoint, adam_step: int | None) -> None:
     """Fill the fp32 master weights from the checkpoint's params and, if adam_step is not None,
     Adam's moments and step; otherwise the optimizer state stays empty (fresh Adam)."""
     opt = trainer.optimizer
     state = _state(opt)
 
-    def moments(name, dim, shape, start, like):
+    def moments(
+        name: str, dim: int, shape: Sequence[int], start: int, like: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         out = {}
         for kind in KINDS[1:]:
             t = torch.empty(like.shape, dtype=torch.float32)
@@ -1061,12 +1309,10 @@ def restore_optimizer(trainer, ckpt, adam_step):
             if not p.length:
                 continue
             value = torch.empty(p.master.shape, dtype=torch.float32)
-            ckpt.read_range("param", p.name, p.dim, p.global_start, p.length, shapes[p.name],
-                            value)
+            ckpt.read_range("param", p.name, p.dim, p.global_start, p.length, shapes[p.name], value)
             p.master.copy_(value)
             if adam_step is not None:
-                state[p.master] = moments(p.name, p.dim, shapes[p.name], p.global_start,
-                                          p.master)
+                state[p.master] = moments(p.name, p.dim, shapes[p.name], p.global_start, p.master)
         return
     main = _main_params(opt)
     for shard, param in trainer.params:
@@ -1082,39 +1328,50 @@ def restore_optimizer(trainer, ckpt, adam_step):
 
 # ------------------------------------------------------------------------------------ RNG state
 
-def _b64(t):
+
+def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.cpu().contiguous().numpy().tobytes()).decode()
 
 
-def _unb64(s):
+def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
 
 
-def rng_state():
+def rng_state() -> dict[str, Any]:
     """This process's RNG states, JSON-ready: torch CPU, CUDA, megatron's tracker, Python, NumPy."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
     np_state = np.random.get_state()
     py_state = random.getstate()
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = _b64(torch.cuda.get_rng_state())
-    return {"torch_cpu": _b64(torch.get_rng_state()), "cuda": cuda,
-            "tracker": {k: _b64(v) for k, v in get_cuda_rng_tracker().get_states().items()},
-            "python": [py_state[0], _b64_words(py_state[1]), py_state[2]],
-            "numpy": [np_state[0], _b64_words(np_state[1]), int(np_state[2]), int(np_state[3]),
-                      float(np_state[4])]}
+    return {
+        "torch_cpu": _b64(torch.get_rng_state()),
+        "cuda": cuda,
+        "tracker": {k: _b64(v) for k, v in get_cuda_rng_tracker().get_states().items()},
+        "python": [py_state[0], _b64_words(py_state[1]), py_state[2]],
+        "numpy": [
+            np_state[0],
+            _b64_words(np_state[1]),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
+    }
 
 
-def _b64_words(words):
+def _b64_words(words: npt.ArrayLike) -> str:
     return base64.b64encode(np.asarray(words, dtype=np.uint32).tobytes()).decode()
 
 
-def _words(text):
+def _words(text: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(text), dtype=np.uint32)
 
 
-def set_rng_state(state):
+def set_rng_state(state: Mapping[str, Any]) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
     torch.set_rng_state(_unb64(state["torch_cpu"]))
     if state.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state(_unb64(state["cuda"]))

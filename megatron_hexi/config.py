@@ -13,12 +13,14 @@ names are the flags' names (`--lr-decay-style` is `lr_schedule.lr_decay_style`) 
 is the flag's default. Values are not checked here: the flag parser checks ranges and flags that
 contradict the plan, before a config exists.
 """
+
 from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
     """How long to train, from which seed, and when to stop early."""
+
     train_iters: int
     """Iterations of the run (a resumed run continues up to it); sizes the dataset and the
     default lr decay."""
@@ -33,6 +35,7 @@ class TrainingConfig:
 @dataclass(frozen=True)
 class OptimizerConfig:
     """Adam with decoupled weight decay, and gradient clipping (megatron-core's optimizer)."""
+
     lr: float
     """Peak learning rate (after warm-up)."""
     min_lr: float = 0.0
@@ -48,6 +51,7 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class LRScheduleConfig:
     """megatron-core's OptimizerParamScheduler: warm-up, then decay to `OptimizerConfig.min_lr`."""
+
     lr_decay_style: str = "linear"
     """constant, linear, cosine or inverse-square-root."""
     lr_decay_iters: int | None = None
@@ -60,6 +64,7 @@ class LRScheduleConfig:
 @dataclass(frozen=True)
 class PrecisionConfig:
     """Parameter precision; gradients and master weights stay fp32 either way."""
+
     bf16: bool = False
     """bf16 parameters and activations, fp32 gradient accumulation and master weights."""
 
@@ -67,6 +72,7 @@ class PrecisionConfig:
 @dataclass(frozen=True)
 class DropoutConfig:
     """Dropout probabilities (the plan fixes the rest of the model)."""
+
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
 
@@ -74,6 +80,7 @@ class DropoutConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """Where the training samples come from: megatron-core's mock corpus or indexed datasets."""
+
     mock_data: bool = False
     """megatron-core's mock dataset; needs no files."""
     data_path: tuple[str, ...] | None = None
@@ -89,6 +96,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Saving and resuming (megatron_hexi.checkpoint)."""
+
     save: str | None = None
     """Directory to save to: every `save_interval` iterations and at the end."""
     save_interval: int | None = None
@@ -111,6 +119,7 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     """What rank 0 reports: log lines, JSONL metrics, TensorBoard scalars."""
+
     log_interval: int = 1
     metrics_path: str | None = None
     """JSONL file, one line of metrics per iteration."""
@@ -121,6 +130,7 @@ class LoggingConfig:
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Device and process group."""
+
     device: str | None = None
     """cpu or cuda; None: cuda when torch sees one, else cpu (GPUs emulated by processes)."""
     distributed_backend: str | None = None
@@ -132,6 +142,7 @@ class RuntimeConfig:
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs besides its plan, one frozen value per concern."""
+
     training: TrainingConfig
     optimizer: OptimizerConfig
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)

@@ -7,9 +7,7 @@ micro-batches of its own size.
 
 from __future__ import annotations
 
-import argparse
 import os
-import types
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -28,11 +26,9 @@ from planner.errors import SpecError
 if TYPE_CHECKING:
     from megatron.core.datasets.blended_megatron_dataset_builder import TopLevelDataset
 
+    from megatron_hexi.config import DataConfig
     from megatron_hexi.tokenizer import HuggingFaceTokenizer
     from planner.plan import Plan, RankView
-
-# Megatron's flag names: train_iters, seed, mock_data, data_path, split, data_cache_path.
-DataArgs = argparse.Namespace | types.SimpleNamespace
 
 
 class _SizedMockDocuments(MockGPTLowLevelDataset):
@@ -68,14 +64,20 @@ class MockTokenizer:
 
 
 def build_train_dataset(
-    args: DataArgs, plan: Plan, tokenizer: HuggingFaceTokenizer | None = None
+    data: DataConfig,
+    plan: Plan,
+    *,
+    train_iters: int,
+    seed: int,
+    tokenizer: HuggingFaceTokenizer | None = None,
 ) -> TopLevelDataset:
-    """The training split, long enough for every iteration of this run."""
-    num_samples = args.train_iters * plan.global_batch_size
-    if not args.mock_data:
-        return _build_real_train_dataset(args, plan, tokenizer, num_samples)
+    """The training split of `data`, long enough for `train_iters` iterations of the plan, its
+    sample order drawn from `seed`; `tokenizer` is the corpus's (None: a mock one for mock data)."""
+    num_samples = train_iters * plan.global_batch_size
+    if not data.mock_data:
+        return _build_real_train_dataset(data, plan, seed, tokenizer, num_samples)
     config = GPTDatasetConfig(
-        random_seed=args.seed,
+        random_seed=seed,
         sequence_length=plan.model.seq_length,
         split="1,0,0",
         blend=None,
@@ -84,7 +86,7 @@ def build_train_dataset(
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
-        path_to_cache=args.data_cache_path,
+        path_to_cache=data.data_cache_path,
     )
     config.mock = True
     train, _, _ = BlendedMegatronDatasetBuilder(
@@ -162,7 +164,11 @@ def check_indexed_datasets(prefixes: Sequence[str]) -> None:
 
 
 def _build_real_train_dataset(
-    args: DataArgs, plan: Plan, tokenizer: HuggingFaceTokenizer | None, num_samples: int
+    data: DataConfig,
+    plan: Plan,
+    seed: int,
+    tokenizer: HuggingFaceTokenizer | None,
+    num_samples: int,
 ) -> TopLevelDataset:
     """megatron-core's GPTDataset (BlendedDataset over several prefixes) on --data-path."""
     from megatron_hexi.tokenizer import check_vocab_fits
@@ -172,25 +178,25 @@ def _build_real_train_dataset(
             "--data-path needs --tokenizer-type HuggingFaceTokenizer and --tokenizer-model PATH"
         )
     check_vocab_fits(tokenizer, plan.model.vocab_size)
-    prefixes, weights = data_blend(args.data_path)
+    prefixes, weights = data_blend(data.data_path)
     check_indexed_datasets(prefixes)
     try:
         config = GPTDatasetConfig(
-            random_seed=args.seed,
+            random_seed=seed,
             sequence_length=plan.model.seq_length,
-            split=args.split,
+            split=data.split,
             blend=(prefixes, weights),
             tokenizer=tokenizer,
             reset_position_ids=False,
             reset_attention_mask=False,
             eod_mask_loss=False,
             create_attention_mask=False,
-            path_to_cache=args.data_cache_path,
+            path_to_cache=data.data_cache_path,
         )
     except (AssertionError, ValueError) as e:
-        raise SpecError(f"--split {args.split}: {e or 'malformed'}") from None
+        raise SpecError(f"--split {data.split}: {e or 'malformed'}") from None
     if config.split_matrix[0] is None:
-        raise SpecError(f"--split {args.split} leaves no documents for training")
+        raise SpecError(f"--split {data.split} leaves no documents for training")
     # Only the training split is built: its documents are those --split gives it, and its
     # sample order is the one megatron-core gives it whatever the other splits are (the random
     # state depends only on the seed); validation and test are not used by this runtime.

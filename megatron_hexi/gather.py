@@ -3,11 +3,24 @@
 Uses the same layout map as the gradient sync: each local tensor is split back into its pieces
 and written at their global offsets. Small models only: everything goes through one process.
 """
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from megatron_hexi.process_groups import HeteroGroups
+    from planner.layout import ParamShard
+    from planner.plan import Plan
 
-def assemble(shard_lists):
+
+def assemble(
+    shard_lists: Iterable[Iterable[tuple[ParamShard, torch.Tensor]]],
+) -> dict[str, torch.Tensor]:
     """{canonical name: full tensor} from [(ParamShard, local tensor)] lists of all ranks."""
     full = {}
     for shards in shard_lists:
@@ -22,7 +35,13 @@ def assemble(shard_lists):
     return full
 
 
-def gather_full_parameters(plan, rank, params, groups, dst=0):
+def gather_full_parameters(
+    plan: Plan,
+    rank: int,
+    params: Sequence[tuple[ParamShard, torch.Tensor]],
+    groups: HeteroGroups,
+    dst: int = 0,
+) -> dict[str, torch.Tensor] | None:
     """On launch rank `dst`: {name: full fp32 tensor}; elsewhere None."""
     mine = [(shard, p.detach().float().cpu().clone()) for shard, p in params]
     everyone = [None] * dist.get_world_size() if dist.get_rank() == dst else None

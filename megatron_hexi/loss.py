@@ -4,21 +4,32 @@ megatron-core 0.16.1's vocab-parallel cross-entropy reads the *global* TP group 
 vocabulary shards (rank x shard size). This autograd function takes the stage's own group and
 the shard's offset, and reuses megatron-core's own arithmetic helpers for the rest.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
 import torch
 import torch.distributed as dist
-
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as _Math
 
 
 class _ShardedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, group):
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        vocab_start: int,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
         logits, logits_max = _Math.calculate_logits_max(logits)
         if group is not None:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         vocab_end = vocab_start + logits.size(-1)
-        target_mask, masked_target_1d, predicted, sum_exp, exp_logits = \
+        target_mask, masked_target_1d, predicted, sum_exp, exp_logits = (
             _Math.calculate_predicted_logits(logits, target, logits_max, vocab_start, vocab_end)
+        )
         if group is not None:
             dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=group)
             dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
@@ -27,15 +38,23 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         softmax, target_mask, masked_target_1d = ctx.saved_tensors
         grad_2d, arange_1d, update, grad_input = _Math.prepare_gradient_calculation_operands(
-            softmax, target_mask)
-        grad_input = _Math.calculate_gradients(grad_2d, arange_1d, masked_target_1d, update,
-                                               grad_input, grad_output)
+            softmax, target_mask
+        )
+        grad_input = _Math.calculate_gradients(
+            grad_2d, arange_1d, masked_target_1d, update, grad_input, grad_output
+        )
         return grad_input, None, None, None
 
 
-def sharded_cross_entropy(logits, target, vocab_start, group, tp_size):
+def sharded_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int,
+    group: dist.ProcessGroup | None,
+    tp_size: int,
+) -> torch.Tensor:
     """Per-token loss [..] from logits [.., local vocab] of the shard starting at vocab_start."""
     return _ShardedCrossEntropy.apply(logits, target, vocab_start, group if tp_size > 1 else None)

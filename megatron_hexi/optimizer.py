@@ -4,41 +4,59 @@ The upstream norm filters TP duplicates with the global parallel state and sums 
 parallel group; under a heterogeneous plan that counts elements twice or misses them. Here every
 gradient element is counted once, by the owner of its segment, and summed over the world.
 """
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.distributed as dist
-
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+from megatron.core.optimizer.optimizer import (
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+)
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_hexi.grad_sync import global_norm
+
+if TYPE_CHECKING:
+    from megatron_hexi.config import RunConfig
+    from megatron_hexi.grad_sync import GradientSync
+    from planner.plan import Plan
 
 
 class _ExactNormMixin:
     grad_sync = None
 
-    def get_main_grads_for_grad_norm(self):
+    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
         """This rank's owned gradient slices (views; some are strided column slices)."""
         return self.grad_sync.owned_grads()
 
-    def get_grad_norm(self):
+    def get_grad_norm(self) -> float:
         """The exact global norm (grad_sync.global_norm), not megatron-core's multi-tensor one."""
         grads = self.get_main_grads_for_grad_norm()
         device = grads[0].device if grads else self.get_parameters()[0].device
         return global_norm(grads, device)
 
-    def clip_grad_norm(self, clip_grad):
+    def clip_grad_norm(self, clip_grad: float) -> float:
         """megatron-core's clipping (it scales the whole, contiguous gradients) with the exact
         norm."""
         grad_norm = self.get_grad_norm()
         params = self.get_parameters()
         if params:
-            clip_grad_by_total_norm_fp32(params, clip_grad, grad_norm,
-                                         self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+            clip_grad_by_total_norm_fp32(
+                params,
+                clip_grad,
+                grad_norm,
+                self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
         return grad_norm
 
-    def get_grad_stats_parallel_group(self):
+    def get_grad_stats_parallel_group(self) -> dist.ProcessGroup:
         return dist.group.WORLD
 
 
@@ -54,46 +72,71 @@ class HeteroFloat16Optimizer(_ExactNormMixin, Float16OptimizerWithFloat16Params)
     `main_grad` and, as it is fp32 already, makes it the master's `.grad` without a copy; so the
     norm reads the owned slices of `main_grad` and clipping scales the same tensors."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Without main_grad, megatron-core would drop `.grad` before the norm reads it.
         if any(getattr(p, "main_grad", None) is None for g in self.float16_groups for p in g):
-            raise RuntimeError("bf16 parameters need a `main_grad` (grad_sync.FP32MainGrads) "
-                               "before the optimizer is built")
+            raise RuntimeError(
+                "bf16 parameters need a `main_grad` (grad_sync.FP32MainGrads) "
+                "before the optimizer is built"
+            )
 
 
-def param_groups(named_params):
+def param_groups(
+    named_params: Iterable[tuple[str, torch.nn.Parameter]],
+) -> list[dict[str, Any]]:
     """Megatron's rule: no weight decay on biases and 1-D parameters (norm weights)."""
     decay, no_decay = [], []
     for name, p in named_params:
         (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-    groups = [{"params": decay, "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False},
-              {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False}]
+    groups = [
+        {"params": decay, "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False},
+        {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False},
+    ]
     for g in groups:
         g["default_config"] = True
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model, grad_sync, config, plan=None):
+def build_optimizer(
+    model: torch.nn.Module,
+    grad_sync: GradientSync,
+    config: RunConfig,
+    plan: Plan | None = None,
+) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     """Adam(W) inside megatron-core's optimizer wrapper, plus its lr/wd scheduler, from a
     RunConfig (megatron_hexi.config).
 
     With the plan's `use_distributed_optimizer`, the fp32 master weights and Adam state are
     sharded over each gradient segment's ranks (megatron_hexi.distributed_optimizer)."""
     o, bf16 = config.optimizer, config.precision.bf16
-    core = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr,
-                           weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-                           adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-                           bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
+    core = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
     if plan is not None and plan.training.use_distributed_optimizer:
         from megatron_hexi.distributed_optimizer import HeteroDistributedOptimizer
+
         device = next(model.parameters()).device
-        opt = HeteroDistributedOptimizer(plan, grad_sync, core, plan.training.optimizer_shard,
-                                         device)
+        opt = HeteroDistributedOptimizer(
+            plan, grad_sync, core, plan.training.optimizer_shard, device
+        )
     else:
-        inner = torch.optim.AdamW(param_groups(model.named_parameters()), lr=o.lr,
-                                  weight_decay=o.weight_decay,
-                                  betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+        inner = torch.optim.AdamW(
+            param_groups(model.named_parameters()),
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps,
+        )
         if bf16:
             opt = HeteroFloat16Optimizer(inner, core, None, lambda _: None)
         else:
@@ -102,9 +145,16 @@ def build_optimizer(model, grad_sync, config, plan=None):
     s, train_iters = config.lr_schedule, config.training.train_iters
     decay_iters = s.lr_decay_iters or train_iters
     scheduler = OptimizerParamScheduler(
-        opt, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
+        opt,
+        init_lr=s.lr_warmup_init,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
         lr_warmup_steps=s.lr_warmup_iters,
-        lr_decay_steps=max(decay_iters, s.lr_warmup_iters + 1), lr_decay_style=s.lr_decay_style,
-        start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=max(train_iters, 1),
-        wd_incr_style="constant")
+        lr_decay_steps=max(decay_iters, s.lr_warmup_iters + 1),
+        lr_decay_style=s.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=max(train_iters, 1),
+        wd_incr_style="constant",
+    )
     return opt, scheduler

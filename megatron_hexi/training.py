@@ -8,6 +8,9 @@ Only `main` sees the command line: it turns the checked flags into a RunConfig
 (megatron_hexi.config), and everything below it (`Trainer`, `run`, checkpoints) reads that, so
 code can train from a Plan and a RunConfig without flags.
 """
+
+from __future__ import annotations
+
 import contextlib
 import datetime
 import json
@@ -16,27 +19,44 @@ import os
 import resource
 import sys
 import time
-import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
-
-from planner.catalog import get_gpu
-from planner.errors import SpecError
-from planner.costmodel import model_flops_per_sample
-from planner.layout import gradient_segments
-from planner.plan import load_plan
 
 from megatron_hexi.arguments import check_against_plan, parse_args, run_config
 from megatron_hexi.communicator import Boundary, StageCommunicator
 from megatron_hexi.grad_sync import FP32MainGrads, GradientSync, reduced_together
 from megatron_hexi.loss import sharded_cross_entropy
-from megatron_hexi.model import (build_stage_model, initialise_weights, local_parameters,
-                                 seed_rng, stage_config)
+from megatron_hexi.model import (
+    build_stage_model,
+    initialise_weights,
+    local_parameters,
+    seed_rng,
+    stage_config,
+)
 from megatron_hexi.optimizer import build_optimizer
 from megatron_hexi.process_groups import SingleRank, StagePosition, build_groups
 from megatron_hexi.rank_mapping import check_world_size, map_processes
+from planner.catalog import get_gpu
+from planner.costmodel import model_flops_per_sample
+from planner.errors import SpecError
+from planner.layout import gradient_segments
+from planner.plan import load_plan
+
+if TYPE_CHECKING:
+    from megatron.core.datasets.blended_megatron_dataset_builder import TopLevelDataset
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_hexi.config import DataConfig, RunConfig
+    from megatron_hexi.tokenizer import HuggingFaceTokenizer
+    from planner.plan import Plan
+
+    # What the loss function of a micro-batch returns to megatron-core's schedule: the loss sum,
+    # the number of tokens it covers, and the values to report ({"lm loss": [sum, tokens]}).
+    LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
 class Trainer:
@@ -45,7 +65,7 @@ class Trainer:
     `config` is the RunConfig; `transformer_config` megatron-core's TransformerConfig of this
     rank's stage."""
 
-    def __init__(self, plan, config, device):
+    def __init__(self, plan: Plan, config: RunConfig, device: torch.device) -> None:
         self.plan, self.config, self.device = plan, config, device
         timeout = datetime.timedelta(minutes=config.runtime.distributed_timeout_minutes)
         mapping = map_processes(plan, _device_name(device), check_devices=device.type == "cuda")
@@ -59,42 +79,61 @@ class Trainer:
         bf16 = config.precision.bf16
         dtype = torch.bfloat16 if bf16 else torch.float32
         tc = self.transformer_config = stage_config(
-            plan, view, params_dtype=dtype, hidden_dropout=config.dropout.hidden_dropout,
-            attention_dropout=config.dropout.attention_dropout, recompute=plan.training.recompute)
+            plan,
+            view,
+            params_dtype=dtype,
+            hidden_dropout=config.dropout.hidden_dropout,
+            attention_dropout=config.dropout.attention_dropout,
+            recompute=plan.training.recompute,
+        )
         self.model = build_stage_model(plan, view, self.groups.tp, tc, device)
         self.params = local_parameters(plan, self.rank, self.model)
         initialise_weights(plan, self.params, config.training.seed)
         # bf16: gradients accumulate, sync and reach the fp32 masters in fp32 `main_grad`
         self.main_grads = FP32MainGrads(self.model.parameters()) if bf16 else None
-        self.grad_sync = GradientSync(self.rank, self.params, segments, self.groups,
-                                      shard_optimizer_state=shard)
+        self.grad_sync = GradientSync(
+            self.rank, self.params, segments, self.groups, shard_optimizer_state=shard
+        )
         self.optimizer, self.scheduler = build_optimizer(self.model, self.grad_sync, config, plan)
         tc.finalize_model_grads_func = self._finalize_grads
         tc.grad_scale_func = None
         pipe = plan.pipelines[view.pipeline]
         numel = plan.model.seq_length * view.micro_batch_size * plan.model.hidden_size
         launch_of = self.groups.launch_of
-        prev_b = (Boundary(view.prev_stage_ranks, view.stage_ranks, numel, launch_of, self.rank)
-                  if view.prev_stage_ranks else None)
-        next_b = (Boundary(view.stage_ranks, view.next_stage_ranks, numel, launch_of, self.rank)
-                  if view.next_stage_ranks else None)
+        prev_b = (
+            Boundary(view.prev_stage_ranks, view.stage_ranks, numel, launch_of, self.rank)
+            if view.prev_stage_ranks
+            else None
+        )
+        next_b = (
+            Boundary(view.stage_ranks, view.next_stage_ranks, numel, launch_of, self.rank)
+            if view.next_stage_ranks
+            else None
+        )
         self.position = StagePosition(view.stage, len(pipe.stages))
-        self.communicator = StageCommunicator(tc, self.position, self.groups.tp,
-                                              view.tp_size, prev_b, next_b, dtype, device)
+        self.communicator = StageCommunicator(
+            tc, self.position, self.groups.tp, view.tp_size, prev_b, next_b, dtype, device
+        )
         # Every rank takes part: megatron-core's dataset builder synchronises the whole world
         # (rank 0 builds first). Only first and last stages read from it.
         self.dataset = build_dataset(plan, config)
-        self.global_tokens = None
-        self.checkpoint_events = []     # loads and saves of this run (`run`)
+        self.global_tokens: float | None = None
+        self.checkpoint_events: list[dict[str, Any]] = []  # loads and saves of this run (`run`)
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         """Drop last step's gradients: `.grad` (and the masters'), and the fp32 `main_grad`."""
         self.optimizer.zero_grad()
         if self.main_grads is not None:
             self.main_grads.zero()
 
     # -- pieces handed to megatron-core's schedule ------------------------------------------
-    def _finalize_grads(self, model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):
+    def _finalize_grads(
+        self,
+        model_chunks: list[torch.nn.Module],
+        num_tokens: torch.Tensor,
+        pg_collection: ProcessGroupCollection | None = None,
+        force_all_reduce: bool | None = False,
+    ) -> None:
         """Global token count (one scalar all-reduce), then the weighted segment sync. The
         pipeline's own time ends here: what follows is the data-parallel part of the step."""
         synchronize(self.device)
@@ -110,55 +149,81 @@ class Trainer:
         else:
             self.grad_sync.sync(self.global_tokens)
 
-    def _loss(self, labels, loss_mask, logits):
+    def _loss(
+        self, labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor
+    ) -> LossOutput:
         v = self.view
-        per_token = sharded_cross_entropy(logits.float(), labels, v.vocab[1], self.groups.tp,
-                                          v.tp_size)
+        per_token = sharded_cross_entropy(
+            logits.float(), labels, v.vocab[1], self.groups.tp, v.tp_size
+        )
         mask = loss_mask.float()
         loss_sum = (per_token * mask).sum()
         num_tokens = mask.sum().to(torch.int)
-        return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach().double(),
-                                                              mask.sum().double()])}
+        return (
+            loss_sum,
+            num_tokens,
+            {"lm loss": torch.stack([loss_sum.detach().double(), mask.sum().double()])},
+        )
 
-    def _forward_step(self, data_iterator, model):
+    def _forward_step(
+        self, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], LossOutput] | None]:
         v = self.view
         batch = next(data_iterator) if (v.holds_embedding or v.holds_output) else None
         tokens = batch["tokens"].to(self.device) if v.holds_embedding else None
         positions = batch["position_ids"].to(self.device) if v.holds_embedding else None
         output = model(tokens, positions, None)
         if v.holds_output:
-            return output, partial(self._loss, batch["labels"].to(self.device),
-                                   batch["loss_mask"].to(self.device))
+            return output, partial(
+                self._loss, batch["labels"].to(self.device), batch["loss_mask"].to(self.device)
+            )
         return output, None
 
     # -- one iteration ----------------------------------------------------------------------
-    def train_step(self, iteration):
+    def train_step(self, iteration: int) -> dict[str, Any]:
         """Forward/backward of this pipeline's micro-batches, gradient sync, optimizer step."""
         from megatron.core.pipeline_parallel.schedules import (
-            forward_backward_pipelining_without_interleaving)
+            forward_backward_pipelining_without_interleaving,
+        )
         from megatron.core.process_groups_config import ProcessGroupCollection
+
         from megatron_hexi.data import pipeline_microbatches
+
         v = self.view
         self.model.train()
         self.zero_grad()
-        data = (pipeline_microbatches(self.dataset, self.plan, v, iteration)
-                if (v.holds_embedding or v.holds_output) else iter(()))
-        pg = ProcessGroupCollection(tp=self.groups.tp, cp=SingleRank(), pp=self.position,
-                                    embd=None, pos_embd=None, dp_cp=SingleRank())
+        data = (
+            pipeline_microbatches(self.dataset, self.plan, v, iteration)
+            if (v.holds_embedding or v.holds_output)
+            else iter(())
+        )
+        pg = ProcessGroupCollection(
+            tp=self.groups.tp,
+            cp=SingleRank(),
+            pp=self.position,
+            embd=None,
+            pos_embd=None,
+            dp_cp=SingleRank(),
+        )
         synchronize(self.device)
         start = time.perf_counter()
         store = forward_backward_pipelining_without_interleaving(
-            forward_step_func=self._forward_step, data_iterator=data, model=[self.model],
-            num_microbatches=v.num_microbatches, seq_length=self.plan.model.seq_length,
-            micro_batch_size=v.micro_batch_size, p2p_communicator=self.communicator,
-            pg_collection=pg)
+            forward_step_func=self._forward_step,
+            data_iterator=data,
+            model=[self.model],
+            num_microbatches=v.num_microbatches,
+            seq_length=self.plan.model.seq_length,
+            micro_batch_size=v.micro_batch_size,
+            p2p_communicator=self.communicator,
+            pg_collection=pg,
+        )
         pipeline_time = self._pipeline_end - start
         success, grad_norm, _ = self.optimizer.step()
         if not self.optimizer.config.clip_grad > 0.0:
             # megatron-core computes the norm only to clip (its bf16 optimizer returns 0.0)
             grad_norm = self.optimizer.get_grad_norm()
         self.scheduler.step(increment=1)
-        synchronize(self.device)          # queued optimizer work belongs to this step
+        synchronize(self.device)  # queued optimizer work belongs to this step
         step_time = time.perf_counter() - start
         # One small all-reduce: loss sum (last stages, TP rank 0), each rank's times and memory.
         # The grad norm is all-reduced already: the same on every rank.
@@ -173,103 +238,123 @@ class Trainer:
         dist.all_reduce(stats)
         loss = stats[0].item() / self.global_tokens
         pipelines = [max(per_rank[0, r].item() for r in p.ranks) for p in self.plan.pipelines]
-        return {"lm_loss": loss, "grad_norm": float(grad_norm),
-                "success": bool(success), "step_time_s": per_rank[1].max().item(),
-                "peak_memory_gb": per_rank[2].tolist(), "pipelines": pipelines,
-                "tokens": self.global_tokens, "lr": self.optimizer.param_groups[0]["lr"]}
+        return {
+            "lm_loss": loss,
+            "grad_norm": float(grad_norm),
+            "success": bool(success),
+            "step_time_s": per_rank[1].max().item(),
+            "peak_memory_gb": per_rank[2].tolist(),
+            "pipelines": pipelines,
+            "tokens": self.global_tokens,
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
 
-    def full_parameters(self):
+    def full_parameters(self) -> dict[str, torch.Tensor] | None:
         """Gather every parameter to its full canonical tensor (for tests and export)."""
         from megatron_hexi.gather import gather_full_parameters
+
         return gather_full_parameters(self.plan, self.rank, self.params, self.groups)
 
 
-def synchronize(device):
+def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so that a clock read after it measures that work
     (CUDA runs asynchronously; on CPU there is nothing to wait for)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _device_name(device):
+def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def _tokenizer(data):
+def _tokenizer(data: DataConfig) -> HuggingFaceTokenizer | None:
     """The tokenizer of a DataConfig's corpus; None for the mock corpus."""
     if data.mock_data:
         return None
     from megatron_hexi.tokenizer import HuggingFaceTokenizer
+
     return HuggingFaceTokenizer(data.tokenizer_model)
 
 
-def build_dataset(plan, config):
-    """The training dataset of a run (megatron_hexi.data reads Megatron's flag names)."""
+def build_dataset(plan: Plan, config: RunConfig) -> TopLevelDataset:
+    """The training dataset of a run: its DataConfig, long enough for its iterations, in the order
+    its seed draws."""
     from megatron_hexi.data import build_train_dataset
-    d = config.data
-    names = types.SimpleNamespace(
-        train_iters=config.training.train_iters, seed=config.training.seed,
-        mock_data=d.mock_data, data_path=d.data_path, split=d.split,
-        data_cache_path=d.data_cache_path)
-    return build_train_dataset(names, plan, _tokenizer(d))
+
+    return build_train_dataset(
+        config.data,
+        plan,
+        train_iters=config.training.train_iters,
+        seed=config.training.seed,
+        tokenizer=_tokenizer(config.data),
+    )
 
 
-def peak_memory_gb(device):
+def peak_memory_gb(device: torch.device) -> float:
     """CUDA allocator peak on GPU; on CPU the process's peak resident set (includes libraries)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-def _log_line(it, train_iters, plan, metrics, mfu):
+def _log_line(it: int, train_iters: int, plan: Plan, metrics: Mapping[str, Any], mfu: float) -> str:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-    return (f" [{stamp}] iteration {it:>8d}/{train_iters:>8d} | consumed samples: "
-            f"{it * plan.global_batch_size:>12d} | elapsed time per iteration (ms): "
-            f"{metrics['step_time_s'] * 1000:.1f} | learning rate: {metrics['lr']:.6E} | "
-            f"global batch size: {plan.global_batch_size:>5d} | lm loss: "
-            f"{metrics['lm_loss']:.6E} | loss scale: 1.0 | grad norm: {metrics['grad_norm']:.3f} | "
-            f"number of skipped iterations: {0 if metrics['success'] else 1:>3d} | number of nan "
-            f"iterations: {0:>3d} | tokens/s: {metrics['tokens_per_s']:.1f} | "
-            f"MFU: {mfu * 100:.2f}% |")
+    return (
+        f" [{stamp}] iteration {it:>8d}/{train_iters:>8d} | consumed samples: "
+        f"{it * plan.global_batch_size:>12d} | elapsed time per iteration (ms): "
+        f"{metrics['step_time_s'] * 1000:.1f} | learning rate: {metrics['lr']:.6E} | "
+        f"global batch size: {plan.global_batch_size:>5d} | lm loss: "
+        f"{metrics['lm_loss']:.6E} | loss scale: 1.0 | grad norm: {metrics['grad_norm']:.3f} | "
+        f"number of skipped iterations: {0 if metrics['success'] else 1:>3d} | number of nan "
+        f"iterations: {0:>3d} | tokens/s: {metrics['tokens_per_s']:.1f} | "
+        f"MFU: {mfu * 100:.2f}% |"
+    )
 
 
-def _resume_iteration(trainer):
+def _resume_iteration(trainer: Trainer) -> int:
     """--load: the checkpoint's iteration (0 for a fresh start under --hetero-load-if-exists)."""
     from megatron_hexi import checkpoint
+
     ckpt = trainer.config.checkpoint
     if not ckpt.load:
         return 0
     if ckpt.load_if_exists:
         found = [checkpoint.checkpoint_exists(ckpt.load) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(found, src=0)    # one decision for every rank
+        dist.broadcast_object_list(found, src=0)  # one decision for every rank
         if not found[0]:
             if dist.get_rank() == 0:
-                print(f" no checkpoint in {ckpt.load}: starting from iteration 0 "
-                      f"(--hetero-load-if-exists)", flush=True)
+                print(
+                    f" no checkpoint in {ckpt.load}: starting from iteration 0 "
+                    f"(--hetero-load-if-exists)",
+                    flush=True,
+                )
             return 0
     iteration, seconds = checkpoint.load(trainer, ckpt)
     trainer.checkpoint_events.append({"load_iteration": iteration, "seconds": seconds})
     return iteration
 
 
-def check_finite(metrics):
+def check_finite(metrics: Mapping[str, Any]) -> None:
     """Megatron-LM's --check-for-nan-in-loss-and-grad: stop on a NaN or infinite loss or gradient
     norm. Both are all-reduced values, so every rank stops at the same iteration, before saving
     the diverged weights."""
     loss, norm = metrics["lm_loss"], metrics["grad_norm"]
     if not (math.isfinite(loss) and math.isfinite(norm)):
-        raise SpecError(f"iteration {metrics['iteration']}: lm loss {loss}, grad norm {norm}: "
-                        f"training stopped on a non-finite value (lower --lr, or keep going with "
-                        f"--no-check-for-nan-in-loss-and-grad); nothing was saved for this "
-                        f"iteration")
+        raise SpecError(
+            f"iteration {metrics['iteration']}: lm loss {loss}, grad norm {norm}: "
+            f"training stopped on a non-finite value (lower --lr, or keep going with "
+            f"--no-check-for-nan-in-loss-and-grad); nothing was saved for this "
+            f"iteration"
+        )
 
 
-def check_output_paths(config):
+def check_output_paths(config: RunConfig) -> None:
     """--save and --hetero-metrics-path are writable, checked at start-up on every rank that
     writes there (every rank writes its checkpoint file; rank 0 the metrics), so an unwritable
     place fails now rather than at the first save. Every rank learns every problem (one
     all-gather under the collective timeout) and fails with the same lines."""
     import tempfile
+
     problems = []
     save, metrics_path = config.checkpoint.save, config.logging.metrics_path
     if save:
@@ -284,8 +369,9 @@ def check_output_paths(config):
             with open(metrics_path, "a"):
                 pass
         except OSError as e:
-            problems.append(f"--hetero-metrics-path {metrics_path}: cannot write "
-                            f"there ({e.strerror or e})")
+            problems.append(
+                f"--hetero-metrics-path {metrics_path}: cannot write there ({e.strerror or e})"
+            )
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, problems)
     found = list(dict.fromkeys(p for rank_problems in everyone for p in rank_problems))
@@ -293,38 +379,47 @@ def check_output_paths(config):
         raise SpecError(found)
 
 
-def _save(trainer, iteration):
+def _save(trainer: Trainer, iteration: int) -> None:
     from megatron_hexi import checkpoint
+
     save = trainer.config.checkpoint.save
     seconds, size = checkpoint.save(trainer, save, iteration)
-    trainer.checkpoint_events.append({"save_iteration": iteration, "seconds": seconds,
-                                      "bytes": size})
+    trainer.checkpoint_events.append(
+        {"save_iteration": iteration, "seconds": seconds, "bytes": size}
+    )
     if dist.get_rank() == 0:
-        print(f" successfully saved checkpoint from iteration {iteration:>7d} to {save} "
-              f"[ {seconds:.3f} s, {size / 1e6:.2f} MB ]", flush=True)
+        print(
+            f" successfully saved checkpoint from iteration {iteration:>7d} to {save} "
+            f"[ {seconds:.3f} s, {size / 1e6:.2f} MB ]",
+            flush=True,
+        )
 
 
-def run(plan, config, device):
+def run(
+    plan: Plan, config: RunConfig, device: torch.device
+) -> tuple[Trainer, list[dict[str, Any]]]:
     """Train up to --train-iters iterations (resuming from --load); returns the trainer and the
     per-iteration metrics of this run (every rank)."""
     trainer = Trainer(plan, config, device)
     first = _resume_iteration(trainer)
     train, log, ckpt = config.training, config.logging, config.checkpoint
-    peak = sum((get_gpu("CPU") if device.type == "cpu" else get_gpu(r.gpu)).peak_flops
-               for r in plan.ranks)
+    peak = sum(
+        (get_gpu("CPU") if device.type == "cpu" else get_gpu(r.gpu)).peak_flops for r in plan.ranks
+    )
     flops = model_flops_per_sample(plan.model) * plan.global_batch_size
     tokens_per_iter = plan.global_batch_size * plan.model.seq_length
     history = []
     metrics_file = tensorboard = None
-    with contextlib.ExitStack() as outputs:    # closed on every way out, errors included
+    with contextlib.ExitStack() as outputs:  # closed on every way out, errors included
         if dist.get_rank() == 0:
-            if log.metrics_path:   # a resumed run appends to the history it continues
-                metrics_file = outputs.enter_context(
-                    open(log.metrics_path, "a" if first else "w"))
+            if log.metrics_path:  # a resumed run appends to the history it continues
+                metrics_file = outputs.enter_context(open(log.metrics_path, "a" if first else "w"))
             if log.tensorboard_dir:
                 from megatron_hexi.tensorboard_log import TensorBoardLogger
-                tensorboard = TensorBoardLogger(log.tensorboard_dir, plan.global_batch_size,
-                                                log.tensorboard_log_interval)
+
+                tensorboard = TensorBoardLogger(
+                    log.tensorboard_dir, plan.global_batch_size, log.tensorboard_log_interval
+                )
                 outputs.callback(tensorboard.close)
         saved = first if ckpt.load else None
         for it in range(first, train.train_iters):
@@ -348,8 +443,10 @@ def run(plan, config, device):
                 saved = it + 1
             if train.exit_interval and (it + 1) % train.exit_interval == 0:
                 if dist.get_rank() == 0:
-                    print(f" exiting at iteration {it + 1} (--exit-interval "
-                          f"{train.exit_interval})", flush=True)
+                    print(
+                        f" exiting at iteration {it + 1} (--exit-interval {train.exit_interval})",
+                        flush=True,
+                    )
                 break
         last = first + len(history)
         if ckpt.save and history and saved != last:
@@ -362,48 +459,74 @@ def run(plan, config, device):
     return trainer, history
 
 
-def _summary(history, first, tokens_per_iter, flops, peak, device, trainer):
+def _summary(
+    history: Sequence[Mapping[str, Any]],
+    first: int,
+    tokens_per_iter: int,
+    flops: float,
+    peak: float,
+    device: torch.device,
+    trainer: Trainer,
+) -> str:
     """The closing line: iterations and tokens of this run, throughput, MFU, memory, checkpoints."""
     if not history:
         return f"done: nothing to train (resumed at iteration {first} = --train-iters)"
     seconds = sum(h["step_time_s"] for h in history)
     tokens = len(history) * tokens_per_iter
-    memory = [round(max(h["peak_memory_gb"][r] for h in history), 3)
-              for r in range(len(history[0]["peak_memory_gb"]))]
+    memory = [
+        round(max(h["peak_memory_gb"][r] for h in history), 3)
+        for r in range(len(history[0]["peak_memory_gb"]))
+    ]
     saves = [e for e in trainer.checkpoint_events if "save_iteration" in e]
-    text = (f"done: iterations {first + 1}-{first + len(history)} ({len(history)} this run), "
-            f"{tokens} tokens in {seconds:.2f} s of steps, mean {tokens / seconds:.1f} tokens/s, "
-            f"MFU {len(history) * flops / (seconds * peak):.2%} "
-            f"({'CPU processes' if device.type == 'cpu' else 'plan GPUs'} peak), peak memory per "
-            f"rank (GB): {memory}")
+    text = (
+        f"done: iterations {first + 1}-{first + len(history)} ({len(history)} this run), "
+        f"{tokens} tokens in {seconds:.2f} s of steps, mean {tokens / seconds:.1f} tokens/s, "
+        f"MFU {len(history) * flops / (seconds * peak):.2%} "
+        f"({'CPU processes' if device.type == 'cpu' else 'plan GPUs'} peak), peak memory per "
+        f"rank (GB): {memory}"
+    )
     if saves:
-        text += (f", {len(saves)} checkpoint save(s) in "
-                 f"{sum(e['seconds'] for e in saves):.2f} s")
+        text += f", {len(saves)} checkpoint save(s) in {sum(e['seconds'] for e in saves):.2f} s"
     return text
 
 
-def _failure(exc, config):
+def _failure(exc: Exception, config: RunConfig) -> NoReturn:
     """A rank's failure after the process group exists: one clear message, then exit at once
     (tearing down a group whose peer died can hang)."""
     import traceback
+
     rank = dist.get_rank() if dist.is_initialized() else "?"
     collective = isinstance(exc, getattr(dist, "DistError", ())) or any(
-        word in str(exc) for word in ("gloo", "Gloo", "NCCL", "Connection", "connection",
-                                      "Timed out", "timed out", "timeout"))
+        word in str(exc)
+        for word in (
+            "gloo",
+            "Gloo",
+            "NCCL",
+            "Connection",
+            "connection",
+            "Timed out",
+            "timed out",
+            "timeout",
+        )
+    )
     first_line = (str(exc).strip().splitlines() or [""])[0][:300]
     lines = [f"pretrain_gpt.py: error: launch rank {rank}: {type(exc).__name__}: {first_line}"]
     if collective:
-        lines.append(f"pretrain_gpt.py: error: launch rank {rank}: a collective failed: another "
-                     f"rank died, hung or lost its connection (collective timeout "
-                     f"--distributed-timeout-minutes "
-                     f"{config.runtime.distributed_timeout_minutes:g})")
+        lines.append(
+            f"pretrain_gpt.py: error: launch rank {rank}: a collective failed: another "
+            f"rank died, hung or lost its connection (collective timeout "
+            f"--distributed-timeout-minutes "
+            f"{config.runtime.distributed_timeout_minutes:g})"
+        )
         save = config.checkpoint.save
         if save:
             pointer = os.path.join(save, "latest_checkpointed_iteration.txt")
             last = open(pointer).read().strip() if os.path.isfile(pointer) else None
-            lines.append(f"pretrain_gpt.py: error: last complete checkpoint: "
-                         f"{'iteration ' + last if last else 'none'} in {save}; rerun the "
-                         f"same command with --load {save} to resume")
+            lines.append(
+                f"pretrain_gpt.py: error: last complete checkpoint: "
+                f"{'iteration ' + last if last else 'none'} in {save}; rerun the "
+                f"same command with --load {save} to resume"
+            )
     else:
         traceback.print_exc()
     for line in lines:
@@ -412,7 +535,7 @@ def _failure(exc, config):
     os._exit(1)
 
 
-def init_distributed(plan, config):
+def init_distributed(plan: Plan, config: RunConfig) -> torch.device:
     """Device choice, world-size check, then the process group (with the timeout); returns the
     device. A process group that exists already (a test harness) is kept."""
     rt = config.runtime
@@ -426,9 +549,11 @@ def init_distributed(plan, config):
     else:
         device = torch.device("cpu")
         from megatron_hexi.patches import apply_cpu_patches
+
         apply_cpu_patches()
     if os.environ.get("HEXI_STRICT_COLLECTIVES") == "1":
         from megatron_hexi.strict_collectives import install
+
         install(device)
     backend = rt.distributed_backend or ("nccl" if want_cuda else "gloo")
     if not dist.is_initialized():
@@ -436,12 +561,13 @@ def init_distributed(plan, config):
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        dist.init_process_group(backend, timeout=datetime.timedelta(
-            minutes=rt.distributed_timeout_minutes))
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(minutes=rt.distributed_timeout_minutes)
+        )
     return device
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     """Run pretrain_gpt.py; returns the exit code (2: a clear error). A failure after the process
     group exists ends the process itself (exit 1). Call `cli` to end the process with the code."""
     try:
@@ -451,6 +577,7 @@ def main(argv=None):
         check_against_plan(args, plan)
         if config.logging.tensorboard_dir:
             from megatron_hexi.tensorboard_log import check_available
+
             check_available()
         device = init_distributed(plan, config)
         check_output_paths(config)
@@ -459,15 +586,16 @@ def main(argv=None):
         for line in e.problems:
             print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True)
         return 2
-    except Exception as e:   # noqa: BLE001 - after start-up: say which rank and why, never hang
+    except Exception as e:  # noqa: BLE001 - after start-up: say which rank and why, never hang
         if not dist.is_initialized():
             raise
         _failure(e, config)
     return 0
 
 
-def cli(argv=None):
+def cli(argv: Sequence[str] | None = None) -> NoReturn:
     """pretrain_gpt.py and hexi-train: main, then a deliberate exit (megatron_hexi.process_exit
     says why the interpreter's own shutdown could turn the exit code into SIGABRT)."""
     from megatron_hexi.process_exit import exit_process
+
     exit_process(main(argv))

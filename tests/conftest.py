@@ -3,6 +3,7 @@
 The tests are CPU tests: CUDA is hidden here, before any test imports torch, so this process and
 every process a test starts (they inherit the environment) take the CPU path on a GPU host too.
 """
+
 import os
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-if str(TESTS) not in sys.path:          # `from harness import run_distributed` from any directory
+if str(TESTS) not in sys.path:  # `from harness import run_distributed` from any directory
     sys.path.insert(0, str(TESTS))
 
 
@@ -37,4 +38,5 @@ def hexi_plan(capsys):
         code = main([str(a) for a in argv])
         out, err = capsys.readouterr()
         return code, out, err
+
     return run

@@ -18,6 +18,7 @@ or `env` setting CUDA_VISIBLE_DEVICES shows it a GPU.
 Neither call ever hangs: past `timeout` every process is killed and the test fails, saying which
 ranks had not finished. A rank that raises fails the test with that rank's number and traceback.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -34,7 +35,6 @@ import sys
 import tempfile
 import time
 import traceback
-
 
 # What every process started by the harness sees first: no GPU (the tests are CPU tests).
 CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": ""}
@@ -63,8 +63,10 @@ def _function_ref(fn):
     """(module name, qualified name, file) by which a spawned process finds `fn` again."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not module or module == "__main__" or "<" in qualname:
-        raise ValueError(f"run_distributed: {fn!r} must be a module-level function of an importable "
-                         f"module (not a lambda, a closure or a function of __main__)")
+        raise ValueError(
+            f"run_distributed: {fn!r} must be a module-level function of an importable "
+            f"module (not a lambda, a closure or a function of __main__)"
+        )
     return module, qualname, getattr(sys.modules.get(module), "__file__", None)
 
 
@@ -84,31 +86,40 @@ def _resolve(module, qualname, path):
     return obj
 
 
-def _worker(ref, rank, world_size, port, env, args, kwargs, results, deadline, pg_timeout,
-            stacks):
+def _worker(ref, rank, world_size, port, env, args, kwargs, results, deadline, pg_timeout, stacks):
     """Body of one rank (a spawned process). Puts exactly one message unless it is killed."""
     dist = None
     try:
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                           "RANK": str(rank), "WORLD_SIZE": str(world_size),
-                           "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
-        os.environ.setdefault("OMP_NUM_THREADS", "1")   # N ranks share the CPU cores
+        os.environ.update(
+            {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world_size),
+            }
+        )
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the CPU cores
         os.environ.update(env or {})
         # If this rank is still running just before the parent kills it, dump its stacks (where
         # a hang is) to a file of its own: ranks dumping to one stderr at the same moment
         # interleave their lines. The parent prints the files one after another.
         stack_file = open(stacks, "w")
-        faulthandler.dump_traceback_later(max(deadline - time.time() - 1.0, 0.5), exit=False,
-                                          file=stack_file)
+        faulthandler.dump_traceback_later(
+            max(deadline - time.time() - 1.0, 0.5), exit=False, file=stack_file
+        )
         fn = _resolve(*ref)
         import datetime
 
         import torch.distributed as dist
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
+
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout)
+        )
         payload = pickle.dumps(fn(*args, **kwargs))
         message = (rank, "ok", payload)
-    except BaseException:   # noqa: BLE001 - report everything, SystemExit included
+    except BaseException:  # noqa: BLE001 - report everything, SystemExit included
         message = (rank, "error", traceback.format_exc())
     # Report before tearing the group down: peers blocked in a collective with this rank only fail
     # once it is gone, so the rank that raised first is also the first to report.
@@ -197,9 +208,23 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
     stacks = [os.path.join(stack_dir.name, f"rank{r}") for r in range(world_size)]
     try:
         for rank in range(world_size):
-            p = ctx.Process(target=_worker, name=f"rank{rank}",
-                            args=(ref, rank, world_size, port, env, args, kwargs, results,
-                                  deadline, timeout, stacks[rank]))
+            p = ctx.Process(
+                target=_worker,
+                name=f"rank{rank}",
+                args=(
+                    ref,
+                    rank,
+                    world_size,
+                    port,
+                    env,
+                    args,
+                    kwargs,
+                    results,
+                    deadline,
+                    timeout,
+                    stacks[rank],
+                ),
+            )
             p.start()
             procs.append(p)
         done = {}
@@ -223,8 +248,9 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
             try:
                 done[rank] = pickle.loads(payload)
             except Exception:  # noqa: BLE001
-                raise DistributedTestError(f"rank {rank}: cannot unpickle its result:\n"
-                                           f"{traceback.format_exc()}")
+                raise DistributedTestError(
+                    f"rank {rank}: cannot unpickle its result:\n{traceback.format_exc()}"
+                )
 
         while len(done) < world_size:
             left = timeout - (time.monotonic() - start)
@@ -239,7 +265,8 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
                     f"run_distributed({fn.__qualname__}, world_size={world_size}) timed out after "
                     f"{timeout:g} s: rank(s) {missing} had not finished (finished: "
                     f"{sorted(done)}); all processes killed. Stacks of the stuck ranks, if "
-                    f"they got that far, are in the captured stderr.")
+                    f"they got that far, are in the captured stderr."
+                )
             try:
                 take(results.get(timeout=min(left, 0.2)))
                 continue
@@ -257,7 +284,8 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
                     if r not in done:
                         raise DistributedTestError(
                             f"rank {r} of {world_size} exited with code {procs[r].exitcode} "
-                            f"without returning a result (killed, crashed, or os._exit)")
+                            f"without returning a result (killed, crashed, or os._exit)"
+                        )
         for p in procs:
             p.join(timeout=max(1.0, timeout - (time.monotonic() - start)))
         return [done[r] for r in range(world_size)]
@@ -276,11 +304,27 @@ def run_ranks(argv, world, timeout=240, env=None, cwd=None):
     port = str(free_port())
     procs = []
     for rank in range(world):
-        e = {**os.environ, **CPU_ONLY_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank),
-             "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-             "OMP_NUM_THREADS": "1", **(env or {})}
-        procs.append(subprocess.Popen([sys.executable, *map(str, argv)], env=e, cwd=cwd,
-                                      text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        e = {
+            **os.environ,
+            **CPU_ONLY_ENV,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *map(str, argv)],
+                env=e,
+                cwd=cwd,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     out = []
     try:
         for p in procs:
@@ -300,27 +344,47 @@ def run_torchrun(args, nproc, timeout, env=None, hide_cuda=True):
     past `timeout` seconds the whole group is killed and DistributedTimeout is raised, carrying
     the output so far.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), *[str(a) for a in args]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        *[str(a) for a in args],
+    ]
     full_env = {**os.environ, **(CPU_ONLY_ENV if hide_cuda else {}), **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=full_env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_tree(proc.pid, group=True)
         try:
             out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:   # a grandchild escaped the group and holds the pipes
+        except subprocess.TimeoutExpired:  # a grandchild escaped the group and holds the pipes
             proc.kill()
             out, err = "", ""
         raise DistributedTimeout(
             f"torchrun {' '.join(map(str, args))} (nproc {nproc}) timed out after {timeout:g} s; "
             f"process group killed\n--- stdout (tail) ---\n{out[-3000:]}\n"
-            f"--- stderr (tail) ---\n{err[-3000:]}", out, err)
+            f"--- stderr (tail) ---\n{err[-3000:]}",
+            out,
+            err,
+        )
     finally:
-        if proc.returncode is None:   # not reaped yet, so its pid and group id are still ours
+        if proc.returncode is None:  # not reaped yet, so its pid and group id are still ours
             _kill_tree(proc.pid, group=True)
             proc.wait()
     return proc.returncode, out, err

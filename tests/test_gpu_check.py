@@ -3,6 +3,7 @@
 The GPU check itself needs a GPU; its logic (planning, launching, reading metrics, checks, the
 table, exit codes) is the same with --device cpu and a tiny model, which is what runs here.
 """
+
 import copy
 import importlib.util
 import json
@@ -17,16 +18,34 @@ SCRIPT = REPO / "tools" / "bench" / "gpu_check.py"
 
 
 def _run(*args, timeout=240):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     """One CPU run of the save and resume cases (the slow part: two one-rank launches)."""
     out = tmp_path_factory.mktemp("gpu_check")
-    r = _run("--device", "cpu", "--cases", "save", "resume", "--iters", "3",
-             "--save-at", "2", "--warmup", "1", "--out", out)
+    r = _run(
+        "--device",
+        "cpu",
+        "--cases",
+        "save",
+        "resume",
+        "--iters",
+        "3",
+        "--save-at",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        out,
+    )
     return r, out
 
 
@@ -50,9 +69,9 @@ def _recheck(tmp_path, result):
 
 def test_resume_that_does_not_match_fails(cpu_run, tmp_path):
     result = json.loads((cpu_run[1] / "gpu_check.json").read_text())
-    assert _recheck(tmp_path, result).returncode == 0          # unchanged: still passes
+    assert _recheck(tmp_path, result).returncode == 0  # unchanged: still passes
     broken = copy.deepcopy(result)
-    broken["cases"]["resume"]["metrics"][0]["lm_loss"] *= 1 + 1e-7   # one resumed loss off
+    broken["cases"]["resume"]["metrics"][0]["lm_loss"] *= 1 + 1e-7  # one resumed loss off
     r = _recheck(tmp_path, broken)
     assert r.returncode == 1, r.stdout
     assert "| resume vs uninterrupted | FAIL |" in r.stdout
@@ -72,7 +91,7 @@ def test_failed_or_diverging_case_fails(cpu_run, tmp_path):
 
 
 def test_no_cuda_is_one_line_and_exit_2():
-    r = _run("--device", "cuda", timeout=120)      # the tests hide CUDA (conftest)
+    r = _run("--device", "cuda", timeout=120)  # the tests hide CUDA (conftest)
     assert r.returncode == 2
     assert r.stderr.strip().startswith("gpu_check: no CUDA device visible to torch")
     assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == ""
@@ -83,7 +102,10 @@ def test_missing_megatron_core_is_named(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name.startswith("megatron") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name.startswith("megatron") else real(name, *a),
+    )
     with pytest.raises(module.Missing, match=r"megatron-core==0\.16\.1 is missing"):
         module.check_prerequisites("cuda")

@@ -1,4 +1,5 @@
 """The multi-process harness itself: results come back, a raising or hanging rank fails fast."""
+
 import os
 import sys
 import textwrap
@@ -8,31 +9,43 @@ import pytest
 
 from harness import DistributedTestError, DistributedTimeout, run_distributed, run_torchrun
 
-
 # Rank bodies: module level, so that the spawned ranks can import them by name.
+
 
 def _rank_info(scale, *, offset=0):
     import torch
     import torch.distributed as dist
+
     t = torch.tensor([float(dist.get_rank() * scale + offset)])
     dist.all_reduce(t)
-    return {"rank": dist.get_rank(), "world": dist.get_world_size(),
-            "env": (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"],
-                    os.environ["MASTER_ADDR"]),
-            "flag": os.environ.get("HEXI_HARNESS_FLAG"), "backend": dist.get_backend(),
-            "sum": t.item(), "tensor": torch.arange(3) * dist.get_rank()}
+    return {
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "env": (
+            os.environ["RANK"],
+            os.environ["WORLD_SIZE"],
+            os.environ["LOCAL_RANK"],
+            os.environ["MASTER_ADDR"],
+        ),
+        "flag": os.environ.get("HEXI_HARNESS_FLAG"),
+        "backend": dist.get_backend(),
+        "sum": t.item(),
+        "tensor": torch.arange(3) * dist.get_rank(),
+    }
 
 
 def _raise_on(bad_rank):
     import torch.distributed as dist
+
     if dist.get_rank() == bad_rank:
         raise ValueError(f"rank {bad_rank} refuses")
-    dist.barrier()            # the others wait for the bad rank: they must not hang the test
+    dist.barrier()  # the others wait for the bad rank: they must not hang the test
     return dist.get_rank()
 
 
 def _hang_on(bad_rank):
     import torch.distributed as dist
+
     if dist.get_rank() == bad_rank:
         time.sleep(3600)
     return dist.get_rank()
@@ -40,6 +53,7 @@ def _hang_on(bad_rank):
 
 def _exit_on(bad_rank):
     import torch.distributed as dist
+
     if dist.get_rank() == bad_rank:
         os._exit(3)
     return dist.get_rank()
@@ -69,10 +83,13 @@ def test_raising_rank_fails_with_its_traceback():
 def test_hanging_rank_fails_within_the_timeout():
     t0 = time.monotonic()
     # Rank 1 returns at once; on a loaded machine it may not have got that far either.
-    with pytest.raises(DistributedTimeout, match=r"timed out after 7 s: rank\(s\) \[0(, 1)?\] "
-                                                   r"had not finished"):
+    with pytest.raises(
+        DistributedTimeout,
+        match=r"timed out after 7 s: rank\(s\) \[0(, 1)?\] "
+        r"had not finished",
+    ):
         run_distributed(_hang_on, 2, 0, timeout=7)
-    assert time.monotonic() - t0 < 7 + 10     # the timeout, plus killing and joining
+    assert time.monotonic() - t0 < 7 + 10  # the timeout, plus killing and joining
 
 
 def test_dead_rank_is_reported():
@@ -94,7 +111,8 @@ import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.tensor([dist.get_rank() + 1.0])
 dist.all_reduce(t)
-line = f"rank {dist.get_rank()} of {dist.get_world_size()} sum {t.item():g} {os.environ['HEXI_HARNESS_FLAG']}\\n"
+line = (f"rank {dist.get_rank()} of {dist.get_world_size()} sum {t.item():g} "
+        f"{os.environ['HEXI_HARNESS_FLAG']}\\n")
 os.write(1, line.encode())   # one write per line: both ranks share the pipe (print may split it)
 from megatron_hexi.process_exit import exit_process
 exit_process(0)              # never SIGABRT at interpreter exit (see that module)
@@ -104,8 +122,12 @@ exit_process(0)              # never SIGABRT at interpreter exit (see that modul
 def test_torchrun_runs_a_script(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(_TORCHRUN_SCRIPT))
-    code, out, err = run_torchrun([script, "ok", tmp_path], 2, timeout=90,
-                                  env={"HEXI_HARNESS_FLAG": "x", "OMP_NUM_THREADS": "1"})
+    code, out, err = run_torchrun(
+        [script, "ok", tmp_path],
+        2,
+        timeout=90,
+        env={"HEXI_HARNESS_FLAG": "x", "OMP_NUM_THREADS": "1"},
+    )
     assert code == 0, err
     assert sorted(out.split("\n")[:-1]) == ["rank 0 of 2 sum 3 x", "rank 1 of 2 sum 3 x"]
 
@@ -126,8 +148,9 @@ def test_torchrun_timeout_kills_the_whole_job(tmp_path):
     with pytest.raises(DistributedTimeout, match="timed out after 6 s"):
         run_torchrun([script, "hang", tmp_path], 2, timeout=6)
     assert time.monotonic() - t0 < 6 + 8
-    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)
-            if (tmp_path / f"pid{r}").exists()]
+    pids = [
+        int((tmp_path / f"pid{r}").read_text()) for r in range(2) if (tmp_path / f"pid{r}").exists()
+    ]
     assert pids, "the workers never started: raise the timeout"
     deadline = time.monotonic() + 5
     while any(_running(p) for p in pids) and time.monotonic() < deadline:

@@ -25,6 +25,7 @@ Tensors keep their dtype (a bf16 model is stored bf16; loading casts to the trai
 HF -> ours -> HF gives identical tensors. The importer keeps the HF config in the checkpoint's
 metadata; the exporter starts from it (or from defaults) and sets the model's fields.
 """
+
 import argparse
 import json
 import os
@@ -47,8 +48,10 @@ def rope_theta(cfg):
     scaling = cfg.get("rope_scaling") or {}
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":
-        raise SpecError(f"config.json: rope type {kind!r} (RoPE scaling) is not supported; only "
-                        f"plain rotary embeddings are")
+        raise SpecError(
+            f"config.json: rope type {kind!r} (RoPE scaling) is not supported; only "
+            f"plain rotary embeddings are"
+        )
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     if float(theta) != int(theta):
         raise SpecError(f"config.json: rope_theta {theta} is not an integer")
@@ -69,15 +72,19 @@ def model_fields(cfg, seq_length=None):
         raise SpecError(problems)
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     fields = {
-        "num_layers": cfg["num_hidden_layers"], "hidden_size": hidden,
-        "ffn_hidden_size": cfg["intermediate_size"], "num_attention_heads": heads,
+        "num_layers": cfg["num_hidden_layers"],
+        "hidden_size": hidden,
+        "ffn_hidden_size": cfg["intermediate_size"],
+        "num_attention_heads": heads,
         "num_query_groups": cfg.get("num_key_value_heads") or heads,
         "vocab_size": cfg["vocab_size"],
         "seq_length": seq_length or cfg.get("max_position_embeddings", 2048),
         "swiglu": True,
         "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
-        "normalization": "RMSNorm", "norm_epsilon": float(cfg.get("rms_norm_eps", 1e-6)),
-        "rotary_base": rope_theta(cfg), "add_bias_linear": False,
+        "normalization": "RMSNorm",
+        "norm_epsilon": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rotary_base": rope_theta(cfg),
+        "add_bias_linear": False,
         "init_method_std": float(cfg.get("initializer_range", 0.02)),
     }
     head_dim = cfg.get("head_dim")
@@ -88,31 +95,49 @@ def model_fields(cfg, seq_length=None):
 
 def hf_config(model, base=None):
     """An HF LlamaConfig dict for planner ModelSpec `model` (keeping `base`'s other keys)."""
-    cfg = dict(base or {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-                        "attention_dropout": 0.0, "pretraining_tp": 1, "use_cache": True,
-                        "bos_token_id": 1, "eos_token_id": 2})
+    cfg = dict(
+        base
+        or {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "attention_dropout": 0.0,
+            "pretraining_tp": 1,
+            "use_cache": True,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        }
+    )
     cfg.pop("rope_scaling", None)
-    cfg.update({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "num_hidden_layers": model.num_layers, "hidden_size": model.hidden_size,
-        "intermediate_size": model.ffn_hidden_size,
-        "num_attention_heads": model.num_attention_heads,
-        "num_key_value_heads": model.num_query_groups, "vocab_size": model.vocab_size,
-        "max_position_embeddings": max(model.seq_length, cfg.get("max_position_embeddings", 0)),
-        "rms_norm_eps": model.norm_epsilon, "head_dim": model.head_dim,
-        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
-        "initializer_range": model.init_method_std,
-        "rope_parameters": {"rope_theta": float(model.rotary_base), "rope_type": "default"},
-    })
+    cfg.update(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "num_hidden_layers": model.num_layers,
+            "hidden_size": model.hidden_size,
+            "intermediate_size": model.ffn_hidden_size,
+            "num_attention_heads": model.num_attention_heads,
+            "num_key_value_heads": model.num_query_groups,
+            "vocab_size": model.vocab_size,
+            "max_position_embeddings": max(model.seq_length, cfg.get("max_position_embeddings", 0)),
+            "rms_norm_eps": model.norm_epsilon,
+            "head_dim": model.head_dim,
+            "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+            "initializer_range": model.init_method_std,
+            "rope_parameters": {"rope_theta": float(model.rotary_base), "rope_type": "default"},
+        }
+    )
     cfg.pop("rope_theta", None)
     return cfg
 
 
 def _check_model(model):
     if not model.swiglu or model.normalization != "RMSNorm" or model.add_bias_linear:
-        raise SpecError("export: only Llama-style models (SwiGLU, RMSNorm, no biases) map to "
-                        "LlamaForCausalLM")
+        raise SpecError(
+            "export: only Llama-style models (SwiGLU, RMSNorm, no biases) map to LlamaForCausalLM"
+        )
 
 
 def hf_to_canonical(hf, model):
@@ -138,21 +163,26 @@ def hf_to_canonical(hf, model):
         out[mp + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], 1).reshape(-1, h)
         out[mp + "self_attention.linear_proj.weight"] = take(hp + "self_attn.o_proj.weight")
         out[mp + "pre_mlp_layernorm.weight"] = take(hp + "post_attention_layernorm.weight")
-        out[mp + "mlp.linear_fc1.weight"] = torch.cat([take(hp + "mlp.gate_proj.weight"),
-                                                      take(hp + "mlp.up_proj.weight")], 0)
+        out[mp + "mlp.linear_fc1.weight"] = torch.cat(
+            [take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")], 0
+        )
         out[mp + "mlp.linear_fc2.weight"] = take(hp + "mlp.down_proj.weight")
     out["decoder.final_layernorm.weight"] = take("model.norm.weight")
     if model.untie_embeddings_and_output_weights:
         out["output_layer.weight"] = take("lm_head.weight")
     elif "lm_head.weight" in hf:
         if not torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"]):
-            raise SpecError("HF checkpoint: tie_word_embeddings is true but lm_head.weight differs "
-                            "from model.embed_tokens.weight")
+            raise SpecError(
+                "HF checkpoint: tie_word_embeddings is true but lm_head.weight differs "
+                "from model.embed_tokens.weight"
+            )
         used.add("lm_head.weight")
     unused = sorted(n for n in set(hf) - used if not n.endswith("rotary_emb.inv_freq"))
     if unused:
-        raise SpecError(f"HF checkpoint: tensors this converter does not map: {unused[:8]}"
-                        f"{' ...' if len(unused) > 8 else ''}")
+        raise SpecError(
+            f"HF checkpoint: tensors this converter does not map: {unused[:8]}"
+            f"{' ...' if len(unused) > 8 else ''}"
+        )
     return out
 
 
@@ -166,9 +196,11 @@ def canonical_to_hf(canon, model):
         qkv = canon[mp + "self_attention.linear_qkv.weight"]
         h = qkv.shape[1]
         qkv = qkv.view(groups, (hpg + 2) * d, h)
-        out[hp + "self_attn.q_proj.weight"] = qkv[:, :hpg * d].reshape(-1, h).contiguous()
-        out[hp + "self_attn.k_proj.weight"] = qkv[:, hpg * d:(hpg + 1) * d].reshape(-1, h).contiguous()
-        out[hp + "self_attn.v_proj.weight"] = qkv[:, (hpg + 1) * d:].reshape(-1, h).contiguous()
+        out[hp + "self_attn.q_proj.weight"] = qkv[:, : hpg * d].reshape(-1, h).contiguous()
+        out[hp + "self_attn.k_proj.weight"] = (
+            qkv[:, hpg * d : (hpg + 1) * d].reshape(-1, h).contiguous()
+        )
+        out[hp + "self_attn.v_proj.weight"] = qkv[:, (hpg + 1) * d :].reshape(-1, h).contiguous()
         out[hp + "self_attn.o_proj.weight"] = canon[mp + "self_attention.linear_proj.weight"]
         out[hp + "post_attention_layernorm.weight"] = canon[mp + "pre_mlp_layernorm.weight"]
         gate, up = canon[mp + "mlp.linear_fc1.weight"].chunk(2, dim=0)
@@ -184,21 +216,26 @@ def canonical_to_hf(canon, model):
 def read_hf_tensors(hf_dir):
     """Every tensor of model.safetensors or of the shards listed in model.safetensors.index.json."""
     from safetensors.torch import load_file
+
     single = os.path.join(hf_dir, "model.safetensors")
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(single):
         files = [single]
     elif os.path.isfile(index):
         with open(index) as f:
-            files = [os.path.join(hf_dir, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+            files = [
+                os.path.join(hf_dir, n) for n in sorted(set(json.load(f)["weight_map"].values()))
+            ]
     else:
-        raise SpecError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json "
-                        f"(only safetensors checkpoints are read)")
+        raise SpecError(
+            f"{hf_dir}: no model.safetensors or model.safetensors.index.json "
+            f"(only safetensors checkpoints are read)"
+        )
     tensors = {}
     for path in files:
         try:
             tensors.update(load_file(path))
-        except Exception as e:   # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             raise SpecError(f"{path}: cannot read ({e})")
     return tensors
 
@@ -207,6 +244,7 @@ def import_hf(hf_dir, output, seq_length=None, model_yaml=None):
     """HF directory -> params-only checkpoint in `output` (release/) plus a model YAML.
     Returns (ModelSpec, checkpoint directory, YAML path)."""
     from megatron_hexi.checkpoint import save_params_only
+
     cfg_path = os.path.join(hf_dir, "config.json")
     try:
         with open(cfg_path) as f:
@@ -217,8 +255,9 @@ def import_hf(hf_dir, output, seq_length=None, model_yaml=None):
     fields["name"] = os.path.basename(os.path.normpath(hf_dir))
     model = model_from_dict(fields, "converted model")
     canon = hf_to_canonical(read_hf_tensors(hf_dir), model)
-    final = save_params_only(output, model, canon, extra={"hf_config": cfg,
-                                                          "imported_from": os.path.abspath(hf_dir)})
+    final = save_params_only(
+        output, model, canon, extra={"hf_config": cfg, "imported_from": os.path.abspath(hf_dir)}
+    )
     model_yaml = model_yaml or os.path.join(output, "model.yaml")
     with open(model_yaml, "w") as f:
         f.write(f"# planner model spec of {hf_dir} (tools/convert_hf_llama.py import)\n")
@@ -229,7 +268,9 @@ def import_hf(hf_dir, output, seq_length=None, model_yaml=None):
 def export_hf(load_dir, output, step=None, dtype=None):
     """Any megatron-hexi checkpoint -> HF model.safetensors + config.json in `output`."""
     from safetensors.torch import save_file
+
     from megatron_hexi.checkpoint import read_full_model
+
     ckpt, model, canon = read_full_model(load_dir, step)
     _check_model(model)
     hf = canonical_to_hf(canon, model)
@@ -254,26 +295,40 @@ def main(argv=None):
     i = sub.add_parser("import", help="HF LlamaForCausalLM -> megatron-hexi checkpoint")
     i.add_argument("--hf-dir", required=True)
     i.add_argument("--output", required=True, help="checkpoint directory (use as --load)")
-    i.add_argument("--seq-length", type=int, default=None,
-                   help="training sequence length for the model YAML (default: "
-                        "max_position_embeddings)")
+    i.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        help="training sequence length for the model YAML (default: max_position_embeddings)",
+    )
     i.add_argument("--model-yaml", default=None, help="default: OUTPUT/model.yaml")
     e = sub.add_parser("export", help="megatron-hexi checkpoint -> HF LlamaForCausalLM")
     e.add_argument("--load", required=True)
     e.add_argument("--ckpt-step", type=int, default=None)
     e.add_argument("--output", required=True)
-    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="default: as stored (fp32 master weights for a trained checkpoint)")
+    e.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="default: as stored (fp32 master weights for a trained checkpoint)",
+    )
     args = p.parse_args(argv)
     try:
         if args.cmd == "import":
-            model, final, yml = import_hf(args.hf_dir, args.output, args.seq_length,
-                                          args.model_yaml)
-            print(f"imported {args.hf_dir} ({sum(_numel(s.shape) for s in canonical_shards(model))}"
-                  f" parameters) -> {final}; model spec: {yml}")
+            model, final, yml = import_hf(
+                args.hf_dir, args.output, args.seq_length, args.model_yaml
+            )
+            print(
+                f"imported {args.hf_dir} ({sum(_numel(s.shape) for s in canonical_shards(model))}"
+                f" parameters) -> {final}; model spec: {yml}"
+            )
         else:
-            model, out = export_hf(args.load, args.output, args.ckpt_step,
-                                   getattr(torch, args.dtype) if args.dtype else None)
+            model, out = export_hf(
+                args.load,
+                args.output,
+                args.ckpt_step,
+                getattr(torch, args.dtype) if args.dtype else None,
+            )
             print(f"exported {args.load} -> {out}/model.safetensors, {out}/config.json")
     except SpecError as err:
         for line in err.problems:

@@ -12,6 +12,7 @@ vocabularies under 65,500 tokens, else int32. Documents with no tokens are skipp
 Errors (missing file, malformed JSON line, missing key) are one line naming the file and line;
 no partial output is left behind.
 """
+
 import argparse
 import itertools
 import json
@@ -24,29 +25,47 @@ if __package__ in (None, ""):
 
 from planner.errors import SpecError  # noqa: E402
 
-CHUNK = 64          # lines per task handed to a worker
+CHUNK = 64  # lines per task handed to a worker
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="preprocess_data.py", allow_abbrev=False,
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="preprocess_data.py", allow_abbrev=False, description=__doc__.split("\n\n")[0]
+    )
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="JSONL file, one document per line")
-    g.add_argument("--json-keys", nargs="+", default=["text"],
-                   help="keys to extract from each JSON object (default: text)")
+    g.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="keys to extract from each JSON object (default: text)",
+    )
     t = p.add_argument_group("tokenizer")
     t.add_argument("--tokenizer-type", required=True, choices=["HuggingFaceTokenizer"])
-    t.add_argument("--tokenizer-model", required=True,
-                   help="a tokenizers tokenizer.json file, or a directory with one")
-    t.add_argument("--append-eod", action="store_true",
-                   help="append the end-of-document token to every document")
+    t.add_argument(
+        "--tokenizer-model",
+        required=True,
+        help="a tokenizers tokenizer.json file, or a directory with one",
+    )
+    t.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="append the end-of-document token to every document",
+    )
     o = p.add_argument_group("output data")
-    o.add_argument("--output-prefix", required=True,
-                   help="writes OUTPUT_PREFIX_KEY_document.bin/.idx for each key")
+    o.add_argument(
+        "--output-prefix",
+        required=True,
+        help="writes OUTPUT_PREFIX_KEY_document.bin/.idx for each key",
+    )
     r = p.add_argument_group("runtime")
     r.add_argument("--workers", type=int, default=1, help="tokenising processes (default: 1)")
-    r.add_argument("--log-interval", type=int, default=10000,
-                   help="report progress every this many documents (0: never)")
+    r.add_argument(
+        "--log-interval",
+        type=int,
+        default=10000,
+        help="report progress every this many documents (0: never)",
+    )
     return p
 
 
@@ -56,6 +75,7 @@ _tokenizer = None
 def _init_worker(tokenizer_model):
     global _tokenizer
     from megatron_hexi.tokenizer import HuggingFaceTokenizer
+
     _tokenizer = HuggingFaceTokenizer(tokenizer_model)
 
 
@@ -73,11 +93,15 @@ def _encode_chunk(task):
         texts = []
         for key in keys:
             if key not in record:
-                return "error", (f"{path}:{number}: missing key {key!r} (keys present: "
-                                 f"{', '.join(map(repr, record)) or 'none'}; see --json-keys)")
+                return "error", (
+                    f"{path}:{number}: missing key {key!r} (keys present: "
+                    f"{', '.join(map(repr, record)) or 'none'}; see --json-keys)"
+                )
             if not isinstance(record[key], str):
-                return "error", (f"{path}:{number}: key {key!r} is "
-                                 f"{type(record[key]).__name__}, expected a string")
+                return "error", (
+                    f"{path}:{number}: key {key!r} is "
+                    f"{type(record[key]).__name__}, expected a string"
+                )
             texts.append(record[key])
         parsed.append((number, texts))
     encoded = _tokenizer.tokenize_batch([t for _, texts in parsed for t in texts])
@@ -100,8 +124,10 @@ def _utf8_lines(f, path):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise SpecError(f"{path}:{number}: not UTF-8 text (byte {e.start + 1} of the line is "
-                            f"{raw[e.start:e.start + 1]!r}); JSONL input must be UTF-8") from None
+            raise SpecError(
+                f"{path}:{number}: not UTF-8 text (byte {e.start + 1} of the line is "
+                f"{raw[e.start : e.start + 1]!r}); JSONL input must be UTF-8"
+            ) from None
         if line.strip():
             yield number, line
 
@@ -131,15 +157,18 @@ def preprocess(args):
         raise SpecError(f"--json-keys {' '.join(args.json_keys)}: a key is repeated")
     tokenizer = HuggingFaceTokenizer(args.tokenizer_model)
     if args.append_eod and tokenizer.eod is None:
-        raise SpecError(f"--append-eod: the tokenizer {tokenizer.path} has no end-of-document "
-                        f"token (name it eos_token in a tokenizer_config.json beside it)")
+        raise SpecError(
+            f"--append-eod: the tokenizer {tokenizer.path} has no end-of-document "
+            f"token (name it eos_token in a tokenizer_config.json beside it)"
+        )
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
     prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
     try:
-        builders = {key: IndexedDatasetBuilder(p + ".bin", dtype=dtype)
-                    for key, p in prefixes.items()}
+        builders = {
+            key: IndexedDatasetBuilder(p + ".bin", dtype=dtype) for key, p in prefixes.items()
+        }
     except OSError as e:
         raise SpecError(f"--output-prefix {args.output_prefix}: cannot write ({e.strerror})")
     counts = {key: [0, 0] for key in args.json_keys}
@@ -147,16 +176,22 @@ def preprocess(args):
     pool = None
     start, chars, docs = time.time(), 0, 0
     global _tokenizer
-    _tokenizer = tokenizer          # forked workers inherit it; spawned ones load it again
+    _tokenizer = tokenizer  # forked workers inherit it; spawned ones load it again
     try:
         if args.workers > 1:
             import multiprocessing
+
             # fork (Megatron-LM's default on Linux) also serves callers that load this file
             # under another module name, which spawned workers could not import.
             method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
             pool = multiprocessing.get_context(method).Pool(
-                args.workers, **({} if method == "fork" else
-                                 {"initializer": _init_worker, "initargs": (tokenizer.path,)}))
+                args.workers,
+                **(
+                    {}
+                    if method == "fork"
+                    else {"initializer": _init_worker, "initargs": (tokenizer.path,)}
+                ),
+            )
             results = pool.imap(_encode_chunk, tasks)
         else:
             results = map(_encode_chunk, tasks)
@@ -168,14 +203,19 @@ def preprocess(args):
                 docs += 1
                 for key, doc in ids.items():
                     if doc:
-                        builders[key].add_document(numpy.asarray(doc, dtype=numpy.int64),
-                                                   [len(doc)])
+                        builders[key].add_document(
+                            numpy.asarray(doc, dtype=numpy.int64), [len(doc)]
+                        )
                         counts[key][0] += 1
                         counts[key][1] += len(doc)
                 if args.log_interval and docs % args.log_interval == 0:
                     elapsed = time.time() - start
-                    print(f"processed {docs} documents ({docs / elapsed:.1f} docs/s, "
-                          f"{chars / elapsed / 1e6:.2f} MB/s)", file=sys.stderr, flush=True)
+                    print(
+                        f"processed {docs} documents ({docs / elapsed:.1f} docs/s, "
+                        f"{chars / elapsed / 1e6:.2f} MB/s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         for key, builder in builders.items():
             builder.finalize(prefixes[key] + ".idx")
     except BaseException:

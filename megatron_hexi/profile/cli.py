@@ -7,6 +7,9 @@ Reference the file from the cluster spec: `nodes: [{name: .., gpu: CPU, profile:
 Progress goes to stderr; the run stops measuring new points when --max-seconds is near (what
 was measured is written, with `complete: false`).
 """
+
+from __future__ import annotations
+
 import argparse
 import datetime
 import json
@@ -16,41 +19,51 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from megatron_hexi.profile import FORMAT
+
+if TYPE_CHECKING:
+    import torch
+
+    from planner.models import ModelSpec
 
 
 class Progress:
     """A one-line progress bar on stderr."""
 
-    def __init__(self, total, budget, stream=sys.stderr):
+    def __init__(self, total: int, budget: float, stream: TextIO = sys.stderr) -> None:
         self.total, self.done, self.budget, self.stream = total, 0, budget, stream
         self.start = time.monotonic()
         self.tty = stream.isatty()
 
-    def elapsed(self):
+    def elapsed(self) -> float:
         return time.monotonic() - self.start
 
-    def left(self):
+    def left(self) -> float:
         return self.budget - self.elapsed()
 
-    def step(self, what):
+    def step(self, what: str) -> None:
         self.done += 1
         width = 24
         fill = int(width * self.done / max(self.total, 1))
-        line = (f"hexi-profile [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
-                f"{self.elapsed():5.1f}s/{self.budget:g}s {what}")
+        line = (
+            f"hexi-profile [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
+            f"{self.elapsed():5.1f}s/{self.budget:g}s {what}"
+        )
         self.stream.write(("\r" + line.ljust(100)) if self.tty else line + "\n")
         self.stream.flush()
 
-    def close(self):
+    def close(self) -> None:
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
 
 
-def _init_single_rank(device):
+def _init_single_rank(device: torch.device) -> bool:
     import torch.distributed as dist
+
     if dist.is_initialized():
         return False
     with socket.socket() as s:
@@ -62,9 +75,20 @@ def _init_single_rank(device):
     return True
 
 
-def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2, 4),
-            comm_procs=0, threads=None, max_seconds=120.0, device_name=None, reps=None,
-            runtime=True, progress_stream=sys.stderr, rounds=3):
+def profile(
+    model: ModelSpec,
+    device_type: str = "cpu",
+    tp_widths: Iterable[int] = (1, 2),
+    micro_batch_sizes: Iterable[int] = (1, 2, 4),
+    comm_procs: int = 0,
+    threads: int | None = None,
+    max_seconds: float = 120.0,
+    device_name: str | None = None,
+    reps: int | None = None,
+    runtime: bool = True,
+    progress_stream: TextIO = sys.stderr,
+    rounds: int = 3,
+) -> dict[str, Any]:
     """Measure and return the profile dict (see megatron_hexi.profile)."""
     import torch
 
@@ -78,6 +102,7 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
     torch.set_num_threads(threads)
     if device.type == "cpu":
         from megatron_hexi.patches import apply_cpu_patches
+
         apply_cpu_patches()
         dtype = torch.float32
         name = device_name or "CPU"
@@ -91,41 +116,70 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
     widths = measure.sizes_for(model, tp_widths)
     mbss = sorted(set(micro_batch_sizes))
     # budget shares: compute grid (layers and ends) 55 %, optimizer + runtime 10 %, comm 20 %+
-    n_units = (len(widths) * len(mbss) * rounds + 3 + (2 if comm_procs > 1 else 0)
-               + (rounds + 1 if runtime else 0))
+    n_units = (
+        len(widths) * len(mbss) * rounds
+        + 3
+        + (2 if comm_procs > 1 else 0)
+        + (rounds + 1 if runtime else 0)
+    )
     bar = Progress(n_units, max_seconds, progress_stream)
-    out = {"format": FORMAT, "device": name, "dtype": str(dtype).replace("torch.", ""),
-           "threads": threads, "cpu_cores": os.cpu_count(),
-           "host": platform.node(), "torch": torch.__version__,
-           "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "model": {k: v for k, v in model.__dict__.items()},
-           "layer": [], "embedding": [], "head": []}
+    out = {
+        "format": FORMAT,
+        "device": name,
+        "dtype": str(dtype).replace("torch.", ""),
+        "threads": threads,
+        "cpu_cores": os.cpu_count(),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "model": {k: v for k, v in model.__dict__.items()},
+        "layer": [],
+        "embedding": [],
+        "head": [],
+    }
     job = None
     if comm_procs > 1:
         # started first, so that its processes sleep through the grid (comm.py says why)
-        job = comm.CommJob(comm_procs, threads, device.type, reps or 5, wait_s=max_seconds + 300,
-                           layer_job=(model, mbss, reps or 5, out["dtype"],
-                                      widths[0] if device.type == "cpu" else 0))
+        job = comm.CommJob(
+            comm_procs,
+            threads,
+            device.type,
+            reps or 5,
+            wait_s=max_seconds + 300,
+            layer_job=(
+                model,
+                mbss,
+                reps or 5,
+                out["dtype"],
+                widths[0] if device.type == "cpu" else 0,
+            ),
+        )
         ready = job.wait_ready(max(60.0, max_seconds))
-        bar.step(f"comm job of {comm_procs} started" + (
-            f"; data-parallel step {ready['step_s'] * 1e3:.1f} ms" if ready["step_s"] else ""))
+        bar.step(
+            f"comm job of {comm_procs} started"
+            + (f"; data-parallel step {ready['step_s'] * 1e3:.1f} ms" if ready["step_s"] else "")
+        )
     measure.warm_up(model, device, dtype, min(3.0, 0.03 * max_seconds))
-    out["matmul_tflops"] = measure.matmul_tflops(model, max(mbss), device, dtype,
-                                                 seconds=min(0.5, max_seconds * 0.02))
+    out["matmul_tflops"] = measure.matmul_tflops(
+        model, max(mbss), device, dtype, seconds=min(0.5, max_seconds * 0.02)
+    )
     bar.step(f"matmul {out['matmul_tflops'] * 1e3:.1f} GFLOP/s")
     # One-rank Trainer steps (the runtime's overheads, runtime_overhead.py) in bursts spread over
     # the profile: before the grid, after each grid round but the last, after the optimizer; each
     # next to a data-parallel burst of the comm job (its first one ran as it started).
     bursts, params = [], None
 
-    def burst(when, data_parallel=True):
+    def burst(when: str, data_parallel: bool = True) -> None:
         nonlocal params
         dp = job.burst() if job is not None and data_parallel else None
         pts, params = runtime_overhead.step_points(model, device, reps or 4)
         bursts.append(pts)
-        bar.step(f"one-rank Trainer steps {when}: " + ", ".join(
-            f"{k} micro-batch(es) {t * 1e3:.1f} ms" for k, t in sorted(pts.items()))
-            + (f"; data-parallel {dp * 1e3:.1f} ms" if dp else ""))
+        bar.step(
+            f"one-rank Trainer steps {when}: "
+            + ", ".join(f"{k} micro-batch(es) {t * 1e3:.1f} ms" for k, t in sorted(pts.items()))
+            + (f"; data-parallel {dp * 1e3:.1f} ms" if dp else "")
+        )
+
     if runtime:
         burst("before the grid", data_parallel=False)
     # The grid is measured in rounds, each visiting every point, so that a slow spell of the
@@ -139,12 +193,14 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
             e = measure.layer_entry(model, t, b, device, dtype, reps or 4)
             ends = measure.end_entries(model, t, b, device, dtype, reps or 4)
             got.setdefault((t, b), []).append((e, ends))
-            bar.step(f"round {rnd + 1} layer tp{t} mbs{b}: fwd {e['fwd_s'] * 1e3:.2f} ms bwd "
-                     f"{e['bwd_s'] * 1e3:.2f} ms")
+            bar.step(
+                f"round {rnd + 1} layer tp{t} mbs{b}: fwd {e['fwd_s'] * 1e3:.2f} ms bwd "
+                f"{e['bwd_s'] * 1e3:.2f} ms"
+            )
         if runtime and rnd < rounds - 1 and bar.left() > max_seconds * 0.45:
             burst(f"after round {rnd + 1}")
     complete = len(got) == len(points)
-    for (t, b), runs in got.items():
+    for runs in got.values():
         out["layer"].append(measure.combine([e for e, _ in runs], min))
         for kind in ("embedding", "head"):
             out[kind].append(measure.combine([ends[kind] for _, ends in runs], statistics.median))
@@ -156,40 +212,55 @@ def profile(model, device_type="cpu", tp_widths=(1, 2), micro_batch_sizes=(1, 2,
     one_rank = {k: min(b[k] for b in bursts) for k in bursts[0]} if bursts else None
     if started:
         import torch.distributed as dist
+
         dist.destroy_process_group()
     if job is not None:
         c = job.finish(max(bar.left(), 5.0) * 0.8)
-        ref = next((e for e in out["layer"] if e["mbs"] == max(mbss) and e["tp"] == widths[0]),
-                   None)
+        ref = next(
+            (e for e in out["layer"] if e["mbs"] == max(mbss) and e["tp"] == widths[0]), None
+        )
         cont = contention(c.pop("contention"), ref, one_rank, c) if "contention" in c else None
         if cont is not None:
             out["contention"] = cont
             train = cont.get("training") or {}
-            if "one_rank_step_s" in train:      # contention() says why this bounds the point
+            if "one_rank_step_s" in train:  # contention() says why this bounds the point
                 one_rank[train["microbatches"]] = train["one_rank_step_s"]
         if "tp_layer" in c:
             out["tp_layer"] = c.pop("tp_layer")
         out["comm"] = c
         fit = c["fit"]["allreduce"]
-        bar.step(f"comm {comm_procs} procs: all-reduce {fit['bandwidth_gbs']:.2f} GB/s, "
-                 f"{fit['latency_us']:.0f} us" if fit else "comm: too few points")
+        bar.step(
+            f"comm {comm_procs} procs: all-reduce {fit['bandwidth_gbs']:.2f} GB/s, "
+            f"{fit['latency_us']:.0f} us"
+            if fit
+            else "comm: too few points"
+        )
     if one_rank:
         predicted = runtime_overhead.predicted_steps(out, model, device.type, list(one_rank))
         out["runtime"] = runtime_overhead.overheads(one_rank, predicted, params)
         out["runtime"]["bursts"] = [{str(k): t for k, t in sorted(b.items())} for b in bursts]
-        bar.step(f"runtime {out['runtime']['per_microbatch_s'] * 1e3:.2f} ms/micro-batch + "
-                 f"{out['runtime']['per_step_s'] * 1e3:.2f} ms/step")
+        bar.step(
+            f"runtime {out['runtime']['per_microbatch_s'] * 1e3:.2f} ms/micro-batch + "
+            f"{out['runtime']['per_step_s'] * 1e3:.2f} ms/step"
+        )
     else:
         bar.step("runtime overheads skipped")
     bar.close()
     out["complete"] = complete
     out["seconds"] = round(bar.elapsed(), 2)
-    out["source"] = (f"hexi-profile on {out['host']} ({name}, {threads} thread(s), "
-                     f"{out['dtype']}), {out['date']}")
+    out["source"] = (
+        f"hexi-profile on {out['host']} ({name}, {threads} thread(s), "
+        f"{out['dtype']}), {out['date']}"
+    )
     return out
 
 
-def contention(cont, ref, one_rank, comm_result):
+def contention(
+    cont: dict[str, Any],
+    ref: Mapping[str, Any] | None,
+    one_rank: Mapping[int, float] | None,
+    comm_result: Mapping[str, Any],
+) -> dict[str, Any] | None:
     """The profile's `contention` entry. Preferred: the runtime's own data-parallel step on
     `procs` processes, less its gradient all-reduce (the measured curve, fp32 gradients), over the
     one-rank step with the same micro-batches (`one_rank`: {micro-batches: fastest step}); else
@@ -198,8 +269,9 @@ def contention(cont, ref, one_rank, comm_result):
     every one-rank burst met a slow spell: it then stands for the one-rank step as well
     (`training.one_rank_step_s`, and hexi-profile's runtime overheads)."""
     from planner.profile import _loglog
+
     probe = None
-    if ref is not None:          # the grid point the probe compares with was measured
+    if ref is not None:  # the grid point the probe compares with was measured
         cont["alone_s"] = ref["fwd_s"] + ref["bwd_s"]
         probe = cont["together_s"] / cont["alone_s"]
     train = cont.pop("training", None)
@@ -208,30 +280,50 @@ def contention(cont, ref, one_rank, comm_result):
     if one and len(curve) >= 2:
         sync = _loglog(curve, 4 * train["params"])
         alone = min(one, train["step_s"] - sync)
-        train.update({"one_rank_step_s": alone, "one_rank_measured_s": one,
-                      "grad_allreduce_s": sync})
-        return {"slowdown": (train["step_s"] - sync) / alone, "probe_slowdown": probe,
-                "training": train, **cont}
+        train.update(
+            {"one_rank_step_s": alone, "one_rank_measured_s": one, "grad_allreduce_s": sync}
+        )
+        return {
+            "slowdown": (train["step_s"] - sync) / alone,
+            "probe_slowdown": probe,
+            "training": train,
+            **cont,
+        }
     if probe is None:
-        return None              # nothing to compare with: the profile has no contention entry
+        return None  # nothing to compare with: the profile has no contention entry
     return {"slowdown": probe, **cont}
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hexi-profile", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="catalog model name or model YAML")
     p.add_argument("--seq-length", type=int, default=None)
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                   help="default: cuda when available, else cpu")
-    p.add_argument("--device-name", default=None, help="catalog GPU name to record "
-                   "(default: CPU, or the CUDA device's catalog match)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="default: cuda when available, else cpu",
+    )
+    p.add_argument(
+        "--device-name",
+        default=None,
+        help="catalog GPU name to record (default: CPU, or the CUDA device's catalog match)",
+    )
     p.add_argument("--tp-widths", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--comm-procs", type=int, default=0,
-                   help="also time collectives on this many local processes (>= 2)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per process (default: OMP_NUM_THREADS, else 1, as "
-                   "torchrun runs each rank)")
+    p.add_argument(
+        "--comm-procs",
+        type=int,
+        default=0,
+        help="also time collectives on this many local processes (>= 2)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per process (default: OMP_NUM_THREADS, else 1, as "
+        "torchrun runs each rank)",
+    )
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default: by budget)")
     p.add_argument("--no-runtime", action="store_true", help="skip the runtime-overhead runs")
     p.add_argument("--max-seconds", type=float, default=120.0)
@@ -239,20 +331,23 @@ def build_parser():
     return p
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from planner.errors import SpecError
     from planner.models import load_model
+
     try:
         model = load_model(args.model)
         if args.seq_length:
             import dataclasses
+
             model = dataclasses.replace(model, seq_length=args.seq_length)
     except SpecError as e:
         for line in e.problems:
             print(f"hexi-profile: error: {line}", file=sys.stderr)
         return 2
     import torch
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("hexi-profile: error: --device cuda, but torch sees no CUDA device", file=sys.stderr)
@@ -260,22 +355,33 @@ def main(argv=None):
     if args.comm_procs == 1 or args.comm_procs < 0:
         print("hexi-profile: error: --comm-procs needs at least 2 processes", file=sys.stderr)
         return 2
-    out = profile(model, device, args.tp_widths, args.micro_batch_sizes, args.comm_procs,
-                  args.threads, args.max_seconds, args.device_name, args.reps,
-                  runtime=not args.no_runtime)
+    out = profile(
+        model,
+        device,
+        args.tp_widths,
+        args.micro_batch_sizes,
+        args.comm_procs,
+        args.threads,
+        args.max_seconds,
+        args.device_name,
+        args.reps,
+        runtime=not args.no_runtime,
+    )
     with open(args.output, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"wrote {args.output}: {out['device']}, {len(out['layer'])} layer points, matmul "
-          f"{out['matmul_tflops'] * 1e3:.1f} GFLOP/s, {out['seconds']:.1f} s"
-          f"{'' if out['complete'] else ' (incomplete: --max-seconds reached)'}")
+    print(
+        f"wrote {args.output}: {out['device']}, {len(out['layer'])} layer points, matmul "
+        f"{out['matmul_tflops'] * 1e3:.1f} GFLOP/s, {out['seconds']:.1f} s"
+        f"{'' if out['complete'] else ' (incomplete: --max-seconds reached)'}"
+    )
     return 0
 
 
-
-def cli():
+def cli() -> NoReturn:
     """The hexi-profile command: main, then a deliberate exit (it may have used torch.distributed;
     megatron_hexi.process_exit says why)."""
     from megatron_hexi.process_exit import exit_process
+
     exit_process(main())
 
 

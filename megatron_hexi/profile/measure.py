@@ -9,9 +9,14 @@ several rounds spread over the run). A shared machine has slow spells of seconds
 run is 30-50 % slower (measured on a 2-core VM); a median taken inside one spell keeps the whole
 slowdown, the minimum over spread-out runs does not. What is predicted is the undisturbed cost.
 """
+
+from __future__ import annotations
+
 import statistics
 import time
 import types
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,20 +24,29 @@ from megatron_hexi.grad_sync import param_grad
 from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.model import build_stage_model, stage_config
 
-
-def _world():
+if TYPE_CHECKING:
     import torch.distributed as dist
+
+    from planner.models import ModelSpec
+    from planner.plan import RankView
+
+
+def _world() -> dist.ProcessGroup:
+    import torch.distributed as dist
+
     if not dist.is_initialized() or dist.get_world_size() != 1:
         raise RuntimeError("profile stages need a one-rank process group (Stage(group=...))")
     return dist.group.WORLD
 
 
-def sync(device):
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def shard_view(model, t, layers, first=False, last=False):
+def shard_view(
+    model: ModelSpec, t: int, layers: int, first: bool = False, last: bool = False
+) -> types.SimpleNamespace:
     """A RankView stand-in for TP rank 0 of an even t-way stage, built as a one-rank stage (only
     the fields the model builders read). Query groups and FFN columns are 1/t of the model's (at
     least one)."""
@@ -41,29 +55,52 @@ def shard_view(model, t, layers, first=False, last=False):
     f = max(1, model.ffn_hidden_size // t)
     v = max(1, model.vocab_size // t)
     return types.SimpleNamespace(
-        tp_size=1, layers=(0, layers), query_groups=(q, 0), heads=(q * hpg, 0), ffn=(f, 0),
-        vocab=(v, 0) if (first or last) else None, holds_embedding=first, holds_output=last)
+        tp_size=1,
+        layers=(0, layers),
+        query_groups=(q, 0),
+        heads=(q * hpg, 0),
+        ffn=(f, 0),
+        vocab=(v, 0) if (first or last) else None,
+        holds_embedding=first,
+        holds_output=last,
+    )
 
 
-def splits_evenly(model, t):
+def splits_evenly(model: ModelSpec, t: int) -> bool:
     """Whether a t-way TP group can hold equal shards of this model (what tp_view builds)."""
     return model.num_query_groups % t == 0 and model.ffn_hidden_size % t == 0
 
 
-def tp_view(model, t, rank, layers):
+def tp_view(model: ModelSpec, t: int, rank: int, layers: int) -> types.SimpleNamespace:
     """A RankView stand-in for TP rank `rank` of an even t-way middle stage run over a real
     t-process group: the layers run their all-reduces, as in training."""
     g, hpg = model.num_query_groups, model.num_attention_heads // model.num_query_groups
     q, f = g // t, model.ffn_hidden_size // t
     return types.SimpleNamespace(
-        tp_size=t, layers=(0, layers), query_groups=(q, rank * q), heads=(q * hpg, rank * q * hpg),
-        ffn=(f, rank * f), vocab=None, holds_embedding=False, holds_output=False)
+        tp_size=t,
+        layers=(0, layers),
+        query_groups=(q, rank * q),
+        heads=(q * hpg, rank * q * hpg),
+        ffn=(f, rank * f),
+        vocab=None,
+        holds_embedding=False,
+        holds_output=False,
+    )
 
 
 class Stage:
     """One single-rank stage: build, then time forward / backward per micro-batch."""
 
-    def __init__(self, model, view, mbs, device, dtype, recompute=False, group=None):
+    def __init__(
+        self,
+        model: ModelSpec,
+        view: RankView | types.SimpleNamespace,
+        mbs: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        recompute: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         plan = types.SimpleNamespace(model=model)
         self.cfg = stage_config(plan, view, params_dtype=dtype, recompute=recompute)
         self.net = build_stage_model(plan, view, group or _world(), self.cfg, device)
@@ -75,13 +112,14 @@ class Stage:
         gen = torch.Generator().manual_seed(1)
         self.x = torch.randn(s, mbs, h, generator=gen).to(device, dtype)
         self.grad = torch.randn(s, mbs, h, generator=gen).to(device, dtype) * 1e-3
-        self.tokens = torch.randint(0, view.vocab[0] if view.vocab else 1, (mbs, s),
-                                    generator=gen).to(device)
+        self.tokens = torch.randint(
+            0, view.vocab[0] if view.vocab else 1, (mbs, s), generator=gen
+        ).to(device)
         self.positions = torch.arange(s, device=device).unsqueeze(0).expand(mbs, s)
         self.labels = self.tokens.clone()
         self.net.train()
 
-    def forward(self):
+    def forward(self) -> torch.Tensor:
         v = self.view
         if v.holds_embedding:
             out = self.net(self.tokens, self.positions, None)
@@ -94,13 +132,13 @@ class Stage:
             return per_token.sum()
         return out
 
-    def backward(self, out):
+    def backward(self, out: torch.Tensor) -> None:
         if out.dim() == 0:
             out.backward()
         else:
             out.backward(self.grad)
 
-    def run(self):
+    def run(self) -> tuple[float, float]:
         """(forward s, backward s) of one micro-batch."""
         self.net.zero_grad(set_to_none=False)
         sync(self.device)
@@ -112,13 +150,13 @@ class Stage:
         sync(self.device)
         return t1 - t0, time.perf_counter() - t1
 
-    def time(self, reps, warmup=2):
+    def time(self, reps: int, warmup: int = 2) -> tuple[float, float]:
         """(fastest forward s, fastest backward s) of a micro-batch over `reps` runs."""
         runs = [self.run() for _ in range(warmup + reps)][warmup:]
         return min(r[0] for r in runs), min(r[1] for r in runs)
 
 
-def warm_up(model, device, dtype, seconds):
+def warm_up(model: ModelSpec, device: torch.device, dtype: torch.dtype, seconds: float) -> None:
     """Run a stage for `seconds` before anything is timed: a process's first passes are slower
     (allocator growth, lazy initialisation, clock ramp-up) and would inflate the first point."""
     st = Stage(model, shard_view(model, 1, 1), 1, device, dtype)
@@ -127,24 +165,48 @@ def warm_up(model, device, dtype, seconds):
         st.run()
 
 
-def layer_entry(model, t, mbs, device, dtype, reps, layers=2):
+def layer_entry(
+    model: ModelSpec,
+    t: int,
+    mbs: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    reps: int,
+    layers: int = 2,
+) -> dict[str, float]:
     """Per-layer seconds of a 1/t shard: forward, backward, backward under full recompute."""
     view = shard_view(model, t, layers)
     f, b = Stage(model, view, mbs, device, dtype).time(reps)
     _, brc = Stage(model, view, mbs, device, dtype, recompute=True).time(reps)
-    return {"tp": t, "query_groups": view.query_groups[0], "ffn": view.ffn[0], "mbs": mbs,
-            "fwd_s": f / layers, "bwd_s": b / layers, "bwd_recompute_s": brc / layers}
+    return {
+        "tp": t,
+        "query_groups": view.query_groups[0],
+        "ffn": view.ffn[0],
+        "mbs": mbs,
+        "fwd_s": f / layers,
+        "bwd_s": b / layers,
+        "bwd_recompute_s": brc / layers,
+    }
 
 
-def end_entries(model, t, mbs, device, dtype, reps, warmup=2):
+def end_entries(
+    model: ModelSpec,
+    t: int,
+    mbs: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    reps: int,
+    warmup: int = 2,
+) -> dict[str, dict[str, float]]:
     """Embedding stage and head stage costs: a one-layer first / last stage minus a one-layer
     middle stage (same stage machinery, so per-stage overheads cancel). The three stages run in
     turn and each difference is taken within one round, so a slow spell of the machine hits both
     sides of it; the median over rounds is kept."""
     stages = {"middle": Stage(model, shard_view(model, t, 1), mbs, device, dtype)}
     for kind, first, last in (("embedding", True, False), ("head", False, True)):
-        stages[kind] = Stage(model, shard_view(model, t, 1, first=first, last=last), mbs,
-                             device, dtype)
+        stages[kind] = Stage(
+            model, shard_view(model, t, 1, first=first, last=last), mbs, device, dtype
+        )
     diffs = {"embedding": [], "head": []}
     for i in range(warmup + reps):
         times = {k: st.run() for k, st in stages.items()}
@@ -153,13 +215,19 @@ def end_entries(model, t, mbs, device, dtype, reps, warmup=2):
                 diffs[kind].append([a - b for a, b in zip(times[kind], times["middle"])])
     out = {}
     for kind, d in diffs.items():
-        out[kind] = {"tp": t, "vocab": stages[kind].view.vocab[0], "mbs": mbs,
-                     "fwd_s": max(statistics.median(x[0] for x in d), 0.0),
-                     "bwd_s": max(statistics.median(x[1] for x in d), 0.0)}
+        out[kind] = {
+            "tp": t,
+            "vocab": stages[kind].view.vocab[0],
+            "mbs": mbs,
+            "fwd_s": max(statistics.median(x[0] for x in d), 0.0),
+            "bwd_s": max(statistics.median(x[1] for x in d), 0.0),
+        }
     return out
 
 
-def matmul_tflops(model, mbs, device, dtype, seconds=0.5):
+def matmul_tflops(
+    model: ModelSpec, mbs: int, device: torch.device, dtype: torch.dtype, seconds: float = 0.5
+) -> float:
     """Achieved throughput of the layer's largest GEMM shape ([s*b, h] x [h, ffn])."""
     m, k, n = model.seq_length * mbs, model.hidden_size, model.ffn_hidden_size
     a = torch.randn(m, k, device=device, dtype=dtype)
@@ -179,33 +247,55 @@ def matmul_tflops(model, mbs, device, dtype, seconds=0.5):
     return 2.0 * m * k * n * count / dt / 1e12
 
 
-def optimizer_entry(model, device, dtype, reps, layer_counts=(1, 3)):
+class _AllOwned:
+    """Stands in for a GradientSync whose rank owns every gradient: what the optimizer's exact
+    norm reads (a single rank holds the whole stage)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.params = params
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        return [param_grad(p) for p in self.params]
+
+
+def optimizer_entry(
+    model: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    reps: int,
+    layer_counts: Sequence[int] = (1, 3),
+) -> dict[str, Any]:
     """The runtime's optimizer step (megatron-core FP32Optimizer/Float16 wrapper around AdamW,
     exact grad norm over the world, clipping) on stage models of two sizes: fit fixed + per param.
     Needs an initialised process group (one rank is enough)."""
-    from megatron_hexi.config import (LRScheduleConfig, OptimizerConfig, PrecisionConfig,
-                                      RunConfig, TrainingConfig)
+    from megatron_hexi.config import (
+        LRScheduleConfig,
+        OptimizerConfig,
+        PrecisionConfig,
+        RunConfig,
+        TrainingConfig,
+    )
     from megatron_hexi.optimizer import build_optimizer
-    config = RunConfig(training=TrainingConfig(train_iters=100),
-                       optimizer=OptimizerConfig(lr=1e-4),
-                       lr_schedule=LRScheduleConfig(lr_decay_style="constant"),
-                       precision=PrecisionConfig(bf16=dtype == torch.bfloat16))
+
+    config = RunConfig(
+        training=TrainingConfig(train_iters=100),
+        optimizer=OptimizerConfig(lr=1e-4),
+        lr_schedule=LRScheduleConfig(lr_decay_style="constant"),
+        precision=PrecisionConfig(bf16=dtype == torch.bfloat16),
+    )
     points = []
     for n in layer_counts:
         st = Stage(model, shard_view(model, 1, n), 1, device, dtype)
         params = [p for p in st.net.parameters()]
         bf16 = dtype == torch.bfloat16
-        for p in params:      # bf16: gradients live in fp32 main_grad, as in the runtime
+        for p in params:  # bf16: gradients live in fp32 main_grad, as in the runtime
             g = torch.randn(p.shape, dtype=torch.float32, device=p.device) * 1e-3
             if bf16:
                 p.main_grad = g
             else:
                 p.grad = g
 
-        class _Owned:
-            def owned_grads(self):
-                return [param_grad(p) for p in params]
-        opt, _ = build_optimizer(st.net, _Owned(), config)
+        opt, _ = build_optimizer(st.net, _AllOwned(params), config)
         times = []
         for i in range(reps + 2):
             sync(device)
@@ -217,11 +307,16 @@ def optimizer_entry(model, device, dtype, reps, layer_counts=(1, 3)):
         points.append((sum(p.numel() for p in params), min(times)))
     (n1, t1), (n2, t2) = points
     per = max((t2 - t1) / (n2 - n1), 1e-15)
-    return {"fixed_s": max(t1 - per * n1, 0.0), "s_per_param": per,
-            "points": [{"params": n, "s": t} for n, t in points]}
+    return {
+        "fixed_s": max(t1 - per * n1, 0.0),
+        "s_per_param": per,
+        "points": [{"params": n, "s": t} for n, t in points],
+    }
 
 
-def combine(entries, statistic):
+def combine(
+    entries: Sequence[Mapping[str, Any]], statistic: Callable[[Iterable[float]], float]
+) -> dict[str, Any]:
     """One grid entry from several rounds' entries of the same point: `statistic` (min for the
     layer times; median for the embedding/head differences, which are taken within a round, so a
     spell is mostly divided out) of each time."""
@@ -232,11 +327,10 @@ def combine(entries, statistic):
     return out
 
 
-def sizes_for(model, tp_widths):
+def sizes_for(model: ModelSpec, tp_widths: Iterable[int]) -> list[int]:
     """TP widths that give distinct, non-empty shards of this model."""
     out = []
     for t in tp_widths:
         if t >= 1 and t <= model.num_query_groups and t not in out:
             out.append(t)
     return out or [1]
-

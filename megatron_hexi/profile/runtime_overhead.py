@@ -7,50 +7,94 @@ bookkeeping, data, loss, Python) and per step (zero_grad, token all-reduce and g
 grad norm, stats all-reduce, scheduler). Asking the planner itself, rather than re-adding stage
 times here, makes the planner reproduce these one-rank steps.
 """
+
+from __future__ import annotations
+
 import json
 import os
 import tempfile
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_hexi.config import RunConfig
+    from planner.cluster import ClusterSpec
+    from planner.models import ModelSpec
+    from planner.plan import Plan
 
 
-def _node_gpu(device_type):
+def _node_gpu(device_type: str) -> str:
     """The catalog entry the one-node plans name (the plan format needs one; on CUDA any GPU
     with room for the model will do: the Trainer runs on the local device)."""
     return "CPU" if device_type == "cpu" else "A100-SXM-80GB"
 
 
-def _cluster(device_type, procs, profile_path=None):
+def _cluster(device_type: str, procs: int, profile_path: str | None = None) -> ClusterSpec:
     from planner.cluster import load_cluster_dict
-    node = {"name": "local", "gpu": _node_gpu(device_type), "gpus_per_node": procs,
-            "intra_node": "host", "nic": "10 Gbit/s"}
+
+    node = {
+        "name": "local",
+        "gpu": _node_gpu(device_type),
+        "gpus_per_node": procs,
+        "intra_node": "host",
+        "nic": "10 Gbit/s",
+    }
     if profile_path:
         node["profile"] = profile_path
     return load_cluster_dict({"name": f"profile-{procs}", "nodes": [node]})
 
 
-def _one_stage_plans(cluster, model, mbs, nmb, pipelines):
+def _one_stage_plans(
+    cluster: ClusterSpec, model: ModelSpec, mbs: int, nmb: int, pipelines: int
+) -> Plan:
     from planner.plan import build_plan
-    return build_plan(cluster, model, mbs * nmb * pipelines, [
-        {"micro_batch_size": mbs, "num_microbatches": nmb,
-         "stages": [{"ranks": [r], "layers": [0, model.num_layers]}]} for r in range(pipelines)])
+
+    return build_plan(
+        cluster,
+        model,
+        mbs * nmb * pipelines,
+        [
+            {
+                "micro_batch_size": mbs,
+                "num_microbatches": nmb,
+                "stages": [{"ranks": [r], "layers": [0, model.num_layers]}],
+            }
+            for r in range(pipelines)
+        ],
+    )
 
 
-def step_config(iters):
+def step_config(iters: int) -> RunConfig:
     """The RunConfig of the timed steps: mock data, constant lr, no dropout."""
-    from megatron_hexi.config import (DataConfig, DropoutConfig, LRScheduleConfig,
-                                      OptimizerConfig, RunConfig, TrainingConfig)
-    return RunConfig(training=TrainingConfig(train_iters=iters),
-                     optimizer=OptimizerConfig(lr=1e-4),
-                     lr_schedule=LRScheduleConfig(lr_decay_style="constant"),
-                     dropout=DropoutConfig(attention_dropout=0.0, hidden_dropout=0.0),
-                     data=DataConfig(mock_data=True))
+    from megatron_hexi.config import (
+        DataConfig,
+        DropoutConfig,
+        LRScheduleConfig,
+        OptimizerConfig,
+        RunConfig,
+        TrainingConfig,
+    )
+
+    return RunConfig(
+        training=TrainingConfig(train_iters=iters),
+        optimizer=OptimizerConfig(lr=1e-4),
+        lr_schedule=LRScheduleConfig(lr_decay_style="constant"),
+        dropout=DropoutConfig(attention_dropout=0.0, hidden_dropout=0.0),
+        data=DataConfig(mock_data=True),
+    )
 
 
-def _steps(model, device, mbs, nmb, iters, pipelines=1):
+def _steps(
+    model: ModelSpec, device: torch.device, mbs: int, nmb: int, iters: int, pipelines: int = 1
+) -> tuple[float, int]:
     """Fastest step time of a plan of `pipelines` one-stage pipelines (one per process of the
     current process group), and the parameters of one rank."""
     import torch.distributed as dist
 
     from megatron_hexi.training import Trainer
+
     plan = _one_stage_plans(_cluster(device.type, pipelines), model, mbs, nmb, pipelines)
     trainer = Trainer(plan, step_config(iters), device)
     times = [trainer.train_step(i)["step_time_s"] for i in range(iters)]
@@ -60,7 +104,9 @@ def _steps(model, device, mbs, nmb, iters, pipelines=1):
     return min(times[2:]), params
 
 
-def data_parallel_step(model, device, reps, procs, k=4):
+def data_parallel_step(
+    model: ModelSpec, device: torch.device, reps: int, procs: int, k: int = 4
+) -> dict[str, Any]:
     """Fastest step of `procs` one-stage pipelines training at once (k micro-batches of 1 each),
     run inside a `procs`-process group: against the one-rank step with the same micro-batches it
     gives the slowdown of the runtime itself when `procs` ranks share the node."""
@@ -68,7 +114,9 @@ def data_parallel_step(model, device, reps, procs, k=4):
     return {"procs": procs, "microbatches": k, "step_s": step, "params": params}
 
 
-def step_points(model, device, reps, k=4):
+def step_points(
+    model: ModelSpec, device: torch.device, reps: int, k: int = 4
+) -> tuple[dict[int, float], int]:
     """{micro-batches: fastest one-rank step} for 1 and k micro-batches of 1, and the params.
     hexi-profile takes several such bursts spread over the profile and keeps the fastest of each
     point: a slow spell of the machine during one burst does not stick."""
@@ -77,32 +125,44 @@ def step_points(model, device, reps, k=4):
     return {1: t1, k: tk}, params
 
 
-def predicted_steps(profile, model, device_type, microbatches):
+def predicted_steps(
+    profile: Mapping[str, Any], model: ModelSpec, device_type: str, microbatches: Iterable[int]
+) -> dict[int, float]:
     """{k: the planner's step time for the one-rank plan of k micro-batches of 1}, from this
     profile without its runtime overheads (pure planner code; no torch)."""
     from planner.profile import _profile_of
     from planner.simulator import simulate
+
     bare = {key: v for key, v in profile.items() if key not in ("runtime", "contention")}
-    bare["device"] = _node_gpu(device_type)     # the figures are the profile's own
+    bare["device"] = _node_gpu(device_type)  # the figures are the profile's own
     with tempfile.TemporaryDirectory(prefix="hexi-profile-") as tmp:
         path = os.path.join(tmp, "profile.json")
         with open(path, "w") as fh:
             json.dump(bare, fh)
         cluster = _cluster(device_type, 1, path)
-        out = {k: simulate(_one_stage_plans(cluster, model, 1, k, 1)).iteration_time_s
-               for k in microbatches}
+        out = {
+            k: simulate(_one_stage_plans(cluster, model, 1, k, 1)).iteration_time_s
+            for k in microbatches
+        }
         _profile_of.cache_clear()
     return out
 
 
-def overheads(points, predicted, params):
+def overheads(
+    points: Mapping[int, float], predicted: Mapping[int, float], params: int
+) -> dict[str, Any]:
     """The profile's `runtime` entry: {"per_microbatch_s", "per_step_s", ...} from measured
     one-rank steps `points` {k: s} and the planner's `predicted` {k: s} for the same plans. Both
     terms are clamped at zero: where the planner predicts more than ran, it stays conservative."""
     (n1, t1), (k, tk) = sorted(points.items())
     r1, rk = t1 - predicted[n1], tk - predicted[k]
     per_mb = max((rk - r1) / (k - n1), 0.0)
-    return {"per_microbatch_s": per_mb, "per_step_s": max(r1 - per_mb * n1, 0.0),
-            "points": [{"microbatches": n, "step_s": t, "predicted_s": predicted[n]}
-                       for n, t in sorted(points.items())],
-            "params": params}
+    return {
+        "per_microbatch_s": per_mb,
+        "per_step_s": max(r1 - per_mb * n1, 0.0),
+        "points": [
+            {"microbatches": n, "step_s": t, "predicted_s": predicted[n]}
+            for n, t in sorted(points.items())
+        ],
+        "params": params,
+    }

@@ -1,8 +1,9 @@
 """The checkpoint every test of this folder reads or copies, trained once."""
+
 import pytest
 
-from harness import run_distributed
 from checkpoint.workers import train
+from harness import run_distributed
 from runtime.plans import PLANS, write_plan
 
 ITERS = ["--train-iters", "4"]
@@ -15,8 +16,19 @@ def straight(tmp_path_factory):
     d = tmp_path_factory.mktemp("straight")
     model, world, pipelines = PLANS["two_pipelines_uneven_tp2"]
     plan = write_plan(d, "plan_a", model, world, pipelines)
-    result = run_distributed(train, world, plan, [*ITERS, "--save", str(d / "ckpt"),
-                                                  "--save-interval", "2",
-                                                  "--tensorboard-dir", str(d / "tb")],
-                             timeout=300)[0]
+    result = run_distributed(
+        train,
+        world,
+        plan,
+        [
+            *ITERS,
+            "--save",
+            str(d / "ckpt"),
+            "--save-interval",
+            "2",
+            "--tensorboard-dir",
+            str(d / "tb"),
+        ],
+        timeout=300,
+    )[0]
     return d, plan, result

@@ -7,6 +7,7 @@ stage boundaries, other TP and uneven shards, and the distributed optimizer) mus
 1e-5, parameters and Adam state included, and plan B's own checkpoint must hold the same tensors
 as plan A's.
 """
+
 import json
 import os
 import shutil
@@ -14,18 +15,28 @@ import shutil
 import pytest
 import torch
 
-from harness import run_distributed
 from checkpoint.conftest import ITERS
 from checkpoint.workers import max_relative_difference, train
+from harness import run_distributed
 from megatron_hexi.checkpoint import TRACKER, Checkpoint, CheckpointError, read_full_model
 from planner.layout import canonical_shards
 from planner.models import load_model
 from runtime.plans import PLANS, write_plan
 
-PLAN_B = [{"micro_batch_size": 4, "num_microbatches": 2, "stages": [
-    {"ranks": [0, 1], "layers": [0, 2],
-     "shards": {"query_groups": [1, 3], "ffn": [100, 156], "vocab": [28, 100]}},
-    {"ranks": [2], "layers": [2, 4]}]}]
+PLAN_B = [
+    {
+        "micro_batch_size": 4,
+        "num_microbatches": 2,
+        "stages": [
+            {
+                "ranks": [0, 1],
+                "layers": [0, 2],
+                "shards": {"query_groups": [1, 3], "ffn": [100, 156], "vocab": [28, 100]},
+            },
+            {"ranks": [2], "layers": [2, 4]},
+        ],
+    }
+]
 
 
 def _events(result, kind):
@@ -35,27 +46,35 @@ def _events(result, kind):
 def test_resume_same_plan_is_exact(straight, tmp_path):
     d, plan, ref = straight
     world = PLANS["two_pipelines_uneven_tp2"][1]
-    res = run_distributed(train, world, plan, [*ITERS, "--load", str(d / "ckpt"),
-                                               "--ckpt-step", "2"], timeout=300)[0]
+    res = run_distributed(
+        train, world, plan, [*ITERS, "--load", str(d / "ckpt"), "--ckpt-step", "2"], timeout=300
+    )[0]
     assert res["iterations"] == [3, 4]
     loss = max(max_relative_difference(a, b) for a, b in zip(res["losses"], ref["losses"][2:]))
-    norm = max(max_relative_difference(a, b) for a, b in zip(res["grad_norms"],
-                                                               ref["grad_norms"][2:]))
+    norm = max(
+        max_relative_difference(a, b) for a, b in zip(res["grad_norms"], ref["grad_norms"][2:])
+    )
     param = max(max_relative_difference(res["params"][k], ref["params"][k]) for k in ref["params"])
     save = _events(ref, "save_iteration")
     load = _events(res, "load_iteration")
-    print(f"resume, same plan: max relative difference loss {loss:.2e}, grad norm {norm:.2e}, "
-          f"parameters {param:.2e}; plan A save {save[0]['seconds']:.3f} s "
-          f"{save[0]['bytes'] / 1e6:.2f} MB, load {load[0]['seconds']:.3f} s")
+    print(
+        f"resume, same plan: max relative difference loss {loss:.2e}, grad norm {norm:.2e}, "
+        f"parameters {param:.2e}; plan A save {save[0]['seconds']:.3f} s "
+        f"{save[0]['bytes'] / 1e6:.2f} MB, load {load[0]['seconds']:.3f} s"
+    )
     assert loss < 1e-6 and norm < 1e-6 and param < 1e-6
 
 
 def test_resume_under_another_plan(straight, tmp_path):
     d, _, ref = straight
     plan_b = write_plan(tmp_path, "plan_b", "tiny", 3, PLAN_B, use_distributed_optimizer=True)
-    res = run_distributed(train, 3, plan_b, [*ITERS, "--load", str(d / "ckpt"), "--ckpt-step",
-                                             "2", "--save", str(tmp_path / "ckpt_b")],
-                          timeout=300)[0]
+    res = run_distributed(
+        train,
+        3,
+        plan_b,
+        [*ITERS, "--load", str(d / "ckpt"), "--ckpt-step", "2", "--save", str(tmp_path / "ckpt_b")],
+        timeout=300,
+    )[0]
     assert res["iterations"] == [3, 4]
     loss = max(max_relative_difference(a, b) for a, b in zip(res["losses"], ref["losses"][2:]))
     param = max(max_relative_difference(res["params"][k], ref["params"][k]) for k in ref["params"])
@@ -66,13 +85,21 @@ def test_resume_under_another_plan(straight, tmp_path):
     moments = 0.0
     for s in canonical_shards(load_model("tiny")):
         for kind in ("param", "exp_avg", "exp_avg_sq"):
-            moments = max(moments, max_relative_difference(b.read_full(s.name, s.shape, s.dim, kind),
-                                                           a.read_full(s.name, s.shape, s.dim, kind)))
+            moments = max(
+                moments,
+                max_relative_difference(
+                    b.read_full(s.name, s.shape, s.dim, kind),
+                    a.read_full(s.name, s.shape, s.dim, kind),
+                ),
+            )
     save = _events(res, "save_iteration")
     load = _events(res, "load_iteration")
-    print(f"resume, plan B: max relative difference loss {loss:.2e}, parameters {param:.2e}, "
-          f"saved tensors (params, Adam moments) {moments:.2e}; plan B save "
-          f"{save[0]['seconds']:.3f} s {save[0]['bytes'] / 1e6:.2f} MB, load {load[0]['seconds']:.3f} s")
+    print(
+        f"resume, plan B: max relative difference loss {loss:.2e}, parameters {param:.2e}, "
+        f"saved tensors (params, Adam moments) {moments:.2e}; plan B save "
+        f"{save[0]['seconds']:.3f} s {save[0]['bytes'] / 1e6:.2f} MB, "
+        f"load {load[0]['seconds']:.3f} s"
+    )
     assert loss < 1e-5 and param < 1e-5 and moments < 1e-5
 
 
@@ -89,14 +116,24 @@ def test_checkpoint_layout_and_tensorboard(straight):
     _, _, tensors = read_full_model(str(ckpt))
     assert all(torch.equal(tensors[k], ref["params"][k]) for k in ref["params"])
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(d / "tb"))
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    for tag in ("lm loss", "learning-rate", "grad-norm", "tokens-per-second", "mfu",
-                "pipeline-step-time/pipeline-0", "pipeline-step-time/pipeline-1",
-                "peak-memory-gb/rank-3"):
+    for tag in (
+        "lm loss",
+        "learning-rate",
+        "grad-norm",
+        "tokens-per-second",
+        "mfu",
+        "pipeline-step-time/pipeline-0",
+        "pipeline-step-time/pipeline-1",
+        "peak-memory-gb/rank-3",
+    ):
         assert tag in tags, tag
-    assert [round(e.value, 5) for e in acc.Scalars("lm loss")] == [round(x, 5) for x in ref["losses"]]
+    assert [round(e.value, 5) for e in acc.Scalars("lm loss")] == [
+        round(x, 5) for x in ref["losses"]
+    ]
 
 
 def assert_written_once(meta):
@@ -105,10 +142,10 @@ def assert_written_once(meta):
     for rows in meta["files"].values():
         for row in rows:
             covered.setdefault((row["kind"], row["name"]), []).append(
-                (row["start"], row["start"] + row["length"]))
+                (row["start"], row["start"] + row["length"])
+            )
     shards = canonical_shards(load_model("tiny"))
-    assert set(covered) == {(k, s.name) for s in shards for k in ("param", "exp_avg",
-                                                                 "exp_avg_sq")}
+    assert set(covered) == {(k, s.name) for s in shards for k in ("param", "exp_avg", "exp_avg_sq")}
     for s in shards:
         for k in ("param", "exp_avg", "exp_avg_sq"):
             pos = 0
@@ -134,7 +171,7 @@ def _read_everything(path, step=None):
 
 def test_missing_and_corrupt_checkpoints_are_clear_errors(straight, tmp_path):
     ckpt = _broken_copy(straight, tmp_path)
-    _read_everything(ckpt)                                   # the intact copy reads
+    _read_everything(ckpt)  # the intact copy reads
     with pytest.raises(CheckpointError, match="no such directory"):
         Checkpoint(str(tmp_path / "nowhere"))
     (ckpt / TRACKER).write_text("6")
@@ -151,9 +188,10 @@ def test_missing_and_corrupt_checkpoints_are_clear_errors(straight, tmp_path):
         _read_everything(ckpt, 4)
     path = ckpt / "iter_0000002" / "rank_00001.safetensors"
     data = path.read_bytes()
-    path.write_bytes(data[:len(data) - 100])
-    with pytest.raises(CheckpointError, match="iter_0000002/rank_00001.safetensors: corrupt or "
-                                              "truncated"):
+    path.write_bytes(data[: len(data) - 100])
+    with pytest.raises(
+        CheckpointError, match="iter_0000002/rank_00001.safetensors: corrupt or truncated"
+    ):
         _read_everything(ckpt, 2)
     (ckpt / "iter_0000002" / "checkpoint.json").write_text("{")
     with pytest.raises(CheckpointError, match="iter_0000002/checkpoint.json: corrupt"):
@@ -163,9 +201,12 @@ def test_missing_and_corrupt_checkpoints_are_clear_errors(straight, tmp_path):
 def test_incompatible_model_names_the_fields(straight):
     ckpt = Checkpoint(str(straight[0] / "ckpt"))
     ckpt.check_model(load_model("tiny"))
-    with pytest.raises(CheckpointError, match=r"different model \(ffn_hidden_size: checkpoint 256, "
-                                              r"this run 192; num_attention_heads: checkpoint 4, "
-                                              r"this run 8; vocab_size: checkpoint 128, this run 120\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"different model \(ffn_hidden_size: checkpoint 256, "
+        r"this run 192; num_attention_heads: checkpoint 4, "
+        r"this run 8; vocab_size: checkpoint 128, this run 120\)",
+    ):
         ckpt.check_model(load_model("tiny-gqa"))
 
 
@@ -173,16 +214,20 @@ def test_flag_errors_and_missing_tensorboard(monkeypatch):
     from megatron_hexi.arguments import parse_args
     from megatron_hexi.tensorboard_log import check_available
     from planner.errors import SpecError
+
     base = ["--hetero-plan-path", "p.json", "--mock-data", "--train-iters", "2", "--lr", "1e-3"]
-    for flags, message in ((["--save-interval", "2"], "--save-interval needs --save DIR"),
-                           (["--ckpt-step", "2"], "--ckpt-step needs --load DIR"),
-                           (["--finetune"], "--finetune needs --load DIR"),
-                           (["--save", "d", "--save-interval", "0"], "--save-interval must be"),
-                           (["--distributed-timeout-minutes", "0"], "must be > 0")):
+    for flags, message in (
+        (["--save-interval", "2"], "--save-interval needs --save DIR"),
+        (["--ckpt-step", "2"], "--ckpt-step needs --load DIR"),
+        (["--finetune"], "--finetune needs --load DIR"),
+        (["--save", "d", "--save-interval", "0"], "--save-interval must be"),
+        (["--distributed-timeout-minutes", "0"], "must be > 0"),
+    ):
         with pytest.raises(SpecError, match=message):
             parse_args(base + flags)
-    args = parse_args(base + ["--distributed-timeout-minutes", "0.25", "--load", "d",
-                              "--hetero-load-if-exists"])
+    args = parse_args(
+        base + ["--distributed-timeout-minutes", "0.25", "--load", "d", "--hetero-load-if-exists"]
+    )
     assert args.distributed_timeout_minutes == 0.25
     monkeypatch.setitem(__import__("sys").modules, "torch.utils.tensorboard", None)
     with pytest.raises(SpecError, match="--tensorboard-dir needs the tensorboard package"):
@@ -194,6 +239,7 @@ def test_interrupted_commits_leave_a_loadable_checkpoint(tmp_path):
     directory; a renamed directory whose pointer was not updated yet; a re-save of the same
     iteration killed between its two renames. Each time the pointer's checkpoint loads."""
     from megatron_hexi import checkpoint as ck
+
     model = load_model("tiny")
     gen = torch.Generator().manual_seed(0)
     tensors = {s.name: torch.randn(s.shape, generator=gen) for s in canonical_shards(model)}

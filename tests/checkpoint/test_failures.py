@@ -9,6 +9,7 @@ checkpoint was completed; run 2 resumes, and rank 1 kills itself in the middle o
 torchrun) resumes from the checkpoint before the broken save and finishes. Iterations computed
 twice must agree bit for bit, and every iteration 1..N must be in the metrics.
 """
+
 import json
 import os
 import re
@@ -17,8 +18,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from conftest import REPO
 from harness import _kill_tree, free_port, run_torchrun
 from megatron_hexi.checkpoint import TRACKER, Checkpoint
@@ -26,19 +25,50 @@ from planner.layout import canonical_shards
 from planner.models import load_model
 from runtime.plans import REFERENCE, write_plan
 
-TWO_STAGES = [{"micro_batch_size": 2, "num_microbatches": 4, "stages": [
-    {"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}]}]
+TWO_STAGES = [
+    {
+        "micro_batch_size": 2,
+        "num_microbatches": 4,
+        "stages": [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}],
+    }
+]
 TRAIN_ITERS, INTERVAL, TIMEOUT_MIN = 14, 3, 0.5
 
 
 def command(tmp_path, plan):
     d = tmp_path / "ckpt"
-    return ["--hetero-plan-path", str(plan), "--mock-data", "--train-iters", str(TRAIN_ITERS),
-            "--lr", "1e-3", "--lr-decay-style", "cosine", "--attention-dropout", "0",
-            "--hidden-dropout", "0", "--adam-eps", "1e-4", "--seed", "7",
-            "--save", str(d), "--save-interval", str(INTERVAL), "--load", str(d),
-            "--hetero-load-if-exists", "--hetero-metrics-path", str(tmp_path / "metrics.jsonl"),
-            "--distributed-timeout-minutes", str(TIMEOUT_MIN), "--log-interval", "1"]
+    return [
+        "--hetero-plan-path",
+        str(plan),
+        "--mock-data",
+        "--train-iters",
+        str(TRAIN_ITERS),
+        "--lr",
+        "1e-3",
+        "--lr-decay-style",
+        "cosine",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--adam-eps",
+        "1e-4",
+        "--seed",
+        "7",
+        "--save",
+        str(d),
+        "--save-interval",
+        str(INTERVAL),
+        "--load",
+        str(d),
+        "--hetero-load-if-exists",
+        "--hetero-metrics-path",
+        str(tmp_path / "metrics.jsonl"),
+        "--distributed-timeout-minutes",
+        str(TIMEOUT_MIN),
+        "--log-interval",
+        "1",
+    ]
 
 
 def launch(tmp_path, tag, argv, world, env=None):
@@ -47,13 +77,28 @@ def launch(tmp_path, tag, argv, world, env=None):
     port = free_port()
     procs = []
     for rank in range(world):
-        e = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-             "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-             "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", **(env or {})}
+        e = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        }
         out = open(tmp_path / f"{tag}.{rank}.out", "w")
         err = open(tmp_path / f"{tag}.{rank}.err", "w")
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "pretrain_gpt.py"), *argv],
-                                      env=e, stdout=out, stderr=err, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(REPO / "pretrain_gpt.py"), *argv],
+                env=e,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+        )
     return procs
 
 
@@ -94,16 +139,22 @@ def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
         assert "a collective failed" in err0, err0
         k1 = int((ckpt / TRACKER).read_text())
         assert k1 >= 2 * INTERVAL and k1 < TRAIN_ITERS - INTERVAL
-        assert re.search(rf"last complete checkpoint: iteration {k1} in .*rerun the same command "
-                         rf"with --load", err0), err0
+        assert re.search(
+            rf"last complete checkpoint: iteration {k1} in .*rerun the same command "
+            rf"with --load",
+            err0,
+        ), err0
         run1 = [m["iteration"] for m in metrics(tmp_path)]
-        print(f"run 1: rank 1 killed after iteration {run1[-1]}; rank 0 exited (code {codes[0]}) "
-              f"{exited_after:.1f} s later; last checkpoint {k1}")
+        print(
+            f"run 1: rank 1 killed after iteration {run1[-1]}; rank 0 exited (code {codes[0]}) "
+            f"{exited_after:.1f} s later; last checkpoint {k1}"
+        )
 
         # Run 2: the same command resumes from k1; rank 1 dies inside the save of k1 + INTERVAL.
         k2 = k1 + INTERVAL
-        procs = launch(tmp_path, "run2", argv, 2,
-                       {"HEXI_FAULT_INJECT": f"kill-in-save:{k2}:1:written"})
+        procs = launch(
+            tmp_path, "run2", argv, 2, {"HEXI_FAULT_INJECT": f"kill-in-save:{k2}:1:written"}
+        )
         codes = wait_all(procs, time.monotonic() + 240)
         err0 = (tmp_path / "run2.0.err").read_text()
         out0 = (tmp_path / "run2.0.out").read_text()
@@ -141,12 +192,28 @@ def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
 
     # A checkpoint loaded with another model is one clear error naming the fields.
     other = write_plan(tmp_path, "gqa", "tiny-gqa", 1, REFERENCE)
-    code, out, err = run_torchrun([REPO / "pretrain_gpt.py", "--hetero-plan-path", other,
-                                   "--mock-data", "--train-iters", "1", "--lr", "1e-3",
-                                   "--load", ckpt], 1, timeout=120)
-    assert code != 0, err[-3000:]   # the rank exits 2; torchrun reports 1
-    assert re.search(r"pretrain_gpt.py: error: .*holds a different model \(ffn_hidden_size: "
-                     r"checkpoint 256, this run 192; num_attention_heads", err), err[-3000:]
+    code, out, err = run_torchrun(
+        [
+            REPO / "pretrain_gpt.py",
+            "--hetero-plan-path",
+            other,
+            "--mock-data",
+            "--train-iters",
+            "1",
+            "--lr",
+            "1e-3",
+            "--load",
+            ckpt,
+        ],
+        1,
+        timeout=120,
+    )
+    assert code != 0, err[-3000:]  # the rank exits 2; torchrun reports 1
+    assert re.search(
+        r"pretrain_gpt.py: error: .*holds a different model \(ffn_hidden_size: "
+        r"checkpoint 256, this run 192; num_attention_heads",
+        err,
+    ), err[-3000:]
 
 
 def test_hung_rank_fails_the_others_within_the_timeout(tmp_path):
@@ -154,14 +221,27 @@ def test_hung_rank_fails_the_others_within_the_timeout(tmp_path):
     collective timeout (--distributed-timeout-minutes, fractions allowed) runs out."""
     timeout_min = 0.2
     plan = write_plan(tmp_path, "two_stages", "tiny", 2, TWO_STAGES)
-    argv = ["--hetero-plan-path", str(plan), "--mock-data", "--train-iters", "500", "--lr", "1e-3",
-            "--hetero-metrics-path", str(tmp_path / "metrics.jsonl"), "--log-interval", "100",
-            "--distributed-timeout-minutes", str(timeout_min)]
+    argv = [
+        "--hetero-plan-path",
+        str(plan),
+        "--mock-data",
+        "--train-iters",
+        "500",
+        "--lr",
+        "1e-3",
+        "--hetero-metrics-path",
+        str(tmp_path / "metrics.jsonl"),
+        "--log-interval",
+        "100",
+        "--distributed-timeout-minutes",
+        str(timeout_min),
+    ]
     procs = launch(tmp_path, "hang", argv, 2)
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not any(m["iteration"] >= 2
-                                                      for m in metrics(tmp_path)):
+        while time.monotonic() < deadline and not any(
+            m["iteration"] >= 2 for m in metrics(tmp_path)
+        ):
             assert all(p.poll() is None for p in procs), "a rank ended early"
             time.sleep(0.05)
         os.kill(procs[1].pid, signal.SIGSTOP)
@@ -169,8 +249,10 @@ def test_hung_rank_fails_the_others_within_the_timeout(tmp_path):
         code = wait_all(procs[:1], stopped + timeout_min * 60 + 30)[0]
         after = time.monotonic() - stopped
         err = (tmp_path / "hang.0.err").read_text()
-        print(f"rank 1 stopped; rank 0 exited (code {code}) {after:.1f} s later "
-              f"(timeout {timeout_min * 60:g} s)")
+        print(
+            f"rank 1 stopped; rank 0 exited (code {code}) {after:.1f} s later "
+            f"(timeout {timeout_min * 60:g} s)"
+        )
         assert code not in (None, 0), err
         assert timeout_min * 60 * 0.8 < after < timeout_min * 60 + 15, after
         assert "a collective failed" in err and "imed out" in err, err

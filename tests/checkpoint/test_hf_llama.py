@@ -1,10 +1,11 @@
-"""tools/convert_hf_llama.py: HF LlamaForCausalLM -> our checkpoint -> logits under a plan, and back.
+"""tools/convert_hf_llama.py: HF LlamaForCausalLM -> our checkpoint -> logits, and back to HF.
 
 A tiny random Llama (GQA: 4 heads in 2 key/value groups, untied output layer, norms perturbed
 away from ones) is saved with transformers, imported, loaded under a heterogeneous plan (three
 stages, a TP=2 stage with uneven FFN and vocabulary shards) and run forward; the logits must match
 transformers' within 1e-4 (fp32). HF -> ours -> HF must give identical tensors.
 """
+
 import importlib.util
 import json
 
@@ -13,38 +14,55 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from checkpoint.workers import logits
 from conftest import REPO
 from harness import run_distributed
-from checkpoint.workers import logits
 from planner.models import load_model
 from planner.plan import build_plan, save_plan
 from runtime.plans import cpu_cluster
 
-PIPELINES = [{"micro_batch_size": 2, "num_microbatches": 4, "stages": [
-    {"ranks": [0, 1], "layers": [0, 1], "shards": {"ffn": [100, 60], "vocab": [90, 38]}},
-    {"ranks": [2], "layers": [1, 3]},
-    {"ranks": [3], "layers": [3, 4]}]}]
+PIPELINES = [
+    {
+        "micro_batch_size": 2,
+        "num_microbatches": 4,
+        "stages": [
+            {"ranks": [0, 1], "layers": [0, 1], "shards": {"ffn": [100, 60], "vocab": [90, 38]}},
+            {"ranks": [2], "layers": [1, 3]},
+            {"ranks": [3], "layers": [3, 4]},
+        ],
+    }
+]
 
 
 def converter():
-    spec = importlib.util.spec_from_file_location("convert_hf_llama",
-                                                  REPO / "tools" / "convert_hf_llama.py")
+    spec = importlib.util.spec_from_file_location(
+        "convert_hf_llama", REPO / "tools" / "convert_hf_llama.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def tiny_llama(directory, tie=False, layers=4):
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie,
-                         max_position_embeddings=64, attn_implementation="eager",
-                         initializer_range=0.25)   # large enough for sharp attention patterns
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+        initializer_range=0.25,
+    )  # large enough for sharp attention patterns
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:            # ones would hide a mix-up of the norms
+            if "norm" in name:  # ones would hide a mix-up of the norms
                 p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(directory)
     return model
@@ -61,12 +79,25 @@ def test_round_trip_is_identical(tmp_path, tie):
     after = load_file(tmp_path / "back" / "model.safetensors")
     assert before.keys() == after.keys()
     for name in before:
-        assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name
+        assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), (
+            name
+        )
     cfg_a = json.loads((tmp_path / "hf" / "config.json").read_text())
     cfg_b = json.loads((tmp_path / "back" / "config.json").read_text())
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size", "rms_norm_eps", "tie_word_embeddings",
-                "head_dim", "rope_parameters", "max_position_embeddings", "bos_token_id"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "head_dim",
+        "rope_parameters",
+        "max_position_embeddings",
+        "bos_token_id",
+    ):
         assert cfg_a[key] == cfg_b[key], key
     # transformers loads the export.
     LlamaForCausalLM.from_pretrained(tmp_path / "back")
@@ -79,8 +110,9 @@ def test_logits_match_transformers_under_a_heterogeneous_plan(tmp_path):
     plan = build_plan(cpu_cluster(4), load_model(str(yml)), 8, PIPELINES)
     save_plan(plan, tmp_path / "plan.json")
     tokens = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(3))
-    ours = run_distributed(logits, 4, tmp_path / "plan.json", tmp_path / "ckpt", tokens,
-                           timeout=300)[0]
+    ours = run_distributed(
+        logits, 4, tmp_path / "plan.json", tmp_path / "ckpt", tokens, timeout=300
+    )[0]
     with torch.no_grad():
         reference = hf(tokens).logits.float()
     diff = (ours - reference).abs().max().item()
@@ -93,8 +125,10 @@ def test_logits_match_transformers_under_a_heterogeneous_plan(tmp_path):
                 proj.weight.copy_(w.view(heads, 8, 2, 64).transpose(1, 2).reshape(w.shape))
         interleaved = hf(tokens).logits.float()
     wrong = (ours - interleaved).abs().max().item()
-    print(f"max |logits - transformers' logits| = {diff:.2e} (logits up to "
-          f"{reference.abs().max().item():.2f}; against an interleaved-rotary model: {wrong:.2e})")
+    print(
+        f"max |logits - transformers' logits| = {diff:.2e} (logits up to "
+        f"{reference.abs().max().item():.2f}; against an interleaved-rotary model: {wrong:.2e})"
+    )
     assert diff < 1e-4
     assert wrong > 1e-2
 
@@ -102,9 +136,17 @@ def test_logits_match_transformers_under_a_heterogeneous_plan(tmp_path):
 def test_unsupported_hf_models_are_clear_errors(tmp_path):
     conv = converter()
     from planner.errors import SpecError
+
     with pytest.raises(SpecError, match="rope type 'llama3'"):
-        conv.model_fields({"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 8,
-                           "num_attention_heads": 4, "vocab_size": 8,
-                           "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}})
+        conv.model_fields(
+            {
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "intermediate_size": 8,
+                "num_attention_heads": 4,
+                "vocab_size": 8,
+                "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5},
+            }
+        )
     with pytest.raises(SpecError, match="no model.safetensors"):
         conv.read_hf_tensors(tmp_path)

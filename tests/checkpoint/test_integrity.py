@@ -6,12 +6,13 @@ Copies of the `straight` checkpoint (plan A, 4 ranks; iter_0000002 and iter_0000
 with 1 KiB checksum blocks so that the tiny model's tensors span many, are damaged one way each:
 a flipped byte in a weight, a flipped byte in an Adam moment, a NaN written into a weight (each
 past the first block of a tensor that a loading rank reads), a rank file copied from the other
-save, an edited iteration, checkpoint.json without "files". One 2-rank job (another plan) loads each and must get the same one-line error naming the
-file (and the tensor) on every rank; the same job fails a save with a full disk and checks that it
-left nothing behind. One pretrain_gpt.py launch shows the error as it reaches users: a
-`pretrain_gpt.py: error:` line and exit code 2 on every rank, also on the rank that read nothing
-damaged. The rest runs in this process.
+save, an edited iteration, checkpoint.json without "files". One 2-rank job (another plan) loads
+each and must get the same one-line error naming the file (and the tensor) on every rank; the same
+job fails a save with a full disk and checks that it left nothing behind. One pretrain_gpt.py
+launch shows the error as it reaches users: a `pretrain_gpt.py: error:` line and exit code 2 on
+every rank, also on the rank that read nothing damaged. The rest runs in this process.
 """
+
 import json
 import math
 import os
@@ -25,10 +26,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from harness import run_distributed
 from checkpoint.test_failures import TWO_STAGES, launch, wait_all
 from checkpoint.test_hf_llama import converter, tiny_llama
 from checkpoint.workers import BASE_FLAGS, load_each
+from harness import run_distributed
 from megatron_hexi import checkpoint as ck
 from megatron_hexi.checkpoint import METADATA, TRACKER, Checkpoint, CheckpointError
 from planner.layout import canonical_shards
@@ -58,7 +59,7 @@ def patch(path, key, element, new_bytes=None):
     if new_bytes is None:
         data[pos] ^= 0x01
     else:
-        data[pos:pos + len(new_bytes)] = new_bytes
+        data[pos : pos + len(new_bytes)] = new_bytes
     path.write_bytes(bytes(data))
 
 
@@ -71,12 +72,21 @@ def reblock(root, block_bytes):
         for fname, rows in meta["files"].items():
             with safe_open(str(d / fname), framework="pt") as f:
                 header = f.metadata()
-                entries = [(r["kind"], r["name"], r["dim"], r["start"], r["shape"],
-                            f.get_tensor(r["key"]).clone()) for r in rows]
+                entries = [
+                    (
+                        r["kind"],
+                        r["name"],
+                        r["dim"],
+                        r["start"],
+                        r["shape"],
+                        f.get_tensor(r["key"]).clone(),
+                    )
+                    for r in rows
+                ]
             os.unlink(d / fname)
-            meta["files"][fname] = ck.write_rank_file(d / fname, entries,
-                                                      int(header["iteration"]),
-                                                      header["save_id"], block_bytes)
+            meta["files"][fname] = ck.write_rank_file(
+                d / fname, entries, int(header["iteration"]), header["save_id"], block_bytes
+            )
         meta["block_bytes"] = block_bytes
         meta["checksum"] = ck.meta_checksum(meta)
         meta_path.write_text(json.dumps(meta))
@@ -135,32 +145,49 @@ def damaged(straight, tmp_path_factory):
     fname, row = find_row(d / ITER, "param", "decoder.layers.3.mlp.linear_fc2")
     at = numel(row) // 2 + 5
     patch(d / ITER / fname, row["key"], at)
-    cases["weight"] = (d, None, rf"{ITER}/{fname}: param of {re.escape(row['name'])} \(tensor "
-                                rf"{re.escape(row['key'])}\) does not match its checksum "
-                                + block_of(at))
+    cases["weight"] = (
+        d,
+        None,
+        rf"{ITER}/{fname}: param of {re.escape(row['name'])} \(tensor "
+        rf"{re.escape(row['key'])}\) does not match its checksum " + block_of(at),
+    )
     d = copy("moment")
     fname, row = find_row(d / ITER, "exp_avg_sq", "embedding.")
     at = numel(row) // 2 + 7
     patch(d / ITER / fname, row["key"], at)
-    cases["moment"] = (d, None, rf"{ITER}/{fname}: exp_avg_sq of {re.escape(row['name'])} "
-                                rf"\(tensor {re.escape(row['key'])}\) does not match its checksum "
-                                + block_of(at))
+    cases["moment"] = (
+        d,
+        None,
+        rf"{ITER}/{fname}: exp_avg_sq of {re.escape(row['name'])} "
+        rf"\(tensor {re.escape(row['key'])}\) does not match its checksum " + block_of(at),
+    )
     d = copy("nan")
     fname, row = find_row(d / ITER, "param", "decoder.layers.0.mlp")
     at = numel(row) - 3
     patch(d / ITER / fname, row["key"], at, struct.pack("<f", math.nan))
-    cases["nan"] = (d, None, rf"{ITER}/{fname}: param of {re.escape(row['name'])} \(tensor "
-                             rf"{re.escape(row['key'])}\) does not match its checksum "
-                             + block_of(at))
+    cases["nan"] = (
+        d,
+        None,
+        rf"{ITER}/{fname}: param of {re.escape(row['name'])} \(tensor "
+        rf"{re.escape(row['key'])}\) does not match its checksum " + block_of(at),
+    )
     d = copy("other_save")
     shutil.copy(d / "iter_0000002" / "rank_00001.safetensors", d / ITER)
-    cases["other_save"] = (d, None, rf"{ITER}/rank_00001.safetensors: from another save "
-                                    rf"\(iteration 2, save id \w+; checkpoint.json has iteration "
-                                    rf"4, save id \w+\)")
+    cases["other_save"] = (
+        d,
+        None,
+        rf"{ITER}/rank_00001.safetensors: from another save "
+        rf"\(iteration 2, save id \w+; checkpoint.json has iteration "
+        rf"4, save id \w+\)",
+    )
     d = copy("iteration")
     edit_meta(d / ITER, lambda m: m.update(iteration=6))
-    cases["iteration"] = (d, None, rf"{ITER}/checkpoint.json: iteration 6, but its directory is "
-                                   rf"the checkpoint of iteration 4")
+    cases["iteration"] = (
+        d,
+        None,
+        rf"{ITER}/checkpoint.json: iteration 6, but its directory is "
+        rf"the checkpoint of iteration 4",
+    )
     d = copy("no_files")
     edit_meta(d / ITER, lambda m: m.pop("files"))
     cases["no_files"] = (d, None, rf"{ITER}/checkpoint.json: key 'files' missing")
@@ -179,16 +206,18 @@ def test_damaged_checkpoints_are_refused_on_every_rank(damaged, tmp_path):
     results = run_distributed(load_each, 2, plan, cases, save_dir, timeout=300)
     assert results[0] == results[1], results
     got = results[0]
-    for label, (d, _, pattern) in damaged.items():
+    for label, (_, _, pattern) in damaged.items():
         print(f"{label}: {got[label]}")
         assert len(got[label].splitlines()) == 1, got[label]
         assert re.search(pattern, got[label]), (label, got[label])
     assert "checkpoint save of iteration 6" in got["disk full"], got["disk full"]
     assert "No space left on device" in got["disk full"], got["disk full"]
-    assert re.fullmatch(r"checkpoint save of iteration 8: exp_avg_sq of \S+ \(tensor "
-                        r"exp_avg_sq/\S+\) is not finite: not saved; the last complete "
-                        r"checkpoint is iteration 4 \(launch rank 1\)", got["non-finite"]), \
-        got["non-finite"]
+    assert re.fullmatch(
+        r"checkpoint save of iteration 8: exp_avg_sq of \S+ \(tensor "
+        r"exp_avg_sq/\S+\) is not finite: not saved; the last complete "
+        r"checkpoint is iteration 4 \(launch rank 1\)",
+        got["non-finite"],
+    ), got["non-finite"]
     assert got["left over"] == [], got["left over"]
     assert got["after failed saves"] == 4
     assert (save_dir / TRACKER).read_text() == "4"
@@ -218,8 +247,17 @@ def test_pretrain_gpt_reports_a_damaged_checkpoint_on_every_rank(damaged, tmp_pa
     """Only launch rank 1 reads the damaged layer; both ranks print the error and exit 2."""
     d, _, pattern = damaged["weight"]
     plan = write_plan(tmp_path, "two_stages", "tiny", 2, TWO_STAGES)
-    argv = ["--hetero-plan-path", str(plan), *BASE_FLAGS, "--train-iters", "4", "--load", str(d),
-            "--distributed-timeout-minutes", "1"]
+    argv = [
+        "--hetero-plan-path",
+        str(plan),
+        *BASE_FLAGS,
+        "--train-iters",
+        "4",
+        "--load",
+        str(d),
+        "--distributed-timeout-minutes",
+        "1",
+    ]
     for line in error_line_of_each_rank(tmp_path, "load", argv):
         assert re.search(pattern, line), line
         assert line.endswith("(launch rank 1)"), line
@@ -287,9 +325,12 @@ def test_non_finite_values_are_refused(straight, tmp_path):
     os.unlink(path)
     rows = ck.write_rank_file(path, entries, 4, meta["save_id"])
     edit_meta(d / ITER, lambda m: m["files"].update({fname: rows}), fix_checksum=True)
-    with pytest.raises(CheckpointError, match=rf"{ITER}/{fname}: exp_avg of "
-                                              rf"{re.escape(row['name'])} \(tensor "
-                                              rf"{re.escape(row['key'])}\) holds NaN or inf"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{ITER}/{fname}: exp_avg of "
+        rf"{re.escape(row['name'])} \(tensor "
+        rf"{re.escape(row['key'])}\) holds NaN or inf",
+    ):
         _read_everything(d)
 
 
@@ -300,45 +341,76 @@ def test_edited_checkpoint_json_is_refused(straight, tmp_path):
     os.rename(d / ITER, d / "iter_0000006")
     (d / TRACKER).write_text("6")
     edit_meta(d / "iter_0000006", lambda m: m.update(iteration=6))
-    with pytest.raises(CheckpointError, match=r"iter_0000006/checkpoint.json: its content does "
-                                              r"not match its checksum"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"iter_0000006/checkpoint.json: its content does "
+        r"not match its checksum",
+    ):
         Checkpoint(str(d))
     edit_meta(d / "iter_0000006", lambda m: None, fix_checksum=True)
-    with pytest.raises(CheckpointError, match=r"iter_0000006/rank_\d+.safetensors: from another "
-                                              r"save \(iteration 4, save id \w+; checkpoint.json "
-                                              r"has iteration 6"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"iter_0000006/rank_\d+.safetensors: from another "
+        r"save \(iteration 4, save id \w+; checkpoint.json "
+        r"has iteration 6",
+    ):
         _read_everything(d)
     # A rank file whose tensor list differs from checkpoint.json's, with the right save id.
     d = tmp_path / "swapped"
     shutil.copytree(straight[0] / "ckpt", d)
-    edit_meta(d / ITER, lambda m: m["files"]["rank_00000.safetensors"][0].update(
-        checksums=["00000000"]), fix_checksum=True)
-    with pytest.raises(CheckpointError, match=rf"{ITER}/rank_00000.safetensors: its tensor list "
-                                              rf"and checksums differ from checkpoint.json's"):
+    edit_meta(
+        d / ITER,
+        lambda m: m["files"]["rank_00000.safetensors"][0].update(checksums=["00000000"]),
+        fix_checksum=True,
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{ITER}/rank_00000.safetensors: its tensor list "
+        rf"and checksums differ from checkpoint.json's",
+    ):
         _read_everything(d)
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda m: m.pop("save_id"), r"key 'save_id' missing"),
-    (lambda m: m.pop("rng"), r"key 'rng' missing"),
-    (lambda m: m.update(iteration="4"), r"iteration must be an integer >= 0, got \"4\""),
-    (lambda m: m.update(adam_step=-1), r"adam_step must be null or an integer >= 0, got -1"),
-    (lambda m: m.update(files=[]), r"files must be an object of file name -> list of index rows"),
-    (lambda m: m["files"].update({"../x.safetensors": []}),
-     r"files: '../x.safetensors' is not a rank file name"),
-    (lambda m: m["files"]["rank_00000.safetensors"][0].pop("checksums"),
-     r"key files.rank_00000.safetensors\[0\].'checksums' missing"),
-    (lambda m: m["files"]["rank_00000.safetensors"][0].update(checksums=["crc32:0"]),
-     r"files.rank_00000.safetensors\[0\].checksums must be a list of crc32s"),
-    (lambda m: m["files"]["rank_00000.safetensors"][0]["checksums"].append("00000000"),
-     r"files.rank_00000.safetensors\[0\].checksums has 2 entries, its \d+ bytes make 1 blocks"),
-    (lambda m: m.update(block_bytes=0), r"block_bytes must be an integer >= 1, got 0"),
-    (lambda m: m.pop("block_bytes"), r"key 'block_bytes' missing"),
-    (lambda m: m["files"]["rank_00000.safetensors"][1].update(dtype="int8"),
-     r"files.rank_00000.safetensors\[1\].dtype must be one of float32"),
-    (lambda m: m["files"]["rank_00000.safetensors"][0].update(start=10 ** 6),
-     r"files.rank_00000.safetensors\[0\] \(\S+\) is inconsistent"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda m: m.pop("save_id"), r"key 'save_id' missing"),
+        (lambda m: m.pop("rng"), r"key 'rng' missing"),
+        (lambda m: m.update(iteration="4"), r"iteration must be an integer >= 0, got \"4\""),
+        (lambda m: m.update(adam_step=-1), r"adam_step must be null or an integer >= 0, got -1"),
+        (
+            lambda m: m.update(files=[]),
+            r"files must be an object of file name -> list of index rows",
+        ),
+        (
+            lambda m: m["files"].update({"../x.safetensors": []}),
+            r"files: '../x.safetensors' is not a rank file name",
+        ),
+        (
+            lambda m: m["files"]["rank_00000.safetensors"][0].pop("checksums"),
+            r"key files.rank_00000.safetensors\[0\].'checksums' missing",
+        ),
+        (
+            lambda m: m["files"]["rank_00000.safetensors"][0].update(checksums=["crc32:0"]),
+            r"files.rank_00000.safetensors\[0\].checksums must be a list of crc32s",
+        ),
+        (
+            lambda m: m["files"]["rank_00000.safetensors"][0]["checksums"].append("00000000"),
+            r"files.rank_00000.safetensors\[0\].checksums has 2 entries, "
+            r"its \d+ bytes make 1 blocks",
+        ),
+        (lambda m: m.update(block_bytes=0), r"block_bytes must be an integer >= 1, got 0"),
+        (lambda m: m.pop("block_bytes"), r"key 'block_bytes' missing"),
+        (
+            lambda m: m["files"]["rank_00000.safetensors"][1].update(dtype="int8"),
+            r"files.rank_00000.safetensors\[1\].dtype must be one of float32",
+        ),
+        (
+            lambda m: m["files"]["rank_00000.safetensors"][0].update(start=10**6),
+            r"files.rank_00000.safetensors\[0\] \(\S+\) is inconsistent",
+        ),
+    ],
+)
 def test_malformed_checkpoint_json_names_the_key(straight, tmp_path, change, message):
     d = _copy(straight, tmp_path)
     edit_meta(d / ITER, change)
@@ -350,20 +422,27 @@ def test_export_refuses_a_damaged_checkpoint(tmp_path, capsys):
     conv = converter()
     tiny_llama(tmp_path / "hf", layers=2)
     conv.import_hf(tmp_path / "hf", tmp_path / "ckpt", seq_length=32)
-    assert conv.main(["export", "--load", str(tmp_path / "ckpt"), "--output",
-                      str(tmp_path / "ok")]) == 0
+    assert (
+        conv.main(["export", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "ok")])
+        == 0
+    )
     name = "decoder.layers.1.mlp.linear_fc2.weight"
     path = tmp_path / "ckpt" / "release" / "rank_00000.safetensors"
     patch(path, f"param/{name}/0", 11)
     capsys.readouterr()
-    assert conv.main(["export", "--load", str(tmp_path / "ckpt"), "--output",
-                      str(tmp_path / "bad")]) == 2
+    assert (
+        conv.main(["export", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "bad")])
+        == 2
+    )
     err = capsys.readouterr().err
-    assert re.fullmatch(rf"convert_hf_llama.py: error: {re.escape(str(path))}: param of "
-                        rf"{re.escape(name)} \(tensor param/{re.escape(name)}/0\) does not "
-                        rf"match its checksum \(block 0, bytes \[0, \d+\): stored "
-                        rf"crc32:[0-9a-f]{{8}}, read crc32:[0-9a-f]{{8}}\): changed "
-                        rf"or damaged after the save\n", err), err
+    assert re.fullmatch(
+        rf"convert_hf_llama.py: error: {re.escape(str(path))}: param of "
+        rf"{re.escape(name)} \(tensor param/{re.escape(name)}/0\) does not "
+        rf"match its checksum \(block 0, bytes \[0, \d+\): stored "
+        rf"crc32:[0-9a-f]{{8}}, read crc32:[0-9a-f]{{8}}\): changed "
+        rf"or damaged after the save\n",
+        err,
+    ), err
     assert not (tmp_path / "bad" / "model.safetensors").exists()
 
 
@@ -371,8 +450,11 @@ def test_previous_format_is_refused(straight, tmp_path):
     """A checkpoint of format 2 (one checksum per tensor) is refused with the version named."""
     d = _copy(straight, tmp_path)
     edit_meta(d / ITER, lambda m: m.update(format_version=2), fix_checksum=True)
-    with pytest.raises(CheckpointError, match=rf"{ITER}/checkpoint.json: format_version 2, this "
-                                              rf"runtime reads {ck.FORMAT_VERSION}$"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{ITER}/checkpoint.json: format_version 2, this "
+        rf"runtime reads {ck.FORMAT_VERSION}$",
+    ):
         Checkpoint(str(d))
 
 
@@ -410,8 +492,9 @@ def _read(d, row, lo, hi):
     want[row["dim"]] = hi - lo
     out = torch.empty(want)
     with Checkpoint(str(d)) as ckpt:
-        ckpt.read_range(row["kind"], row["name"], row["dim"], row["start"] + lo, hi - lo,
-                        row["shape"], out)
+        ckpt.read_range(
+            row["kind"], row["name"], row["dim"], row["start"] + lo, hi - lo, row["shape"], out
+        )
     return ckpt
 
 
@@ -428,7 +511,7 @@ def test_a_slice_along_the_first_dimension_checks_only_its_blocks(straight, tmp_
     assert ckpt.read_bytes == nbytes * half // row["length"]
     assert ckpt.read_bytes <= ckpt.checked_bytes < ckpt.read_bytes + SMALL_BLOCK
     path = d / ITER / fname
-    late = numel(row) - 2                  # in the half not read
+    late = numel(row) - 2  # in the half not read
     patch(path, row["key"], late)
     _read(d, row, 0, half)
     pattern = rf"{fname}: exp_avg of {re.escape(row['name'])} .* does not match its checksum "
@@ -436,9 +519,9 @@ def test_a_slice_along_the_first_dimension_checks_only_its_blocks(straight, tmp_
         _read(d, row, half, row["length"])
     with pytest.raises(CheckpointError, match=pattern + block_of(late)):
         _read_everything(d)
-    patch(path, row["key"], late)          # flipped back: intact again
+    patch(path, row["key"], late)  # flipped back: intact again
     _read_everything(d)
-    patch(path, row["key"], 3)             # in the half read
+    patch(path, row["key"], 3)  # in the half read
     with pytest.raises(CheckpointError, match=pattern + block_of(3)):
         _read(d, row, 0, half)
 
@@ -454,14 +537,16 @@ def test_slices_along_an_inner_dimension_check_each_block_once(straight, tmp_pat
     with Checkpoint(str(d)) as ckpt:
         for lo, hi in ((0, half), (half, row["length"])):
             out = torch.empty(row["shape"][0], hi - lo)
-            ckpt.read_range("param", row["name"], 1, row["start"] + lo, hi - lo, row["shape"],
-                            out)
+            ckpt.read_range("param", row["name"], 1, row["start"] + lo, hi - lo, row["shape"], out)
     assert ckpt.read_bytes == nbytes and ckpt.checked_bytes == nbytes
     one = _read(d, row, half, row["length"])
     assert one.checked_bytes == nbytes and one.read_bytes == nbytes - nbytes * half // row["length"]
-    patch(d / ITER / fname, row["key"], 0)       # element 0 lies in the first half's columns
-    with pytest.raises(CheckpointError, match=rf"{re.escape(row['key'])}\) does not match its "
-                                              rf"checksum {block_of(0)}"):
+    patch(d / ITER / fname, row["key"], 0)  # element 0 lies in the first half's columns
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{re.escape(row['key'])}\) does not match its "
+        rf"checksum {block_of(0)}",
+    ):
         _read(d, row, half, row["length"])
 
 
@@ -480,9 +565,12 @@ def test_a_full_read_finds_a_flipped_byte_anywhere(straight, tmp_path):
         data[offset + pos] ^= 0x80
         path.write_bytes(bytes(data))
         i = pos // SMALL_BLOCK
-        with pytest.raises(CheckpointError, match=rf"{re.escape(row['key'])}\) does not match "
-                                                  rf"its checksum \(block {i}, bytes "
-                                                  rf"\[{i * SMALL_BLOCK}, "):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"{re.escape(row['key'])}\) does not match "
+            rf"its checksum \(block {i}, bytes "
+            rf"\[{i * SMALL_BLOCK}, ",
+        ):
             _read_everything(d)
         data[offset + pos] ^= 0x80
         path.write_bytes(bytes(data))
@@ -501,8 +589,8 @@ def test_non_finite_finds_nan_and_inf_in_every_dtype_and_layout():
             u = t.clone()
             u[4, 3] = bad
             assert ck.non_finite(u) and ck.non_finite(u[:, 3:]), (dtype, bad)
-            assert not ck.non_finite(u[:, :3]), (dtype, bad)     # the slice read is clean
-            assert ck.non_finite(u[4, 3]), (dtype, bad)          # zero dimensions
+            assert not ck.non_finite(u[:, :3]), (dtype, bad)  # the slice read is clean
+            assert ck.non_finite(u[4, 3]), (dtype, bad)  # zero dimensions
 
 
 def test_a_failed_read_releases_the_pool_and_files(damaged):
@@ -532,9 +620,12 @@ def test_params_only_save_refuses_non_finite(tmp_path):
     tensors = {s.name: torch.zeros(s.shape) for s in canonical_shards(model)}
     name = canonical_shards(model)[1].name
     tensors[name][0] = math.nan
-    with pytest.raises(CheckpointError, match=rf"param of {re.escape(name)} \(tensor "
-                                              rf"param/{re.escape(name)}/0\) is not finite: not "
-                                              rf"saved"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"param of {re.escape(name)} \(tensor "
+        rf"param/{re.escape(name)}/0\) is not finite: not "
+        rf"saved",
+    ):
         ck.save_params_only(str(tmp_path / "out"), model, tensors)
     assert not (tmp_path / "out").exists()
 
@@ -545,15 +636,31 @@ def test_pretrain_gpt_refuses_to_save_non_finite_weights(tmp_path):
     complete checkpoint (exit 2), which stays in place and loads."""
     plan = write_plan(tmp_path, "two_stages", "tiny", 2, TWO_STAGES)
     save = tmp_path / "ckpt"
-    argv = ["--hetero-plan-path", str(plan), *BASE_FLAGS, "--train-iters", "3", "--lr", "1e30",
-            "--clip-grad", "0", "--no-check-for-nan-in-loss-and-grad", "--save", str(save),
-            "--save-interval", "1", "--distributed-timeout-minutes", "1"]
+    argv = [
+        "--hetero-plan-path",
+        str(plan),
+        *BASE_FLAGS,
+        "--train-iters",
+        "3",
+        "--lr",
+        "1e30",
+        "--clip-grad",
+        "0",
+        "--no-check-for-nan-in-loss-and-grad",
+        "--save",
+        str(save),
+        "--save-interval",
+        "1",
+        "--distributed-timeout-minutes",
+        "1",
+    ]
     for line in error_line_of_each_rank(tmp_path, "nan", argv):
         assert re.fullmatch(
             r"pretrain_gpt.py: error: checkpoint save of iteration 2: (param|exp_avg|exp_avg_sq) "
             r"of \S+ \(tensor \S+\) is not finite(, as are \d+ more tensors)?: not saved; the "
             r"last complete checkpoint is iteration 1 \(launch ranks? [01](, 1)?\)",
-            line), line
+            line,
+        ), line
     assert (save / TRACKER).read_text() == "1"
     assert sorted(os.listdir(save)) == ["iter_0000001", TRACKER]
     with Checkpoint(str(save)) as ckpt:

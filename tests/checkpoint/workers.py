@@ -1,11 +1,28 @@
-"""Functions the checkpoint tests run on every rank (module level, so spawned processes find them)."""
+"""Functions the checkpoint tests run on every rank (module level, so spawned ranks find them)."""
+
 import torch
 
 # As tests/runtime/workers.py (Adam eps 1e-4 keeps rounding noise from being amplified), with a
 # linear lr decay so that the scheduler state matters on resume.
-BASE_FLAGS = ["--adam-eps", "1e-4", "--mock-data", "--lr", "1e-3", "--lr-decay-style", "linear",
-              "--seed", "1234", "--attention-dropout", "0", "--hidden-dropout", "0",
-              "--log-interval", "1000", "--weight-decay", "0.01"]
+BASE_FLAGS = [
+    "--adam-eps",
+    "1e-4",
+    "--mock-data",
+    "--lr",
+    "1e-3",
+    "--lr-decay-style",
+    "linear",
+    "--seed",
+    "1234",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--log-interval",
+    "1000",
+    "--weight-decay",
+    "0.01",
+]
 
 
 def train(plan_path, flags=()):
@@ -22,10 +39,12 @@ def train(plan_path, flags=()):
     device = init_distributed(plan, config)
     trainer, history = run(plan, config, device)
     full = trainer.full_parameters()
-    out = {"iterations": [h["iteration"] for h in history],
-           "losses": [h["lm_loss"] for h in history],
-           "grad_norms": [h["grad_norm"] for h in history],
-           "events": trainer.checkpoint_events}
+    out = {
+        "iterations": [h["iteration"] for h in history],
+        "losses": [h["lm_loss"] for h in history],
+        "grad_norms": [h["grad_norm"] for h in history],
+        "events": trainer.checkpoint_events,
+    }
     if dist.get_rank() == 0:
         out["params"] = {k: v.clone() for k, v in full.items()}
     return out
@@ -39,8 +58,17 @@ def logits(plan_path, load_dir, tokens):
     from megatron_hexi.training import Trainer, init_distributed
     from planner.plan import load_plan
 
-    args = parse_args(["--hetero-plan-path", str(plan_path), *BASE_FLAGS, "--train-iters", "1",
-                       "--load", str(load_dir)])
+    args = parse_args(
+        [
+            "--hetero-plan-path",
+            str(plan_path),
+            *BASE_FLAGS,
+            "--train-iters",
+            "1",
+            "--load",
+            str(load_dir),
+        ]
+    )
     plan, config = load_plan(args.hetero_plan_path), run_config(args)
     trainer = Trainer(plan, config, init_distributed(plan, config))
     checkpoint.load(trainer, config.checkpoint)
@@ -71,8 +99,17 @@ def load_each(plan_path, cases, save_dir):
     from megatron_hexi.training import Trainer, init_distributed
     from planner.plan import load_plan
 
-    args = parse_args(["--hetero-plan-path", str(plan_path), *BASE_FLAGS, "--train-iters", "4",
-                       "--load", str(save_dir)])
+    args = parse_args(
+        [
+            "--hetero-plan-path",
+            str(plan_path),
+            *BASE_FLAGS,
+            "--train-iters",
+            "4",
+            "--load",
+            str(save_dir),
+        ]
+    )
     plan, config = load_plan(args.hetero_plan_path), run_config(args)
     trainer = Trainer(plan, config, init_distributed(plan, config))
     out = {}
@@ -90,6 +127,7 @@ def load_each(plan_path, cases, save_dir):
 
     def disk_full(*_):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     write_json, checkpoint._write_json = checkpoint._write_json, disk_full
     try:
         checkpoint.save(trainer, str(save_dir), 6)

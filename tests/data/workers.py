@@ -1,6 +1,7 @@
 """What the data tests run on every rank: train a plan on real data exactly as pretrain_gpt.py
 does (tests/runtime/workers.py's flags, --data-path instead of --mock-data), recording the
 micro-batches each rank's pipeline read."""
+
 import torch
 
 from runtime.workers import BASE_FLAGS
@@ -24,22 +25,33 @@ def train_real(plan_path, extra_flags):
 
     def recording(dataset, plan, view, iteration):
         for batch in real(dataset, plan, view, iteration):
-            read.setdefault(iteration, []).append((batch["tokens"].clone(),
-                                                   batch["labels"].clone()))
+            read.setdefault(iteration, []).append(
+                (batch["tokens"].clone(), batch["labels"].clone())
+            )
             yield batch
-    data.pipeline_microbatches = recording    # training.py imports it at each step
+
+    data.pipeline_microbatches = recording  # training.py imports it at each step
 
     args = parse_args(["--hetero-plan-path", str(plan_path), *REAL_FLAGS, *extra_flags])
     plan, config = load_plan(args.hetero_plan_path), run_config(args)
     device = init_distributed(plan, config)
     trainer, history = run(plan, config, device)
     v = trainer.view
-    mine = {"plan_rank": trainer.rank, "pipeline": v.pipeline, "samples": tuple(v.samples),
-            "embedding": v.holds_embedding, "output": v.holds_output,
-            "read": {it: (torch.cat([t for t, _ in mbs]), torch.cat([lb for _, lb in mbs]))
-                     for it, mbs in read.items()}}
+    mine = {
+        "plan_rank": trainer.rank,
+        "pipeline": v.pipeline,
+        "samples": tuple(v.samples),
+        "embedding": v.holds_embedding,
+        "output": v.holds_output,
+        "read": {
+            it: (torch.cat([t for t, _ in mbs]), torch.cat([lb for _, lb in mbs]))
+            for it, mbs in read.items()
+        },
+    }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return {"losses": [h["lm_loss"] for h in history],
-            "grad_norms": [h["grad_norm"] for h in history],
-            "ranks": {e["plan_rank"]: e for e in everyone}}
+    return {
+        "losses": [h["lm_loss"] for h in history],
+        "grad_norms": [h["grad_norm"] for h in history],
+        "ranks": {e["plan_rank"]: e for e in everyone},
+    }

@@ -11,6 +11,7 @@ that signal), stdout, stderr, the child's CPU seconds (user + system, from its o
 peak resident memory (the child's ru_maxrss, which starts at this process's own, also reported).
 An uncaught exception is printed as a traceback on stderr with exit code 1, as Python would.
 """
+
 import json
 import os
 import resource
@@ -19,7 +20,7 @@ import sys
 import tempfile
 import traceback
 
-EXTRA_ADDRESS_SPACE = 384 * 2**20   # a few hundred MB on top of the imported planner
+EXTRA_ADDRESS_SPACE = 384 * 2**20  # a few hundred MB on top of the imported planner
 CPU_SECONDS = 20
 WALL_SECONDS = 300
 
@@ -44,6 +45,7 @@ def _child(argv, out_fd, err_fd, address_space):
         resource.setrlimit(resource.RLIMIT_CPU, (CPU_SECONDS, CPU_SECONDS))
         signal.alarm(WALL_SECONDS)
         from planner.cli import main
+
         code = main(argv)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
@@ -67,15 +69,20 @@ def run_case(argv, address_space):
         code = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
-        return {"exit": code, "stdout": out.read().decode("utf-8", "replace"),
-                "stderr": err.read().decode("utf-8", "replace"), "cpu_seconds": usage.ru_utime + usage.ru_stime,
-                "max_rss_mb": usage.ru_maxrss / 1024}
+        return {
+            "exit": code,
+            "stdout": out.read().decode("utf-8", "replace"),
+            "stderr": err.read().decode("utf-8", "replace"),
+            "cpu_seconds": usage.ru_utime + usage.ru_stime,
+            "max_rss_mb": usage.ru_maxrss / 1024,
+        }
 
 
 def main(cases_path, results_path):
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     import planner.cli
     import planner.search_cli  # noqa: F401  (imported once here, not in every child)
+
     planner.cli.build_parser()
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     address_space = _mapped_bytes() + EXTRA_ADDRESS_SPACE

@@ -1,5 +1,6 @@
 """The bounds of planner/limits.py admit real inputs up to the limit and refuse one step beyond,
 and the strict readers keep what ordinary files use (anchors without aliases, dates, "Gbps")."""
+
 import pytest
 
 from planner import limits
@@ -11,9 +12,19 @@ from planner.units import parse_bandwidth
 
 
 def _cluster(count, gpus_per_node):
-    return {"name": "big", "nodes": [{"name": "h", "gpu": "H100-SXM", "count": count,
-                                      "gpus_per_node": gpus_per_node, "intra_node": "nvlink4",
-                                      "nic": "400 Gbit/s"}]}
+    return {
+        "name": "big",
+        "nodes": [
+            {
+                "name": "h",
+                "gpu": "H100-SXM",
+                "count": count,
+                "gpus_per_node": gpus_per_node,
+                "intra_node": "nvlink4",
+                "nic": "400 Gbit/s",
+            }
+        ],
+    }
 
 
 def test_cluster_at_the_gpu_limit_loads():
@@ -21,19 +32,29 @@ def test_cluster_at_the_gpu_limit_loads():
     assert c.num_gpus == limits.MAX_GPUS
 
 
-@pytest.mark.parametrize("count, per_node, field", [
-    (limits.MAX_NODES + 1, 1, f"nodes[0] (h).count: {limits.MAX_NODES + 1} is above the limit"),
-    (1, limits.MAX_GPUS_PER_NODE + 1, "nodes[0] (h).gpus_per_node: 1025 is above the limit"),
-    (limits.MAX_GPUS // 16 + 1, 16, f"nodes: {limits.MAX_GPUS + 16:,} GPUs in all"),
-])
+@pytest.mark.parametrize(
+    "count, per_node, field",
+    [
+        (limits.MAX_NODES + 1, 1, f"nodes[0] (h).count: {limits.MAX_NODES + 1} is above the limit"),
+        (1, limits.MAX_GPUS_PER_NODE + 1, "nodes[0] (h).gpus_per_node: 1025 is above the limit"),
+        (limits.MAX_GPUS // 16 + 1, 16, f"nodes: {limits.MAX_GPUS + 16:,} GPUs in all"),
+    ],
+)
 def test_cluster_one_beyond_a_limit_is_refused(count, per_node, field):
     with pytest.raises(SpecError) as info:
         load_cluster_dict(_cluster(count, per_node))
     assert len(info.value.problems) == 1 and field in info.value.problems[0]
 
 
-_MODEL = {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
-          "num_query_groups": 4, "vocab_size": 128, "seq_length": 32}
+_MODEL = {
+    "num_layers": 4,
+    "hidden_size": 64,
+    "ffn_hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_query_groups": 4,
+    "vocab_size": 128,
+    "seq_length": 32,
+}
 
 
 @pytest.mark.parametrize("key", sorted(limits.MODEL_INT_BOUNDS))
@@ -43,7 +64,7 @@ def test_model_bounds(key):
     if key == "num_query_groups":
         at["num_attention_heads"] = hi
     if key in ("num_attention_heads", "num_query_groups"):
-        at["kv_channels"] = 16          # hidden_size need not divide by the head count
+        at["kv_channels"] = 16  # hidden_size need not divide by the head count
     model_from_dict(at)
     with pytest.raises(SpecError) as info:
         model_from_dict({**at, key: hi + 1})
@@ -72,9 +93,11 @@ def test_yaml_refuses_aliases_even_when_small():
 
 def test_document_walk_names_the_first_bad_value_in_order():
     data = {"a": [1, {"b": float("nan")}], "c": float("inf"), "d": "x\x07"}
-    assert document_problems(data, "plan") == ["plan.a[1].b: nan is not a finite number",
-                                               "plan.c: inf is not a finite number",
-                                               "plan.d: 'x\\x07' contains a control character"]
+    assert document_problems(data, "plan") == [
+        "plan.a[1].b: nan is not a finite number",
+        "plan.c: inf is not a finite number",
+        "plan.d: 'x\\x07' contains a control character",
+    ]
     deep = []
     for _ in range(limits.MAX_NESTING + 5):
         deep = [deep]

@@ -1,5 +1,6 @@
 """The planner is pure Python: every planner module imports, and `hexi-plan validate` runs, with
 torch and megatron made unimportable."""
+
 import json
 import subprocess
 import sys
@@ -38,14 +39,22 @@ _SCRIPT = textwrap.dedent("""
 
 def test_planner_imports_without_torch(examples_dir, repo_root):
     script = _SCRIPT.format(blocked=BLOCKED, plan=str(examples_dir / "plans" / "hetero-4rank.json"))
-    r = subprocess.run([sys.executable, "-c", script], cwd=repo_root, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", script], cwd=repo_root, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, r.stdout + r.stderr
-    result = json.loads(line[0][len("RESULT "):])
+    result = json.loads(line[0][len("RESULT ") :])
     assert result["failed"] == [], "\n".join(result["failed"])
     assert result["code"] == 0 and "valid plan, 4 ranks" in r.stdout
     assert result["leaked"] == []
-    assert {"planner.plan", "planner.cli", "planner.cluster", "planner.units", "planner.models",
-            "planner.catalog", "planner.errors"} <= set(result["modules"])
+    assert {
+        "planner.plan",
+        "planner.cli",
+        "planner.cluster",
+        "planner.units",
+        "planner.models",
+        "planner.catalog",
+        "planner.errors",
+    } <= set(result["modules"])

@@ -1,4 +1,5 @@
 """planner/data/plan.schema.json describes plan format v1's structure, and agrees with the code."""
+
 import copy
 import dataclasses
 import json
@@ -14,8 +15,11 @@ from planner import plan as plan_mod  # noqa: E402
 from planner.models import ModelSpec  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
-BROKEN = {k: v for k, v in json.loads((DATA / "broken_plans.json").read_text()).items()
-          if not k.startswith("_")}
+BROKEN = {
+    k: v
+    for k, v in json.loads((DATA / "broken_plans.json").read_text()).items()
+    if not k.startswith("_")
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +34,9 @@ def validator(schema):
 
 
 def _errors(validator, data):
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-            for e in validator.iter_errors(data)]
+    return [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(data)
+    ]
 
 
 def test_schema_is_draft_2020_12(schema):
@@ -50,12 +55,23 @@ def test_built_plans_validate(validator, examples_dir):
     from planner.cluster import load_cluster
     from planner.models import load_model
     from planner.plan import build_plan
-    plan = build_plan(load_cluster(examples_dir / "clusters" / "mixed-lab.yaml"),
-                      load_model("llama3-8b"), 64,
-                      json.loads((examples_dir / "pipelines" / "mixed-lab.json").read_text()),
-                      recompute=True, use_distributed_optimizer=True, optimizer_shard="memory",
-                      estimate={"iteration_time_s": 1.5, "tokens_per_s": 3e5, "mfu": 0.4,
-                                "peak_memory_gb": [20.5] * 36, "bottleneck": "pipeline 0"})
+
+    plan = build_plan(
+        load_cluster(examples_dir / "clusters" / "mixed-lab.yaml"),
+        load_model("llama3-8b"),
+        64,
+        json.loads((examples_dir / "pipelines" / "mixed-lab.json").read_text()),
+        recompute=True,
+        use_distributed_optimizer=True,
+        optimizer_shard="memory",
+        estimate={
+            "iteration_time_s": 1.5,
+            "tokens_per_s": 3e5,
+            "mfu": 0.4,
+            "peak_memory_gb": [20.5] * 36,
+            "bottleneck": "pipeline 0",
+        },
+    )
     assert _errors(validator, plan.to_dict()) == []
 
 
@@ -64,41 +80,45 @@ def test_structurally_broken_plans_fail_the_schema(name, validator):
     assert _errors(validator, json.loads((DATA / "broken_plans" / name).read_text()))
 
 
-@pytest.mark.parametrize("name", sorted(k for k, v in BROKEN.items()
-                                        if v["schema_rejects"] is False))
+@pytest.mark.parametrize(
+    "name", sorted(k for k, v in BROKEN.items() if v["schema_rejects"] is False)
+)
 def test_semantically_broken_plans_pass_the_schema(name, validator):
     """These break rules between fields: only validate_plan_dict can catch them."""
     assert _errors(validator, json.loads((DATA / "broken_plans" / name).read_text())) == []
 
 
-@pytest.mark.parametrize("path, value", [
-    (("pipelines", 0, "stages", 0, "ranks"), []),
-    (("pipelines", 0, "stages", 0, "ranks"), [0, -1]),
-    (("pipelines", 0, "stages", 0, "layers"), [0]),
-    (("pipelines", 0, "stages", 0, "layers"), ["0", 3]),
-    (("pipelines", 0, "stages", 0, "shards"), [[3, 1]]),
-    (("pipelines", 0, "micro_batch_size"), True),
-    (("pipelines", 0, "stages"), {"ranks": [0, 1]}),
-    (("ranks", 0, "local_rank"), "0"),
-    (("ranks", 0, "extra"), 1),
-    (("cluster", "nodes", 0, "count"), 0),
-    (("cluster", "nodes", 0, "nic"), 12.5),
-    (("cluster", "nodes", 0, "hostname"), "h0"),   # allowed alone...
-    (("cluster", "links"), [{"between": ["a100"], "bandwidth": "1 GB/s"}]),
-    (("model", "swiglu"), "yes"),
-    (("training", "optimizer_shard"), "random"),
-    (("estimate",), {"mfu": "high"}),
-])
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        (("pipelines", 0, "stages", 0, "ranks"), []),
+        (("pipelines", 0, "stages", 0, "ranks"), [0, -1]),
+        (("pipelines", 0, "stages", 0, "layers"), [0]),
+        (("pipelines", 0, "stages", 0, "layers"), ["0", 3]),
+        (("pipelines", 0, "stages", 0, "shards"), [[3, 1]]),
+        (("pipelines", 0, "micro_batch_size"), True),
+        (("pipelines", 0, "stages"), {"ranks": [0, 1]}),
+        (("ranks", 0, "local_rank"), "0"),
+        (("ranks", 0, "extra"), 1),
+        (("cluster", "nodes", 0, "count"), 0),
+        (("cluster", "nodes", 0, "nic"), 12.5),
+        (("cluster", "nodes", 0, "hostname"), "h0"),  # allowed alone...
+        (("cluster", "links"), [{"between": ["a100"], "bandwidth": "1 GB/s"}]),
+        (("model", "swiglu"), "yes"),
+        (("training", "optimizer_shard"), "random"),
+        (("estimate",), {"mfu": "high"}),
+    ],
+)
 def test_structural_mutations(path, value, validator, examples_dir):
     data = json.loads((examples_dir / "plans" / "hetero-4rank.json").read_text())
     target = data
     for key in path[:-1]:
         target = target[key]
     target[path[-1]] = value
-    if path[-1] == "hostname":                     # ...but not next to hostnames
+    if path[-1] == "hostname":  # ...but not next to hostnames
         target["hostnames"] = ["h0"]
     assert _errors(validator, data), path
-    if path[0] != "estimate":                       # informational: the code does not look
+    if path[0] != "estimate":  # informational: the code does not look
         assert plan_mod.validate_plan_dict(data), path  # the code refuses them too
 
 
@@ -113,12 +133,14 @@ def test_schema_keys_match_the_code(schema):
     assert _props(schema, "training") == plan_mod._TRAINING_KEYS
     assert _props(schema, "pipeline") == plan_mod._PIPELINE_KEYS
     assert _props(schema, "stage") == plan_mod._STAGE_KEYS
-    assert set(schema["$defs"]["stage"]["properties"]["shards"]["properties"]) == \
-        set(plan_mod.SHARD_KINDS)
+    assert set(schema["$defs"]["stage"]["properties"]["shards"]["properties"]) == set(
+        plan_mod.SHARD_KINDS
+    )
     assert _props(schema, "rank") == plan_mod._RANK_KEYS
     assert _props(schema, "model") == {f.name for f in dataclasses.fields(ModelSpec)}
     assert set(schema["$defs"]["model"]["required"]) == set(
-        f.name for f in dataclasses.fields(ModelSpec) if f.default is dataclasses.MISSING)
+        f.name for f in dataclasses.fields(ModelSpec) if f.default is dataclasses.MISSING
+    )
     assert _props(schema, "cluster") == cluster_mod._TOP_KEYS
     assert _props(schema, "node_group") == cluster_mod._GROUP_KEYS
     assert _props(schema, "link") == cluster_mod._LINK_KEYS

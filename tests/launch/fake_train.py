@@ -1,12 +1,14 @@
 """Stand-in for pretrain_gpt.py in launcher tests (no megatron): the runtime's rank mapping and one
 gloo all_reduce.
 
-    python -m torch.distributed.run ... fake_train.py --hetero-plan-path PLAN [--out RESULT.json] ...
+    python -m torch.distributed.run ... fake_train.py --hetero-plan-path PLAN
+        [--out RESULT.json] ...
 
 Plan rank: node = $HEXI_PLAN_NODE, else this host's name matched against the cluster's
 hostname(s), else launch order (torch rank = plan rank); local rank = $LOCAL_RANK. Rank 0 writes
 {world_size, sum, expected, ranks: [...]} to --out (or $HEXI_FAKE_OUT). Unknown flags are ignored.
 """
+
 import argparse
 import json
 import os
@@ -34,8 +36,9 @@ def main():
     how = "HEXI_PLAN_NODE"
     if not node:
         host = socket.gethostname()
-        node = next((n.name for n in plan.cluster.nodes if n.hostname in (host, host.split(".")[0])),
-                    None)
+        node = next(
+            (n.name for n in plan.cluster.nodes if n.hostname in (host, host.split(".")[0])), None
+        )
         how = "hostname"
     if node:
         matches = [r.rank for r in plan.ranks if r.node == node and r.local_rank == local_rank]
@@ -46,24 +49,32 @@ def main():
         exit_process(5)
     t = torch.tensor([float(plan_rank + 1)])
     dist.all_reduce(t)
-    me = {"torch_rank": rank, "plan_rank": plan_rank, "plan_node": node, "how": how,
-          "local_rank": local_rank,
-          "gpu": plan.ranks[plan_rank].gpu if 0 <= plan_rank < len(plan.ranks) else None,
-          "slurm_node": os.environ.get("SLURMD_NODENAME"),
-          "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-          "extra_args": rest}
-    print(f"fake_train: {node}/{local_rank} -> plan rank {plan_rank} (torch rank {rank}, {how})",
-          flush=True)
+    me = {
+        "torch_rank": rank,
+        "plan_rank": plan_rank,
+        "plan_node": node,
+        "how": how,
+        "local_rank": local_rank,
+        "gpu": plan.ranks[plan_rank].gpu if 0 <= plan_rank < len(plan.ranks) else None,
+        "slurm_node": os.environ.get("SLURMD_NODENAME"),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "extra_args": rest,
+    }
+    print(
+        f"fake_train: {node}/{local_rank} -> plan rank {plan_rank} (torch rank {rank}, {how})",
+        flush=True,
+    )
     everyone = [None] * world
     dist.all_gather_object(everyone, me)
     expected = world * (world + 1) / 2
     if rank == 0 and args.out:
         with open(args.out + ".tmp", "w") as f:
-            json.dump({"world_size": world, "sum": t.item(), "expected": expected,
-                       "ranks": everyone}, f)
+            json.dump(
+                {"world_size": world, "sum": t.item(), "expected": expected, "ranks": everyone}, f
+            )
         os.replace(args.out + ".tmp", args.out)
     dist.barrier()
-    exit_process(0 if t.item() == expected else 3)   # never SIGABRT at interpreter exit
+    exit_process(0 if t.item() == expected else 3)  # never SIGABRT at interpreter exit
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 maps itself to a plan rank by the runtime contract (HEXI_PLAN_NODE, else host name, else launch
 order; LOCAL_RANK), does a gloo all_reduce and has rank 0 write everyone's view as JSON.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,16 @@ from planner.plan import build_plan, save_plan
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 FAKE_TRAIN = HERE / "fake_train.py"
-MODEL = {"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 256, "num_attention_heads": 4,
-         "num_query_groups": 4, "vocab_size": 128, "seq_length": 32, "name": "tiny"}
+MODEL = {
+    "num_layers": 4,
+    "hidden_size": 64,
+    "ffn_hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_query_groups": 4,
+    "vocab_size": 128,
+    "seq_length": 32,
+    "name": "tiny",
+}
 GPU_OF = {"a100": "A100-SXM-80GB", "rtx4090": "RTX-4090", "rtx3090": "RTX-3090", "h100": "H100-SXM"}
 
 
@@ -29,8 +38,15 @@ def cluster_dict(groups, name="test"):
     for g in groups:
         gname, gpn, count = g[:3]
         extra = g[3] if len(g) > 3 and g[3] else {}
-        d = {"name": gname, "gpu": GPU_OF[gname.split("_")[0]], "gpus_per_node": gpn,
-             "count": count, "intra_node": "pcie4", "nic": "10 Gbit/s", **extra}
+        d = {
+            "name": gname,
+            "gpu": GPU_OF[gname.split("_")[0]],
+            "gpus_per_node": gpn,
+            "count": count,
+            "intra_node": "pcie4",
+            "nic": "10 Gbit/s",
+            **extra,
+        }
         nodes.append(d)
     return {"name": name, "nodes": nodes}
 
@@ -39,16 +55,27 @@ def make_plan(path, groups, world=None, name="test"):
     """A data-parallel plan (one single-stage pipeline per rank) over the first `world` GPUs."""
     cluster = load_cluster_dict(cluster_dict(groups, name))
     world = world or cluster.num_gpus
-    pipes = [{"micro_batch_size": 1, "num_microbatches": 1,
-              "stages": [{"ranks": [r], "layers": [0, MODEL["num_layers"]]}]} for r in range(world)]
+    pipes = [
+        {
+            "micro_batch_size": 1,
+            "num_microbatches": 1,
+            "stages": [{"ranks": [r], "layers": [0, MODEL["num_layers"]]}],
+        }
+        for r in range(world)
+    ]
     plan = build_plan(cluster, model_from_dict(MODEL, "model"), world, pipes)
     save_plan(plan, str(path))
     return plan
 
 
 def hexi_launch(*args, cwd=None, timeout=60):
-    return subprocess.run([sys.executable, "-m", "megatron_hexi.launch.cli", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_hexi.launch.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
 
 
 def check_fake_result(result_path, plan):
@@ -61,6 +88,6 @@ def check_fake_result(result_path, plan):
     for entry in plan.ranks:
         x = by_rank[entry.rank]
         assert x["plan_node"] == entry.node and x["local_rank"] == entry.local_rank, x
-        assert x["torch_rank"] == entry.rank, x   # the launchers make torch rank == plan rank
+        assert x["torch_rank"] == entry.rank, x  # the launchers make torch rank == plan rank
         assert x["gpu"] == entry.gpu, x
     return res

@@ -8,6 +8,7 @@ carry are built valid, then renamed in memory: the launcher must be safe on its 
 outside the planner's rule are refused (one line, nothing written); host names, paths, options
 and training arguments are carried, quoted.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +22,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hexi_launch_helpers import hexi_launch, make_plan  # noqa: E402
-
 from megatron_hexi.launch import cli  # noqa: E402
 
 MARK = "PWNED"
@@ -29,18 +29,43 @@ MARK = "PWNED"
 # parser or a file system could still misread
 NAMES = ["-rf", "--help", ".", "..", "a.b_c-d", "0"]
 # node names outside the rule: refused by every command
-BAD_NAMES = [f"r$(touch {MARK})", f"r;touch {MARK}", f"r`touch {MARK}`",
-             f"r'\"$(touch {MARK})\"'", f"r}}$(touch {MARK})", f"r\\$(touch {MARK})",
-             f"r]=0)$(touch {MARK})", f"r$(touch${{IFS}}{MARK})", f"r\ntouch {MARK}", "a\tb", "a b",
-             "../../x", "../x", "a/b", "ABSOLUTE", "n\x00ul", "", "ümlaut"]
+BAD_NAMES = [
+    f"r$(touch {MARK})",
+    f"r;touch {MARK}",
+    f"r`touch {MARK}`",
+    f"r'\"$(touch {MARK})\"'",
+    f"r}}$(touch {MARK})",
+    f"r\\$(touch {MARK})",
+    f"r]=0)$(touch {MARK})",
+    f"r$(touch${{IFS}}{MARK})",
+    f"r\ntouch {MARK}",
+    "a\tb",
+    "a b",
+    "../../x",
+    "../x",
+    "a/b",
+    "ABSOLUTE",
+    "n\x00ul",
+    "",
+    "ümlaut",
+]
 NEWLINE_HOST = f"h\ntouch {MARK}"
 HOST = f"h;touch {MARK}"
-PY = f"py $(touch {MARK});`touch {MARK}`"          # --python: a stand-in of this name is on PATH
+PY = f"py $(touch {MARK});`touch {MARK}`"  # --python: a stand-in of this name is on PATH
 ENTRY = f"train $(touch {MARK}).py"
 IMAGE = f"img;touch {MARK}"
-ARGS = ["--x", f"$(touch {MARK})", f"a;touch {MARK}", f"`touch {MARK}`", "it's", "new\nline", "",
-        "${HOME}", "*"]
-SB_VALUE = f"v$(touch${{IFS}}{MARK});`touch${{IFS}}{MARK}`"   # for #SBATCH lines: no whitespace
+ARGS = [
+    "--x",
+    f"$(touch {MARK})",
+    f"a;touch {MARK}",
+    f"`touch {MARK}`",
+    "it's",
+    "new\nline",
+    "",
+    "${HOME}",
+    "*",
+]
+SB_VALUE = f"v$(touch${{IFS}}{MARK});`touch${{IFS}}{MARK}`"  # for #SBATCH lines: no whitespace
 
 RECORDER = f"""#!{sys.executable}
 import json, os, sys
@@ -76,8 +101,13 @@ def work(tmp_path, monkeypatch):
     wd.mkdir()
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    for name, body in [("python", RECORDER), ("torchrun", RECORDER), (PY, RECORDER),
-                       ("srun", SRUN), ("scontrol", SCONTROL)]:
+    for name, body in [
+        ("python", RECORDER),
+        ("torchrun", RECORDER),
+        (PY, RECORDER),
+        ("srun", SRUN),
+        ("scontrol", SCONTROL),
+    ]:
         (bindir / name).write_text(body)
         (bindir / name).chmod(0o755)
     monkeypatch.chdir(wd)
@@ -90,12 +120,17 @@ def run_script(tmp_path, work, script, env_extra=None, ok=True):
     out = tmp_path / "calls.jsonl"
     if out.exists():
         out.unlink()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM", "MASTER_", "HEXI_")) and k != "PYTHON"}
-    env.update(PATH=f"{bindir}:{env['PATH']}", STUB_OUT=str(out), SLURM_JOB_ID="7",
-               **(env_extra or {}))
-    r = subprocess.run(["bash", str(script)], env=env, cwd=wd, capture_output=True, text=True,
-                       timeout=60)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM", "MASTER_", "HEXI_")) and k != "PYTHON"
+    }
+    env.update(
+        PATH=f"{bindir}:{env['PATH']}", STUB_OUT=str(out), SLURM_JOB_ID="7", **(env_extra or {})
+    )
+    r = subprocess.run(
+        ["bash", str(script)], env=env, cwd=wd, capture_output=True, text=True, timeout=60
+    )
     assert_untouched(tmp_path)
     if ok:
         assert r.returncode == 0, r.stdout + r.stderr
@@ -120,9 +155,15 @@ def hostile_plan(tmp_path, names, hosts=None, partitions=None, gpus=None):
     groups = []
     for i, g in enumerate(plan.cluster.groups):
         renamed[f"{g.name}-0"] = names[i]
-        groups.append(dataclasses.replace(
-            g, name=names[i], count=None, hostnames=(hosts[i],) if hosts else (),
-            partition=partitions[i] if partitions else None))
+        groups.append(
+            dataclasses.replace(
+                g,
+                name=names[i],
+                count=None,
+                hostnames=(hosts[i],) if hosts else (),
+                partition=partitions[i] if partitions else None,
+            )
+        )
     plan.cluster.groups = groups
     plan.ranks = [dataclasses.replace(r, node=renamed[r.node]) for r in plan.ranks]
     return path, plan
@@ -135,6 +176,7 @@ def launch(monkeypatch, capsys, plan_path, plan, *args):
     def load(p):
         assert p == str(plan_path)
         return plan
+
     monkeypatch.setattr(planner.plan, "load_plan", load)
     rc = cli.main([*map(str, args)])
     out = capsys.readouterr()
@@ -151,19 +193,47 @@ def one_line_error(rc, err, *needles):
 
 
 def torch_argv(nnodes, node_rank, addr, plan_path, entry=ENTRY, args=ARGS):
-    return ["-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
-            "--nproc-per-node", "1", "--master-addr", addr, "--master-port", "29500", entry,
-            "--hetero-plan-path", str(plan_path), *args]
+    return [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        addr,
+        "--master-port",
+        "29500",
+        entry,
+        "--hetero-plan-path",
+        str(plan_path),
+        *args,
+    ]
 
 
 # ---- hexi-launch torchrun: the printout ----
+
 
 def test_torchrun_printout(tmp_path, work, monkeypatch, capsys):
     names = NAMES
     hosts = [HOST] + [f"h{i}$(touch {MARK})" for i in range(1, len(names) - 1)] + [NEWLINE_HOST]
     path, plan = hostile_plan(tmp_path, names, hosts)
-    rc, out, err = launch(monkeypatch, capsys, path, plan, "torchrun", path, "--python", PY,
-                          "--entry", ENTRY, "--", *ARGS)
+    rc, out, err = launch(
+        monkeypatch,
+        capsys,
+        path,
+        plan,
+        "torchrun",
+        path,
+        "--python",
+        PY,
+        "--entry",
+        ENTRY,
+        "--",
+        *ARGS,
+    )
     assert rc == 0, err
     script = tmp_path / "printout.sh"
     script.write_text(out)
@@ -179,18 +249,33 @@ def test_torchrun_printout(tmp_path, work, monkeypatch, capsys):
 
 # ---- hexi-launch torchrun -o DIR ----
 
+
 @pytest.mark.parametrize("with_host", [True, False])
 def test_torchrun_node_scripts(tmp_path, work, monkeypatch, capsys, with_host):
     hosts = [HOST] + [f"h{i}" for i in range(1, len(NAMES))] if with_host else None
     path, plan = hostile_plan(tmp_path, NAMES, hosts)
     d = tmp_path / f"out $(touch {MARK})"
-    rc, out, err = launch(monkeypatch, capsys, path, plan, "torchrun", path, "--python", PY,
-                          "--entry", ENTRY, "-o", d, "--", *ARGS)
+    rc, out, err = launch(
+        monkeypatch,
+        capsys,
+        path,
+        plan,
+        "torchrun",
+        path,
+        "--python",
+        PY,
+        "--entry",
+        ENTRY,
+        "-o",
+        d,
+        "--",
+        *ARGS,
+    )
     assert rc == 0, err
     scripts = [d / f"{n}.sh" for n in NAMES]
     assert sorted(p.name for p in d.iterdir()) == sorted(p.name for p in scripts)
     for i, (name, script) in enumerate(zip(NAMES, scripts)):
-        if not with_host:   # no address known: the script stops with a clear message
+        if not with_host:  # no address known: the script stops with a clear message
             calls, r = run_script(tmp_path, work, script, ok=False)
             assert r.returncode != 0 and calls == []
             assert "MASTER_ADDR" in r.stderr and NAMES[0] in r.stderr, r.stderr
@@ -215,16 +300,19 @@ def test_torchrun_output_stays_in_its_folder(tmp_path, work, monkeypatch, capsys
 
 # ---- node names outside the planner's rule: every command refuses them ----
 
+
 @pytest.mark.parametrize("cmd", ["printout", "scripts", "sbatch"])
 @pytest.mark.parametrize("bad", BAD_NAMES)
 def test_bad_node_names_refused(tmp_path, work, monkeypatch, capsys, cmd, bad):
     """One line naming the node, nothing on stdout, nothing written (not even the -o folder)."""
-    if bad == "ABSOLUTE":   # a node name that is an absolute path
+    if bad == "ABSOLUTE":  # a node name that is an absolute path
         bad = str(tmp_path / "abs")
     path, plan = hostile_plan(tmp_path, ["ok", bad], gpus=["a100", "rtx4090"])
-    args = {"printout": ["torchrun", path],
-            "scripts": ["torchrun", path, "-o", tmp_path / "a" / "nodes"],
-            "sbatch": ["slurm", path, "--partition", "p", "-o", tmp_path / "job.sbatch"]}[cmd]
+    args = {
+        "printout": ["torchrun", path],
+        "scripts": ["torchrun", path, "-o", tmp_path / "a" / "nodes"],
+        "sbatch": ["slurm", path, "--partition", "p", "-o", tmp_path / "job.sbatch"],
+    }[cmd]
     before = sorted(tmp_path.rglob("*"))
     rc, out, err = launch(monkeypatch, capsys, path, plan, *args)
     one_line_error(rc, err, "plan node", repr(bad))
@@ -235,28 +323,63 @@ def test_bad_node_names_refused(tmp_path, work, monkeypatch, capsys, cmd, bad):
 
 # ---- hexi-launch slurm ----
 
+
 def test_sbatch_script(tmp_path, work, monkeypatch, capsys):
     """A heterogeneous job (two GPU types) with hostile node names, partitions and options."""
     gpus = ["rtx4090", "rtx4090", "a100", "a100", "a100", "a100"]
     parts = [SB_VALUE + "-4090"] * 2 + [SB_VALUE + "-a100"] * 4
     path, plan = hostile_plan(tmp_path, NAMES, partitions=parts, gpus=gpus)
     job = tmp_path / "job.sbatch"
-    rc, out, err = launch(monkeypatch, capsys, path, plan, "slurm", path, "--python", PY,
-                          "--entry", ENTRY, "--account", SB_VALUE, "--time", SB_VALUE,
-                          "--job-name", SB_VALUE, "--container-image", IMAGE,
-                          "--gres-type", f"A100-SXM-80GB={SB_VALUE}", "-o", job, "--", *ARGS)
+    rc, out, err = launch(
+        monkeypatch,
+        capsys,
+        path,
+        plan,
+        "slurm",
+        path,
+        "--python",
+        PY,
+        "--entry",
+        ENTRY,
+        "--account",
+        SB_VALUE,
+        "--time",
+        SB_VALUE,
+        "--job-name",
+        SB_VALUE,
+        "--container-image",
+        IMAGE,
+        "--gres-type",
+        f"A100-SXM-80GB={SB_VALUE}",
+        "-o",
+        job,
+        "--",
+        *ARGS,
+    )
     assert rc == 0, err
     text = job.read_text()
     directives = [ln for ln in text.splitlines() if ln.startswith("#SBATCH")]
-    for line in (f"--partition={SB_VALUE}-4090", f"--partition={SB_VALUE}-a100",
-                 f"--account={SB_VALUE}", f"--time={SB_VALUE}", f"--job-name={SB_VALUE}",
-                 f"--gres=gpu:{SB_VALUE}:1"):
+    for line in (
+        f"--partition={SB_VALUE}-4090",
+        f"--partition={SB_VALUE}-a100",
+        f"--account={SB_VALUE}",
+        f"--time={SB_VALUE}",
+        f"--job-name={SB_VALUE}",
+        f"--gres=gpu:{SB_VALUE}:1",
+    ):
         assert f"#SBATCH {line}" in directives
     hosts = ["n0", "n1", "n2", "n3", "n4", "n5"]
-    calls, r = run_script(tmp_path, work, job, {
-        "SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "n0,n1",
-        "SLURM_JOB_NODELIST_HET_GROUP_1": "n2,n3,n4,n5",
-        "STUB_NODES": " ".join(f"{i}:{h}" for i, h in enumerate(hosts))})
+    calls, r = run_script(
+        tmp_path,
+        work,
+        job,
+        {
+            "SLURM_HET_SIZE": "2",
+            "SLURM_JOB_NODELIST_HET_GROUP_0": "n0,n1",
+            "SLURM_JOB_NODELIST_HET_GROUP_1": "n2,n3,n4,n5",
+            "STUB_NODES": " ".join(f"{i}:{h}" for i, h in enumerate(hosts)),
+        },
+    )
     srun = [c for c in calls if c["prog"] == "srun"]
     assert len(srun) == 1 and f"--container-image={IMAGE}" in srun[0]["argv"], srun
     runs = [c for c in calls if c["prog"] != "srun"]
@@ -266,14 +389,24 @@ def test_sbatch_script(tmp_path, work, monkeypatch, capsys):
         assert c["argv"] == torch_argv(len(NAMES), i, "n0", path)
 
 
-@pytest.mark.parametrize("flag,value", [
-    ("--partition", "a100\n#SBATCH --wrap=x"), ("--partition", "A100-SXM-80GB=a b"),
-    ("--partition", "A100-SXM-80GB=a100\n#SBATCH --wrap=x"), ("--account", "myhetjob"),
-    ("--account", "acct\ntouch PWNED"), ("--time", "1:00\r"), ("--job-name", "my job"),
-    ("--job-name", "j'q"), ("--log", "out\n%j"), ("--log", "a#b"), ("--gres-type", "a100=x\\y"),
-    ("--gres-type", "RTX-4090=a b"),     # a GPU type the plan does not use: still checked
-    ("--partition", "a b=x"),            # a key no GPU type or node group name can match
-])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--partition", "a100\n#SBATCH --wrap=x"),
+        ("--partition", "A100-SXM-80GB=a b"),
+        ("--partition", "A100-SXM-80GB=a100\n#SBATCH --wrap=x"),
+        ("--account", "myhetjob"),
+        ("--account", "acct\ntouch PWNED"),
+        ("--time", "1:00\r"),
+        ("--job-name", "my job"),
+        ("--job-name", "j'q"),
+        ("--log", "out\n%j"),
+        ("--log", "a#b"),
+        ("--gres-type", "a100=x\\y"),
+        ("--gres-type", "RTX-4090=a b"),  # a GPU type the plan does not use: still checked
+        ("--partition", "a b=x"),  # a key no GPU type or node group name can match
+    ],
+)
 def test_sbatch_refuses_unsafe_directive_values(tmp_path, flag, value):
     """#SBATCH lines are not shell: a value that could end the line or be split is refused."""
     plan_path = tmp_path / "plan.json"
@@ -321,8 +454,9 @@ def test_hostile_plan_path_end_to_end(tmp_path, work):
     printout = tmp_path / "printout.sh"
     printout.write_text(r.stdout)
     calls, _ = run_script(tmp_path, work, printout, {"MASTER_ADDR": "m"})
-    assert [c["argv"] for c in calls] == [torch_argv(2, i, "m", path, "pretrain_gpt.py")
-                                          for i in range(2)]
+    assert [c["argv"] for c in calls] == [
+        torch_argv(2, i, "m", path, "pretrain_gpt.py") for i in range(2)
+    ]
     nodes = tmp_path / "nodes"
     r = hexi_launch("torchrun", path, "--python", PY, "-o", nodes, "--", *ARGS, cwd=wd)
     assert r.returncode == 0, r.stderr
@@ -332,7 +466,9 @@ def test_hostile_plan_path_end_to_end(tmp_path, work):
     job = tmp_path / "job.sbatch"
     r = hexi_launch("slurm", path, "--python", PY, "-o", job, "--", *ARGS, cwd=wd)
     assert r.returncode == 0, r.stderr
-    calls, _ = run_script(tmp_path, work, job, {"SLURM_JOB_NODELIST": "n0,n1",
-                                                "STUB_NODES": "0:n0 1:n1"})
+    calls, _ = run_script(
+        tmp_path, work, job, {"SLURM_JOB_NODELIST": "n0,n1", "STUB_NODES": "0:n0 1:n1"}
+    )
     assert [c["argv"] for c in calls if c["prog"] == PY] == [
-        torch_argv(2, i, "n0", path, "pretrain_gpt.py") for i in range(2)]
+        torch_argv(2, i, "n0", path, "pretrain_gpt.py") for i in range(2)
+    ]

@@ -1,4 +1,5 @@
 """Unit tests of hexi-launch's generators (no Slurm, no torch in the generator)."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hexi_launch_helpers import FAKE_TRAIN, REPO, hexi_launch, make_plan  # noqa: E402
-
 from megatron_hexi.launch import slurm as slurm_gen  # noqa: E402
 from megatron_hexi.launch.common import default_gres_type, plan_nodes  # noqa: E402
 
@@ -38,10 +38,20 @@ def sbatch_lines(text):
     return [ln for ln in text.splitlines() if ln.startswith("#SBATCH")]
 
 
-@pytest.mark.parametrize("gpu,gres", [("A100-SXM-80GB", "a100"), ("RTX-4090", "rtx4090"),
-                                      ("H100-SXM", "h100"), ("A100-PCIE-40GB", "a100"),
-                                      ("RTX-3080-Ti", "rtx3080ti"), ("V100-SXM2", "v100"),
-                                      ("L40S", "l40s"), ("T4", "t4"), ("CPU", None)])
+@pytest.mark.parametrize(
+    "gpu,gres",
+    [
+        ("A100-SXM-80GB", "a100"),
+        ("RTX-4090", "rtx4090"),
+        ("H100-SXM", "h100"),
+        ("A100-PCIE-40GB", "a100"),
+        ("RTX-3080-Ti", "rtx3080ti"),
+        ("V100-SXM2", "v100"),
+        ("L40S", "l40s"),
+        ("T4", "t4"),
+        ("CPU", None),
+    ],
+)
 def test_default_gres_type(gpu, gres):
     assert default_gres_type(gpu) == gres
 
@@ -50,23 +60,33 @@ def test_plan_nodes_in_plan_order(het_plan):
     _, plan = het_plan
     nodes = plan_nodes(plan)
     assert [(n.name, n.nproc, n.node_rank, n.first_rank) for n in nodes] == [
-        ("rtx4090-0", 2, 0, 0), ("a100-0", 2, 1, 2), ("a100-1", 1, 2, 4)]
+        ("rtx4090-0", 2, 0, 0),
+        ("a100-0", 2, 1, 2),
+        ("a100-1", 1, 2, 4),
+    ]
 
 
 def test_plain_job(plain_plan, tmp_path):
     path, _ = plain_plan
     out = tmp_path / "job.sbatch"
-    r = hexi_launch("slurm", path, "--partition", "a100", "--time", "1:00:00", "--account", "proj",
-                    "-o", out)
+    r = hexi_launch(
+        "slurm", path, "--partition", "a100", "--time", "1:00:00", "--account", "proj", "-o", out
+    )
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert os.stat(out).st_mode & stat.S_IXUSR
     assert "hetjob" not in text and "--het-group" not in text
     assert sbatch_lines(text) == [
-        "#SBATCH --job-name=hexi-plain", "#SBATCH --output=hexi-%j.out",
-        "#SBATCH --partition=a100", "#SBATCH --account=proj", "#SBATCH --time=1:00:00",
-        "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gres=gpu:a100:2",
-        "#SBATCH --cpus-per-task=4"]
+        "#SBATCH --job-name=hexi-plain",
+        "#SBATCH --output=hexi-%j.out",
+        "#SBATCH --partition=a100",
+        "#SBATCH --account=proj",
+        "#SBATCH --time=1:00:00",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gres=gpu:a100:2",
+        "#SBATCH --cpus-per-task=4",
+    ]
     assert "\nsrun --kill-on-bad-exit=1 \\\n" in text
     assert "declare -A HEXI_NPROC=([a100-0]=2 [a100-1]=2)" in text
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
@@ -81,20 +101,21 @@ def test_homogeneous_plan_without_partition_uses_default_partition(plain_plan):
 
 def test_het_job(het_plan):
     path, _ = het_plan
-    r = hexi_launch("slurm", path, *PARTS, "--gres-type", "RTX-4090=geforce_rtx_4090",
-                    "--cpus-per-gpu", "3")
+    r = hexi_launch(
+        "slurm", path, *PARTS, "--gres-type", "RTX-4090=geforce_rtx_4090", "--cpus-per-gpu", "3"
+    )
     assert r.returncode == 0, r.stderr
     text = r.stdout
     lines = sbatch_lines(text)
     assert lines.count("#SBATCH hetjob") == 1
     split = lines.index("#SBATCH hetjob")
-    comp0, comp1 = lines[:split], lines[split + 1:]
+    comp0, comp1 = lines[:split], lines[split + 1 :]
     # component 0 is the group of rank 0 (rtx4090, listed first in the plan), not Slurm's order
     assert "#SBATCH --partition=rtx4090" in comp0 and "#SBATCH --nodes=1" in comp0
     assert "#SBATCH --gres=gpu:geforce_rtx_4090:2" in comp0
     assert "#SBATCH --cpus-per-task=6" in comp0
     assert "#SBATCH --partition=a100" in comp1 and "#SBATCH --nodes=2" in comp1
-    assert "#SBATCH --gres=gpu:a100:2" in comp1   # the most any a100 node uses
+    assert "#SBATCH --gres=gpu:a100:2" in comp1  # the most any a100 node uses
     assert all("--ntasks-per-node=1" in "\n".join(c) for c in (comp0, comp1))
     assert "srun --het-group=0-$((SLURM_HET_SIZE - 1)) --kill-on-bad-exit=1" in text
     assert text.count("\nsrun ") == 1
@@ -103,8 +124,11 @@ def test_het_job(het_plan):
     assert "declare -A HEXI_NODE_RANK=([rtx4090-0]=0 [a100-0]=1 [a100-1]=2)" in text
     assert "declare -A HEXI_NPROC=([rtx4090-0]=2 [a100-0]=2 [a100-1]=1)" in text
     assert "export HEXI_NNODES=3" in text
-    for default in ("\nMASTER_PORT=${MASTER_PORT:-29500}\n",
-                    "\nHEXI_TIMEOUT_S=${HEXI_TIMEOUT_S:-0} ", "\nPYTHON=${PYTHON:-"):
+    for default in (
+        "\nMASTER_PORT=${MASTER_PORT:-29500}\n",
+        "\nHEXI_TIMEOUT_S=${HEXI_TIMEOUT_S:-0} ",
+        "\nPYTHON=${PYTHON:-",
+    ):
         assert default in text
     assert "timeout -k 10 \"$HEXI_TIMEOUT_S\" \"$PYTHON\" -m torch.distributed.run" in text
     assert "--hetero-plan-path \"$HEXI_PLAN\"" in text
@@ -113,8 +137,10 @@ def test_het_job(het_plan):
 
 def test_partition_from_cluster_spec(tmp_path):
     path = tmp_path / "p.json"
-    make_plan(path, [("a100", 2, 1, {"partition": "gpu-a100"}),
-                     ("rtx4090", 1, 1, {"partition": "gpu-4090"})])
+    make_plan(
+        path,
+        [("a100", 2, 1, {"partition": "gpu-a100"}), ("rtx4090", 1, 1, {"partition": "gpu-4090"})],
+    )
     r = hexi_launch("slurm", path)
     assert r.returncode == 0, r.stderr
     assert "#SBATCH --partition=gpu-a100" in r.stdout and "#SBATCH --partition=gpu-4090" in r.stdout
@@ -132,11 +158,17 @@ def test_same_gpu_groups_share_a_component(tmp_path):
     assert "declare -A HEXI_NPROC=([a100-0]=2 [a100_b-0]=1 [a100_b-1]=1)" in r.stdout
 
 
-@pytest.mark.parametrize("args,needle", [
-    ([], "no Slurm partition for GPU type(s) RTX-4090, A100-SXM-80GB"),
-    (["--partition", "A100-SXM-80GB=a100"], "no Slurm partition for GPU type(s) RTX-4090:"),
-    (["--partition", "rtx4090"] + ["--gres-type", "oops"], "--gres-type 'oops': expected GPU=VALUE"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        ([], "no Slurm partition for GPU type(s) RTX-4090, A100-SXM-80GB"),
+        (["--partition", "A100-SXM-80GB=a100"], "no Slurm partition for GPU type(s) RTX-4090:"),
+        (
+            ["--partition", "rtx4090"] + ["--gres-type", "oops"],
+            "--gres-type 'oops': expected GPU=VALUE",
+        ),
+    ],
+)
 def test_bad_input_exit_2_one_line(het_plan, args, needle):
     path, _ = het_plan
     r = hexi_launch("slurm", path, *args)
@@ -163,18 +195,23 @@ def test_check_partitions():
 
     def fake_sinfo(args, **kw):
         part = args[args.index("-p") + 1]
-        out = {"a100": "a100-1 gpu:a100:2(S:0)\na100-2 gpu:a100:2\n",
-               "rtx4090": "rtx4090-1 gpu:rtx4090:2\n"}[part]
+        out = {
+            "a100": "a100-1 gpu:a100:2(S:0)\na100-2 gpu:a100:2\n",
+            "rtx4090": "rtx4090-1 gpu:rtx4090:2\n",
+        }[part]
         return subprocess.CompletedProcess(args, 0, out, "")
 
-    slurm_gen.check_partitions([Comp("a100", "a100", 2, 2), Comp("rtx4090", "rtx4090", 2, 1)],
-                               run=fake_sinfo)
+    slurm_gen.check_partitions(
+        [Comp("a100", "a100", 2, 2), Comp("rtx4090", "rtx4090", 2, 1)], run=fake_sinfo
+    )
     with pytest.raises(slurm_gen.LaunchError) as e:
-        slurm_gen.check_partitions([Comp("a100", "a100", 2, 3), Comp("rtx4090", "rtx4090", 4, 1)],
-                                   run=fake_sinfo)
+        slurm_gen.check_partitions(
+            [Comp("a100", "a100", 2, 3), Comp("rtx4090", "rtx4090", 4, 1)], run=fake_sinfo
+        )
     assert e.value.problems == [
         "node group a100 needs 3 node(s) with gpu:a100:2; partition a100 has 2 (a100-1, a100-2)",
-        "node group rtx4090 needs 1 node(s) with gpu:rtx4090:4; partition rtx4090 has 0"]
+        "node group rtx4090 needs 1 node(s) with gpu:rtx4090:4; partition rtx4090 has 0",
+    ]
 
 
 def test_generator_does_not_import_torch(het_plan, tmp_path):
@@ -221,8 +258,13 @@ def _run_with_stubs(tmp_path, script, env_extra):
         (bindir / name).chmod(0o755)
     out = tmp_path / "calls.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "MASTER_"))}
-    env.update(PATH=f"{bindir}:{env['PATH']}", STUB_OUT=str(out), PYTHON=str(bindir / "python"),
-               SLURM_JOB_ID="7", **env_extra)
+    env.update(
+        PATH=f"{bindir}:{env['PATH']}",
+        STUB_OUT=str(out),
+        PYTHON=str(bindir / "python"),
+        SLURM_JOB_ID="7",
+        **env_extra,
+    )
     r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stdout + r.stderr
     calls = [json.loads(x) for x in out.read_text().splitlines()]
@@ -241,11 +283,18 @@ def test_sbatch_mapping_with_stub_slurm(het_plan, tmp_path, node_ids):
     assert r.returncode == 0, r.stderr
     # Slurm sorts nodes by name within a component; component 0 is rtx4090 here.
     nodes = "0:rtx4090-1 1:a100-1 2:a100-2"
-    if node_ids == "shuffled":   # step numbering that disagrees with the node lists
+    if node_ids == "shuffled":  # step numbering that disagrees with the node lists
         nodes = "0:a100-2 1:rtx4090-1 2:a100-1"
-    calls, log = _run_with_stubs(tmp_path, job, {
-        "SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "rtx4090-1",
-        "SLURM_JOB_NODELIST_HET_GROUP_1": "a100-1,a100-2", "STUB_NODES": nodes})
+    calls, log = _run_with_stubs(
+        tmp_path,
+        job,
+        {
+            "SLURM_HET_SIZE": "2",
+            "SLURM_JOB_NODELIST_HET_GROUP_0": "rtx4090-1",
+            "SLURM_JOB_NODELIST_HET_GROUP_1": "a100-1,a100-2",
+            "STUB_NODES": nodes,
+        },
+    )
     assert set(calls) == {"rtx4090-0", "a100-0", "a100-1"}, log
     want = {"rtx4090-0": ("0", "2"), "a100-0": ("1", "2"), "a100-1": ("2", "1")}
     for node, (node_rank, nproc) in want.items():
@@ -253,8 +302,10 @@ def test_sbatch_mapping_with_stub_slurm(het_plan, tmp_path, node_ids):
         assert argv[:2] == ["-m", "torch.distributed.run"]
         assert _flag(argv, "--node-rank") == node_rank and _flag(argv, "--nproc-per-node") == nproc
         assert _flag(argv, "--nnodes") == "3"
-        assert _flag(argv, "--master-addr") == "rtx4090-1" and _flag(argv, "--master-port") == "29500"
-        tail = argv[argv.index("train.py"):]
+        assert (
+            _flag(argv, "--master-addr") == "rtx4090-1" and _flag(argv, "--master-port") == "29500"
+        )
+        tail = argv[argv.index("train.py") :]
         assert tail == ["train.py", "--hetero-plan-path", str(path.resolve()), *NASTY]
 
 
@@ -262,9 +313,16 @@ def test_sbatch_plain_mapping_and_env_overrides(plain_plan, tmp_path):
     path, _ = plain_plan
     job = tmp_path / "job.sbatch"
     assert hexi_launch("slurm", path, "-o", job, "--entry-module", "my.mod").returncode == 0
-    calls, _ = _run_with_stubs(tmp_path, job, {
-        "SLURM_JOB_NODELIST": "n7,n8", "STUB_NODES": "0:n7 1:n8", "MASTER_PORT": "31000",
-        "HEXI_TIMEOUT_S": "50"})
+    calls, _ = _run_with_stubs(
+        tmp_path,
+        job,
+        {
+            "SLURM_JOB_NODELIST": "n7,n8",
+            "STUB_NODES": "0:n7 1:n8",
+            "MASTER_PORT": "31000",
+            "HEXI_TIMEOUT_S": "50",
+        },
+    )
     assert _flag(calls["a100-1"]["argv"], "--master-port") == "31000"
     assert _flag(calls["a100-1"]["argv"], "--node-rank") == "1"
     assert calls["a100-0"]["argv"][-4:-2] == ["-m", "my.mod"]
@@ -278,14 +336,19 @@ def test_sbatch_wrong_node_count_fails(plain_plan, tmp_path):
     bindir.mkdir()
     (bindir / "scontrol").write_text(STUB_SCONTROL)
     (bindir / "scontrol").chmod(0o755)
-    env = {**os.environ, "SLURM_JOB_NODELIST": "n7", "SLURM_JOB_ID": "1",
-           "PATH": f"{bindir}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "SLURM_JOB_NODELIST": "n7",
+        "SLURM_JOB_ID": "1",
+        "PATH": f"{bindir}:{os.environ['PATH']}",
+    }
     r = subprocess.run(["bash", str(job)], capture_output=True, text=True, env=env, timeout=30)
     assert r.returncode == 1
     assert "component 0 got 1 node(s) (n7), the plan needs 2" in r.stderr
 
 
 # ---- hexi-launch torchrun ----
+
 
 def test_torchrun_commands(het_plan):
     path, _ = het_plan
@@ -313,25 +376,48 @@ def test_torchrun_scripts_run_locally(het_plan, tmp_path):
     """The per-node scripts, all started on this machine: every plan rank once, on its node."""
     path, plan = het_plan
     d = tmp_path / "nodes"
-    r = hexi_launch("torchrun", path, "--master-addr", "127.0.0.1", "--master-port",
-                    str(_free_port()), "--timeout-s", "90", "--entry", FAKE_TRAIN, "-o", d,
-                    "--", "--out", tmp_path / "res.json", "--x", "a b")
+    r = hexi_launch(
+        "torchrun",
+        path,
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "--timeout-s",
+        "90",
+        "--entry",
+        FAKE_TRAIN,
+        "-o",
+        d,
+        "--",
+        "--out",
+        tmp_path / "res.json",
+        "--x",
+        "a b",
+    )
     assert r.returncode == 0, r.stderr
     scripts = sorted(d.glob("*.sh"))
     assert [s.name for s in scripts] == ["a100-0.sh", "a100-1.sh", "rtx4090-0.sh"]
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    procs = [subprocess.Popen(["bash", str(s)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for s in scripts]
+    procs = [
+        subprocess.Popen(
+            ["bash", str(s)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for s in scripts
+    ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)
     from hexi_launch_helpers import check_fake_result
+
     res = check_fake_result(tmp_path / "res.json", plan)
-    assert all(x["how"] == "HEXI_PLAN_NODE" and x["extra_args"] == ["--x", "a b"]
-               for x in res["ranks"])
+    assert all(
+        x["how"] == "HEXI_PLAN_NODE" and x["extra_args"] == ["--x", "a b"] for x in res["ranks"]
+    )
 
 
 def _free_port():
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -341,30 +427,54 @@ def test_example_template_runs_with_stub_slurm(tmp_path):
     """examples/slurm/hetero-template.sbatch: valid bash, same node mapping as the generator."""
     template = REPO / "examples" / "slurm" / "hetero-template.sbatch"
     assert subprocess.run(["bash", "-n", str(template)]).returncode == 0
-    calls, _ = _run_with_stubs(tmp_path, template, {
-        "SLURM_HET_SIZE": "2", "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu-a1,gpu-a2",
-        "SLURM_JOB_NODELIST_HET_GROUP_1": "g4090", "STUB_NODES": "0:gpu-a1 1:gpu-a2 2:g4090",
-        "HEXI_PLAN": "/p/plan.json"})
-    assert {n: (_flag(c["argv"], "--node-rank"), _flag(c["argv"], "--nproc-per-node"))
-            for n, c in calls.items()} == {"a100-0": ("0", "2"), "a100-1": ("1", "2"),
-                                           "rtx4090-0": ("2", "2")}
+    calls, _ = _run_with_stubs(
+        tmp_path,
+        template,
+        {
+            "SLURM_HET_SIZE": "2",
+            "SLURM_JOB_NODELIST_HET_GROUP_0": "gpu-a1,gpu-a2",
+            "SLURM_JOB_NODELIST_HET_GROUP_1": "g4090",
+            "STUB_NODES": "0:gpu-a1 1:gpu-a2 2:g4090",
+            "HEXI_PLAN": "/p/plan.json",
+        },
+    )
+    assert {
+        n: (_flag(c["argv"], "--node-rank"), _flag(c["argv"], "--nproc-per-node"))
+        for n, c in calls.items()
+    } == {"a100-0": ("0", "2"), "a100-1": ("1", "2"), "rtx4090-0": ("2", "2")}
     assert all(_flag(c["argv"], "--master-addr") == "gpu-a1" for c in calls.values())
     argv = calls["a100-0"]["argv"]
-    assert argv[argv.index("pretrain_gpt.py"):] == [
-        "pretrain_gpt.py", "--hetero-plan-path", "/p/plan.json", "--train-iters", "100", "--lr",
-        "1e-4", "--mock-data"]
+    assert argv[argv.index("pretrain_gpt.py") :] == [
+        "pretrain_gpt.py",
+        "--hetero-plan-path",
+        "/p/plan.json",
+        "--train-iters",
+        "100",
+        "--lr",
+        "1e-4",
+        "--mock-data",
+    ]
 
 
 # ---- numeric flags: bounded, refused in one line naming the flag, nothing written ----
 
-@pytest.mark.parametrize("cmd,flag,value", [
-    ("slurm", "--timeout-s", "-4"), ("torchrun", "--timeout-s", "-1"),
-    ("slurm", "--master-port", "999999"), ("torchrun", "--master-port", "65536"),
-    ("torchrun", "--master-port", "0"), ("slurm", "--master-port", "-1"),
-    ("slurm", "--cpus-per-gpu", "-3"), ("slurm", "--cpus-per-gpu", "100000"),
-    ("torchrun", "--timeout-s", "1e3"), ("slurm", "--master-port", "http"),
-    ("slurm", "--timeout-s", "9" * 40),
-])
+
+@pytest.mark.parametrize(
+    "cmd,flag,value",
+    [
+        ("slurm", "--timeout-s", "-4"),
+        ("torchrun", "--timeout-s", "-1"),
+        ("slurm", "--master-port", "999999"),
+        ("torchrun", "--master-port", "65536"),
+        ("torchrun", "--master-port", "0"),
+        ("slurm", "--master-port", "-1"),
+        ("slurm", "--cpus-per-gpu", "-3"),
+        ("slurm", "--cpus-per-gpu", "100000"),
+        ("torchrun", "--timeout-s", "1e3"),
+        ("slurm", "--master-port", "http"),
+        ("slurm", "--timeout-s", "9" * 40),
+    ],
+)
 @pytest.mark.parametrize("joined", [True, False])
 def test_bad_numeric_flag_one_line(plain_plan, tmp_path, cmd, flag, value, joined):
     """`--flag=-4` and `--flag -4` alike: exit 2, one line naming the flag, no usage text."""
@@ -401,8 +511,9 @@ def test_help_still_works(args):
 def test_numeric_flags_at_their_bounds(plain_plan):
     """The edges are accepted: port 1 and 65535, no time limit (0), no --cpus-per-task (0)."""
     path, _ = plain_plan
-    r = hexi_launch("slurm", path, "--master-port", "65535", "--timeout-s", "0",
-                    "--cpus-per-gpu", "0")
+    r = hexi_launch(
+        "slurm", path, "--master-port", "65535", "--timeout-s", "0", "--cpus-per-gpu", "0"
+    )
     assert r.returncode == 0, r.stderr
     assert "\nMASTER_PORT=${MASTER_PORT:-65535}\n" in r.stdout
     assert "\nHEXI_TIMEOUT_S=${HEXI_TIMEOUT_S:-0} " in r.stdout

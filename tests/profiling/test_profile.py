@@ -1,4 +1,5 @@
 """hexi-profile on a tiny model under --max-seconds, and the planner using the profile."""
+
 import json
 import os
 import subprocess
@@ -13,26 +14,58 @@ from planner.plan import build_plan
 from planner.profile import cost_sources
 from planner.simulator import simulate
 
-TWO_STAGES = [{"micro_batch_size": 2, "num_microbatches": 4, "stages": [
-    {"ranks": [0, 1], "layers": [0, 2]}, {"ranks": [2], "layers": [2, 4]}]}]
+TWO_STAGES = [
+    {
+        "micro_batch_size": 2,
+        "num_microbatches": 4,
+        "stages": [{"ranks": [0, 1], "layers": [0, 2]}, {"ranks": [2], "layers": [2, 4]}],
+    }
+]
 
 
 @pytest.fixture(scope="module")
 def tiny_profile(tmp_path_factory, repo_root):
     out = tmp_path_factory.mktemp("profile") / "cpu.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hexi.profile",
-                           "--model", "tiny", "--tp-widths", "1", "2", "--micro-batch-sizes", "1",
-                           "2", "--comm-procs", "2", "--reps", "3", "--max-seconds", "25",
-                           "--device", "cpu", "-o", str(out)],
-                          capture_output=True, text=True, env=env, cwd=repo_root, timeout=50)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            "-m",
+            "megatron_hexi.profile",
+            "--model",
+            "tiny",
+            "--tp-widths",
+            "1",
+            "2",
+            "--micro-batch-sizes",
+            "1",
+            "2",
+            "--comm-procs",
+            "2",
+            "--reps",
+            "3",
+            "--max-seconds",
+            "25",
+            "--device",
+            "cpu",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=repo_root,
+        timeout=50,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out, proc
 
 
 def test_profile_contents(tiny_profile):
     path, proc = tiny_profile
-    assert "hexi-profile [" in proc.stderr          # progress bar on stderr
+    assert "hexi-profile [" in proc.stderr  # progress bar on stderr
     data = json.loads(path.read_text())
     assert data["format"] == "hexi-device-profile/1" and data["device"] == "CPU"
     assert data["matmul_tflops"] > 0 and data["threads"] == 1
@@ -57,7 +90,8 @@ def test_profile_contents(tiny_profile):
     train = cont["training"]
     assert cont["procs"] == 2 and cont["slowdown"] >= 1.0 and cont["probe_slowdown"] > 0
     assert train["step_s"] > 0 and train["one_rank_step_s"] > 0 and train["params"] > 0
-    # bursts at the comm job's start, between grid rounds, before and after its TP runs: fastest kept
+    # bursts at the comm job's start, between grid rounds, before and after its TP runs: the
+    # fastest is kept
     assert len(train["bursts_s"]) >= 3 and train["step_s"] == min(train["bursts_s"])
     assert train["one_rank_step_s"] <= train["one_rank_measured_s"]
     # runtime overheads: one-rank Trainer bursts spread over the profile, against the planner's
@@ -67,7 +101,8 @@ def test_profile_contents(tiny_profile):
     assert [p["microbatches"] for p in rt["points"]] == [1, 4]
     assert all(p["step_s"] > 0 and p["predicted_s"] > 0 for p in rt["points"])
     assert cont["slowdown"] == pytest.approx(
-        max((train["step_s"] - train["grad_allreduce_s"]) / train["one_rank_step_s"], 1.0))
+        max((train["step_s"] - train["grad_allreduce_s"]) / train["one_rank_step_s"], 1.0)
+    )
 
 
 def test_runtime_overheads_and_contention_arithmetic():
@@ -76,6 +111,7 @@ def test_runtime_overheads_and_contention_arithmetic():
     one-rank burst stands for the one-rank step."""
     from megatron_hexi.profile.cli import contention
     from megatron_hexi.profile.runtime_overhead import overheads
+
     got = overheads({1: 0.011, 4: 0.035}, {1: 0.009, 4: 0.030}, 100)
     assert got["per_microbatch_s"] == pytest.approx(0.001)
     assert got["per_step_s"] == pytest.approx(0.001)
@@ -85,10 +121,14 @@ def test_runtime_overheads_and_contention_arithmetic():
     curve = {"allreduce": [{"bytes": 1000, "s": 0.001}, {"bytes": 4000, "s": 0.004}]}
 
     def entry(step_s, one):
-        cont = {"procs": 2, "together_s": 0.012, "training": {
-            "procs": 2, "microbatches": 4, "step_s": step_s, "params": 1000}}
+        cont = {
+            "procs": 2,
+            "together_s": 0.012,
+            "training": {"procs": 2, "microbatches": 4, "step_s": step_s, "params": 1000},
+        }
         return contention(cont, {"fwd_s": 0.004, "bwd_s": 0.006}, {1: 0.1, 4: one}, curve)
-    slow = entry(0.30, 0.20)          # all-reduce of 4000 B: 4 ms
+
+    slow = entry(0.30, 0.20)  # all-reduce of 4000 B: 4 ms
     assert slow["slowdown"] == pytest.approx(0.296 / 0.20)
     assert slow["probe_slowdown"] == pytest.approx(1.2)
     fast = entry(0.30, 0.35)
@@ -107,6 +147,7 @@ def test_comm_job_failure_is_reported_not_waited_for():
     from torch.multiprocessing import ProcessRaisedException
 
     from megatron_hexi.profile import comm
+
     t0 = time.monotonic()
     job = comm.CommJob(2, 1, "cpu", 3, layer_job=(None, [1], 3, "float32", 1))
     with pytest.raises(ProcessRaisedException, match="num_layers"):
@@ -116,8 +157,13 @@ def test_comm_job_failure_is_reported_not_waited_for():
 
 
 def _cluster(profile):
-    group = {"name": "cpu", "gpu": "CPU", "gpus_per_node": 3, "intra_node": "host",
-             "nic": "10 Gbit/s"}
+    group = {
+        "name": "cpu",
+        "gpu": "CPU",
+        "gpus_per_node": 3,
+        "intra_node": "host",
+        "nic": "10 Gbit/s",
+    }
     if profile:
         group["profile"] = str(profile)
     return load_cluster_dict({"name": "cpu-3", "nodes": [group]})
@@ -139,6 +185,7 @@ def test_planner_uses_profile(tiny_profile, tmp_path):
     simulate(build_plan(_cluster(path), load_model("tiny-gqa"), 8, TWO_STAGES))
     # interpolation: more micro-batch work never costs less
     from planner.profile import DeviceProfile
+
     prof = DeviceProfile(json.loads(path.read_text()), str(path))
     top = max(e["mbs"] for e in prof.data["layer"])
     assert prof.layer("fwd_s", 1.0, 2 * top) > prof.layer("fwd_s", 1.0, top) > 0
@@ -149,20 +196,54 @@ def _synthetic_profile(tmp_path, slowdown=1.5):
     micro-batch, and the in-situ 2-way TP layer 8 ms (fwd) / 14 ms (bwd) / 20 ms (recompute bwd)
     per micro-batch sample."""
     model = load_model("tiny")
-    layer = [{"tp": t, "query_groups": 4 // t, "ffn": 256 // t, "mbs": b,
-              "fwd_s": 0.010 * b / t, "bwd_s": 0.020 * b / t, "bwd_recompute_s": 0.030 * b / t}
-             for t in (1, 2) for b in (1, 2)]
-    tp_layer = [{"tp": 2, "mbs": b, "fwd_s": 0.008 * b, "bwd_s": 0.014 * b,
-                 "bwd_recompute_s": 0.020 * b, "compute_fwd_s": 0.005 * b,
-                 "compute_bwd_s": 0.01 * b, "compute_bwd_recompute_s": 0.015 * b}
-                for b in (1, 2)]
+    layer = [
+        {
+            "tp": t,
+            "query_groups": 4 // t,
+            "ffn": 256 // t,
+            "mbs": b,
+            "fwd_s": 0.010 * b / t,
+            "bwd_s": 0.020 * b / t,
+            "bwd_recompute_s": 0.030 * b / t,
+        }
+        for t in (1, 2)
+        for b in (1, 2)
+    ]
+    tp_layer = [
+        {
+            "tp": 2,
+            "mbs": b,
+            "fwd_s": 0.008 * b,
+            "bwd_s": 0.014 * b,
+            "bwd_recompute_s": 0.020 * b,
+            "compute_fwd_s": 0.005 * b,
+            "compute_bwd_s": 0.01 * b,
+            "compute_bwd_recompute_s": 0.015 * b,
+        }
+        for b in (1, 2)
+    ]
     curve = [{"bytes": 1 << k, "s": 1e-4 * (1 + (1 << k) / 1e8)} for k in (10, 14, 18, 22)]
-    data = {"format": "hexi-device-profile/1", "device": "CPU", "dtype": "float32",
-            "threads": 1, "cpu_cores": 2, "matmul_tflops": 0.1, "model": model.__dict__,
-            "layer": layer, "embedding": [], "head": [], "tp_layer": tp_layer,
-            "contention": {"procs": 2, "slowdown": slowdown},
-            "comm": {"procs": 2, "allreduce": curve, "allgather": curve, "p2p": curve,
-                     "fit": {"allreduce": {"bandwidth_gbs": 0.1, "latency_us": 50}}}}
+    data = {
+        "format": "hexi-device-profile/1",
+        "device": "CPU",
+        "dtype": "float32",
+        "threads": 1,
+        "cpu_cores": 2,
+        "matmul_tflops": 0.1,
+        "model": model.__dict__,
+        "layer": layer,
+        "embedding": [],
+        "head": [],
+        "tp_layer": tp_layer,
+        "contention": {"procs": 2, "slowdown": slowdown},
+        "comm": {
+            "procs": 2,
+            "allreduce": curve,
+            "allgather": curve,
+            "p2p": curve,
+            "fit": {"allreduce": {"bandwidth_gbs": 0.1, "latency_us": 50}},
+        },
+    }
     path = tmp_path / "synthetic.json"
     path.write_text(json.dumps(data))
     return path, model
@@ -172,7 +253,9 @@ def test_in_situ_tp_comm(tmp_path):
     """A TP group as wide as the profile's in-situ runs pays what the measured TP layer takes
     beyond the model's own compute estimate (grid x contention); other widths use the curve."""
     import types
+
     from planner.profile import DeviceProfile, ProfiledDevice, layer_times
+
     path, model = _synthetic_profile(tmp_path)
     prof = DeviceProfile(json.loads(path.read_text()), str(path))
     dev = types.SimpleNamespace(profile=ProfiledDevice(prof, prof.contention(2)), flops=1e11)
@@ -180,10 +263,10 @@ def test_in_situ_tp_comm(tmp_path):
     # forward: 8 ms measured, compute estimate 10 ms x 1/2 x 1.5 = 7.5 ms -> 0.5 ms of comm
     cf, tf, cb, tb = layer_times(model, 1, [dev, dev], [2, 2], [128, 128], prof.link, False)
     assert cf == pytest.approx(0.0075) and tf == pytest.approx(0.0005)
-    assert cb == pytest.approx(0.015) and tb == pytest.approx(0.0)      # 14 ms < 15 ms: none
+    assert cb == pytest.approx(0.015) and tb == pytest.approx(0.0)  # 14 ms < 15 ms: none
     _, _, cbr, tbr = layer_times(model, 2, [dev, dev], [2, 2], [128, 128], prof.link, True)
-    assert cbr == pytest.approx(0.045) and tbr == pytest.approx(0.0)    # 40 ms < 45 ms
-    assert cf + tf == pytest.approx(0.008)          # compute + comm give back the TP layer
+    assert cbr == pytest.approx(0.045) and tbr == pytest.approx(0.0)  # 40 ms < 45 ms
+    assert cf + tf == pytest.approx(0.008)  # compute + comm give back the TP layer
     # a group on another link (not inside the profiled node): the all-reduce curve / fit
     other = (prof.link[0] / 10, prof.link[1])
     _, tf_other, _, _ = layer_times(model, 1, [dev, dev], [2, 2], [128, 128], other, False)
@@ -202,15 +285,30 @@ def test_contention_only_while_the_others_compute(tmp_path):
     one_stage = {"ranks": [0], "layers": [0, model.num_layers]}
 
     def pipelines(*nmbs):
-        return [{"micro_batch_size": 1, "num_microbatches": n,
-                 "stages": [dict(one_stage, ranks=[r])]} for r, n in enumerate(nmbs)]
+        return [
+            {"micro_batch_size": 1, "num_microbatches": n, "stages": [dict(one_stage, ranks=[r])]}
+            for r, n in enumerate(nmbs)
+        ]
 
     def times(slowdown, *nmbs):
         path, _ = _synthetic_profile(tmp_path / str(slowdown), slowdown)
-        cluster = load_cluster_dict({"name": "cpu-2", "nodes": [
-            {"name": "cpu", "gpu": "CPU", "gpus_per_node": 2, "intra_node": "host",
-             "nic": "10 Gbit/s", "profile": str(path)}]})
+        cluster = load_cluster_dict(
+            {
+                "name": "cpu-2",
+                "nodes": [
+                    {
+                        "name": "cpu",
+                        "gpu": "CPU",
+                        "gpus_per_node": 2,
+                        "intra_node": "host",
+                        "nic": "10 Gbit/s",
+                        "profile": str(path),
+                    }
+                ],
+            }
+        )
         return simulate(build_plan(cluster, model, sum(nmbs), pipelines(*nmbs))).pipeline_time_s
+
     for d in ("1.0", "1.5"):
         (tmp_path / d).mkdir()
     alone, shared = times(1.0, 4, 4), times(1.5, 4, 4)
@@ -218,12 +316,13 @@ def test_contention_only_while_the_others_compute(tmp_path):
         assert 1.35 < b / a <= 1.5
     alone, shared = times(1.0, 6, 1), times(1.5, 6, 1)
     long_ratio, short_ratio = shared[0] / alone[0], shared[1] / alone[1]
-    assert 1.0 < long_ratio < 1.15       # the short pipeline computes about 1/6 of the step
+    assert 1.0 < long_ratio < 1.15  # the short pipeline computes about 1/6 of the step
     assert 1.4 < short_ratio <= 1.5
 
 
 def test_simulate_cli_reports_sources(tiny_profile, tmp_path, hexi_plan):
     from planner.plan import save_plan
+
     path, _ = tiny_profile
     plan_path = tmp_path / "plan.json"
     save_plan(build_plan(_cluster(path), load_model("tiny"), 8, TWO_STAGES), plan_path)

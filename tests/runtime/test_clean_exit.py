@@ -6,6 +6,7 @@ process_exit); before the fix about one run in seven of this loop ended in -6, a
 (5 of 13 launches of the same 2-rank run with two other jobs on the machine). The loop runs two
 launches at a time, which is such a load.
 """
+
 import concurrent.futures
 import json
 import math
@@ -14,10 +15,24 @@ from harness import run_ranks
 from runtime.plans import write_plan
 
 LAUNCHES = 20
-TWO_STAGES = [{"micro_batch_size": 2, "num_microbatches": 4, "stages": [
-    {"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}]}]
-FLAGS = ["--mock-data", "--lr", "1e-3", "--lr-decay-style", "constant", "--attention-dropout",
-         "0", "--hidden-dropout", "0"]
+TWO_STAGES = [
+    {
+        "micro_batch_size": 2,
+        "num_microbatches": 4,
+        "stages": [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}],
+    }
+]
+FLAGS = [
+    "--mock-data",
+    "--lr",
+    "1e-3",
+    "--lr-decay-style",
+    "constant",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
 
 
 def launch(repo_root, args, world=2):
@@ -30,14 +45,15 @@ def test_every_launch_exits_zero(repo_root, tmp_path):
 
     def one(i):
         save = ["--save", tmp_path / f"ckpt{i}"] if i % 2 else []
-        return launch(repo_root, ["--hetero-plan-path", plan, "--train-iters", "2", *FLAGS,
-                                  *save])
+        return launch(repo_root, ["--hetero-plan-path", plan, "--train-iters", "2", *FLAGS, *save])
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         runs = list(pool.map(one, range(LAUNCHES)))
     codes = [[code for code, _, _ in ranks] for ranks in runs]
-    assert codes == [[0, 0]] * LAUNCHES, (codes, [err[-2000:] for ranks in runs
-                                                  for code, _, err in ranks if code])
+    assert codes == [[0, 0]] * LAUNCHES, (
+        codes,
+        [err[-2000:] for ranks in runs for code, _, err in ranks if code],
+    )
     for ranks in runs:
         assert "done: iterations 1-2" in ranks[0][1], ranks[0]
 
@@ -47,23 +63,55 @@ def test_errors_after_start_up_exit_two_on_every_rank(repo_root, tmp_path):
     on every rank, in one launch; a diverging run stops with a clear error on every rank."""
     plan = write_plan(tmp_path, "two_stages", "tiny", 2, TWO_STAGES)
     (tmp_path / "a-file").write_text("")
-    ranks = launch(repo_root, ["--hetero-plan-path", plan, "--train-iters", "2", *FLAGS,
-                               "--save", tmp_path / "a-file" / "ckpt",
-                               "--hetero-metrics-path", tmp_path / "no-dir" / "m.jsonl"])
+    ranks = launch(
+        repo_root,
+        [
+            "--hetero-plan-path",
+            plan,
+            "--train-iters",
+            "2",
+            *FLAGS,
+            "--save",
+            tmp_path / "a-file" / "ckpt",
+            "--hetero-metrics-path",
+            tmp_path / "no-dir" / "m.jsonl",
+        ],
+    )
     for code, _, err in ranks:
         assert code == 2, err
-        assert f"--save {tmp_path / 'a-file' / 'ckpt'}: cannot write there (Not a directory)" \
-            in err, err
-        assert f"--hetero-metrics-path {tmp_path / 'no-dir' / 'm.jsonl'}: cannot write there " \
-               f"(No such file or directory)" in err, err
+        assert (
+            f"--save {tmp_path / 'a-file' / 'ckpt'}: cannot write there (Not a directory)" in err
+        ), err
+        assert (
+            f"--hetero-metrics-path {tmp_path / 'no-dir' / 'm.jsonl'}: cannot write there "
+            f"(No such file or directory)" in err
+        ), err
         assert "Traceback" not in err and "iteration" not in err, err
 
     # lr 1e30 without clipping: the weights blow up after the first step, so iteration 2's
-    # gradient norm is not finite. Training stops there, before saving iteration 2; iteration 1 was saved.
+    # gradient norm is not finite. Training stops there, before saving iteration 2; iteration 1
+    # was saved.
     metrics = tmp_path / "metrics.jsonl"
-    ranks = launch(repo_root, ["--hetero-plan-path", plan, "--train-iters", "4", *FLAGS,
-                               "--lr", "1e30", "--clip-grad", "0", "--save", tmp_path / "ck",
-                               "--save-interval", "1", "--hetero-metrics-path", metrics])
+    ranks = launch(
+        repo_root,
+        [
+            "--hetero-plan-path",
+            plan,
+            "--train-iters",
+            "4",
+            *FLAGS,
+            "--lr",
+            "1e30",
+            "--clip-grad",
+            "0",
+            "--save",
+            tmp_path / "ck",
+            "--save-interval",
+            "1",
+            "--hetero-metrics-path",
+            metrics,
+        ],
+    )
     for code, _, err in ranks:
         assert code == 2, err
         assert "iteration 2: lm loss" in err and "training stopped on a non-finite value" in err

@@ -4,14 +4,21 @@ and a rank draws only the blocks its pieces overlap.
 In-process on the layout's shards (the stage model only supplies tensors of these shapes; the
 equivalence tests cover the model path end to end).
 """
+
 import math
 
 import pytest
 import torch
 
 from megatron_hexi import model as hexi_model
-from megatron_hexi.model import (INIT_BLOCK, block_seed, full_tensor, init_blocks,
-                                 initialise_weights, take_pieces)
+from megatron_hexi.model import (
+    INIT_BLOCK,
+    block_seed,
+    full_tensor,
+    init_blocks,
+    initialise_weights,
+    take_pieces,
+)
 from planner.layout import canonical_shards, rank_param_shards
 from planner.models import load_model, model_from_dict
 from planner.plan import build_plan
@@ -21,20 +28,50 @@ SEED = 1234
 
 # GQA with biases and LayerNorm: fused QKV and [gate; up] biases are cut into pieces too, and
 # sizes are not multiples of INIT_BLOCK (QKV 3 groups x 64 rows, FFN 2 x 200 rows, vocab 200).
-BIASED = model_from_dict({"num_layers": 4, "hidden_size": 96, "ffn_hidden_size": 200,
-                          "num_attention_heads": 6, "num_query_groups": 3, "vocab_size": 200,
-                          "seq_length": 16, "normalization": "LayerNorm", "add_bias_linear": True,
-                          "name": "biased-gqa"})
+BIASED = model_from_dict(
+    {
+        "num_layers": 4,
+        "hidden_size": 96,
+        "ffn_hidden_size": 200,
+        "num_attention_heads": 6,
+        "num_query_groups": 3,
+        "vocab_size": 200,
+        "seq_length": 16,
+        "normalization": "LayerNorm",
+        "add_bias_linear": True,
+        "name": "biased-gqa",
+    }
+)
 
 EXTRA_PLANS = {
     # Uneven TP=3 shards that start mid-block: FFN 90/70/40, vocabulary 90/70/40, and a TP=2
     # last stage with its own vocabulary cut.
-    "biased_gqa_tp3_tp2": (BIASED, 5, [
-        {"micro_batch_size": 1, "num_microbatches": 8, "stages": [
-            {"ranks": [0, 1, 2], "layers": [0, 2],
-             "shards": {"query_groups": [1, 1, 1], "ffn": [90, 70, 40], "vocab": [90, 70, 40]}},
-            {"ranks": [3, 4], "layers": [2, 4],
-             "shards": {"query_groups": [2, 1], "ffn": [101, 99], "vocab": [7, 193]}}]}]),
+    "biased_gqa_tp3_tp2": (
+        BIASED,
+        5,
+        [
+            {
+                "micro_batch_size": 1,
+                "num_microbatches": 8,
+                "stages": [
+                    {
+                        "ranks": [0, 1, 2],
+                        "layers": [0, 2],
+                        "shards": {
+                            "query_groups": [1, 1, 1],
+                            "ffn": [90, 70, 40],
+                            "vocab": [90, 70, 40],
+                        },
+                    },
+                    {
+                        "ranks": [3, 4],
+                        "layers": [2, 4],
+                        "shards": {"query_groups": [2, 1], "ffn": [101, 99], "vocab": [7, 193]},
+                    },
+                ],
+            }
+        ],
+    ),
 }
 
 
@@ -80,7 +117,7 @@ def test_every_rank_holds_the_one_rank_slices(name):
             expected = take_pieces(ref[shard.name], shard)
             assert torch.equal(p, expected), f"rank {rank} {shard.local_name}"
             seen.add(shard.name)
-    assert seen == set(ref)           # the plan covers every parameter, so all were compared
+    assert seen == set(ref)  # the plan covers every parameter, so all were compared
 
 
 def test_one_rank_model_is_the_full_tensors_with_megatron_scales():
@@ -97,8 +134,9 @@ def test_one_rank_model_is_the_full_tensors_with_megatron_scales():
         elif s.init == "zeros":
             assert torch.equal(t, torch.zeros(s.shape))
         else:
-            std = m.init_method_std / (math.sqrt(2 * m.num_layers)
-                                       if s.init == "scaled_normal" else 1)
+            std = m.init_method_std / (
+                math.sqrt(2 * m.num_layers) if s.init == "scaled_normal" else 1
+            )
             assert abs(t.std().item() / std - 1) < 0.05, s.name
             assert abs(t.mean().item()) < 0.05 * std, s.name
 
@@ -111,8 +149,9 @@ def test_blocks_are_independent_and_the_seed_matters():
     fc1 = ref["decoder.layers.0.mlp.linear_fc1.weight"]
     firsts = [fc1[j * INIT_BLOCK, 0].item() for j in range(fc1.shape[0] // INIT_BLOCK)]
     assert len(set(firsts)) == len(firsts)
-    assert not torch.equal(ref["decoder.layers.0.mlp.linear_fc1.weight"],
-                           ref["decoder.layers.1.mlp.linear_fc1.weight"])
+    assert not torch.equal(
+        ref["decoder.layers.0.mlp.linear_fc1.weight"], ref["decoder.layers.1.mlp.linear_fc1.weight"]
+    )
     shard = next(s for s in canonical_shards(m) if s.name == "output_layer.weight")
     again = full_tensor(shard, SEED, m)
     assert torch.equal(again, ref[shard.name])
@@ -140,15 +179,29 @@ def test_a_rank_draws_only_the_blocks_its_pieces_overlap(monkeypatch):
     def counting(shape, seed32, scale):
         drawn.append(math.prod(shape))
         return real(shape, seed32, scale)
+
     monkeypatch.setattr(hexi_model, "_draw_block", counting)
 
     m = load_model("llama2-7b")
-    plan = _plan("llama2-7b", 8, [{"micro_batch_size": 1, "num_microbatches": GLOBAL_BATCH,
-                                   "stages": [{"ranks": list(range(8)), "layers": [0, 32]}]}])
-    wanted = {"embedding.word_embeddings.weight", "output_layer.weight",
-              "decoder.layers.0.self_attention.linear_qkv.weight",
-              "decoder.layers.0.self_attention.linear_proj.weight",
-              "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight"}
+    plan = _plan(
+        "llama2-7b",
+        8,
+        [
+            {
+                "micro_batch_size": 1,
+                "num_microbatches": GLOBAL_BATCH,
+                "stages": [{"ranks": list(range(8)), "layers": [0, 32]}],
+            }
+        ],
+    )
+    wanted = {
+        "embedding.word_embeddings.weight",
+        "output_layer.weight",
+        "decoder.layers.0.self_attention.linear_qkv.weight",
+        "decoder.layers.0.self_attention.linear_proj.weight",
+        "decoder.layers.0.mlp.linear_fc1.weight",
+        "decoder.layers.0.mlp.linear_fc2.weight",
+    }
     shards = [s for s in rank_param_shards(plan, 3) if s.name in wanted]
     assert {s.name for s in shards} == wanted
     for shard in shards:

@@ -10,6 +10,7 @@ The same holds for the communicator alone driven through the 1F1B call sequence 
 stages of TP 2, 3 and 1 (irregular overlaps, boundaries of both parities, launch ranks
 permuted), where every received slice is checked.
 """
+
 import multiprocessing
 
 import pytest
@@ -22,8 +23,16 @@ from runtime.workers import train
 
 # Small layers and short sequences keep the compute low; many sequences per micro-batch make each
 # boundary tensor (seq x micro-batch x hidden fp32) 16.8 MB.
-MODEL = {"name": "wide-batch", "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 64,
-         "num_attention_heads": 2, "num_query_groups": 2, "vocab_size": 64, "seq_length": 64}
+MODEL = {
+    "name": "wide-batch",
+    "num_layers": 2,
+    "hidden_size": 32,
+    "ffn_hidden_size": 64,
+    "num_attention_heads": 2,
+    "num_query_groups": 2,
+    "vocab_size": 64,
+    "seq_length": 64,
+}
 MICRO_BATCH = 2048
 MICRO_BATCHES = 4
 PLANS = {
@@ -42,7 +51,7 @@ COMMUNICATOR_HANG_TIMEOUT = 30
 # Communicator alone: plan rank -> launch rank (permuted), stages' plan ranks, micro-batches.
 LAUNCH_OF = {0: 3, 1: 0, 2: 5, 3: 1, 4: 4, 5: 2}
 STAGES = [[0, 1], [2, 3, 4], [5]]
-SHAPE = (64, 1024, 64)             # 16.8 MB fp32 per boundary tensor
+SHAPE = (64, 1024, 64)  # 16.8 MB fp32 per boundary tensor
 
 
 def _sends_first(self, sends, recvs):
@@ -54,6 +63,7 @@ def train_one_step(plan_path, previous_order=False):
     """One training iteration; the losses and grad norms (launch rank 0)."""
     if previous_order:
         from megatron_hexi.communicator import StageCommunicator
+
         StageCommunicator._order = _sends_first
     out = train(plan_path, extra_flags=["--train-iters", "1"])
     return {"losses": out["losses"], "grad_norms": out["grad_norms"]}
@@ -62,9 +72,14 @@ def train_one_step(plan_path, previous_order=False):
 def _message(kind, stage, micro_batch):
     """The tensor a stage sends for one micro-batch: every element tells where it belongs."""
     import torch
+
     code = {"forward": 0, "backward": 1}[kind] * 50 + 10 * stage + micro_batch
-    return torch.arange(SHAPE[0] * SHAPE[1] * SHAPE[2], dtype=torch.float32).remainder_(
-        4099).add_(4099 * code).view(SHAPE)
+    return (
+        torch.arange(SHAPE[0] * SHAPE[1] * SHAPE[2], dtype=torch.float32)
+        .remainder_(4099)
+        .add_(4099 * code)
+        .view(SHAPE)
+    )
 
 
 def communicate_1f1b(micro_batches, previous_order=False):
@@ -75,6 +90,7 @@ def communicate_1f1b(micro_batches, previous_order=False):
 
     from megatron_hexi.communicator import Boundary, StageCommunicator
     from megatron_hexi.process_groups import StagePosition
+
     if previous_order:
         StageCommunicator._order = _sends_first
     plan_of = {launch: plan for plan, launch in LAUNCH_OF.items()}
@@ -83,10 +99,19 @@ def communicate_1f1b(micro_batches, previous_order=False):
     stage = next(i for i, ranks in enumerate(STAGES) if me in ranks)
     n, numel = len(STAGES), SHAPE[0] * SHAPE[1] * SHAPE[2]
     prev_b = Boundary(STAGES[stage - 1], STAGES[stage], numel, LAUNCH_OF, me) if stage else None
-    next_b = (Boundary(STAGES[stage], STAGES[stage + 1], numel, LAUNCH_OF, me)
-              if stage < n - 1 else None)
-    comm = StageCommunicator(None, StagePosition(stage, n), groups[stage], len(STAGES[stage]),
-                             prev_b, next_b, torch.float32, torch.device("cpu"))
+    next_b = (
+        Boundary(STAGES[stage], STAGES[stage + 1], numel, LAUNCH_OF, me) if stage < n - 1 else None
+    )
+    comm = StageCommunicator(
+        None,
+        StagePosition(stage, n),
+        groups[stage],
+        len(STAGES[stage]),
+        prev_b,
+        next_b,
+        torch.float32,
+        torch.device("cpu"),
+    )
     first, last = stage == 0, stage == n - 1
     received = []
 
@@ -106,13 +131,19 @@ def communicate_1f1b(micro_batches, previous_order=False):
     if steady:
         check(comm.recv_forward(SHAPE, first), "forward", warmup)
     for i in range(steady):
-        check(comm.send_forward_recv_backward(_message("forward", stage, warmup + i), SHAPE,
-                                              last), "backward", i)
+        check(
+            comm.send_forward_recv_backward(_message("forward", stage, warmup + i), SHAPE, last),
+            "backward",
+            i,
+        )
         if i == steady - 1:
             comm.send_backward(_message("backward", stage, i), first)
         else:
-            check(comm.send_backward_recv_forward(_message("backward", stage, i), SHAPE, first),
-                  "forward", warmup + i + 1)
+            check(
+                comm.send_backward_recv_forward(_message("backward", stage, i), SHAPE, first),
+                "forward",
+                warmup + i + 1,
+            )
     for i in range(steady, micro_batches):
         check(comm.recv_backward(SHAPE, last), "backward", i)
         comm.send_backward(_message("backward", stage, i), first)
@@ -120,18 +151,26 @@ def communicate_1f1b(micro_batches, previous_order=False):
 
 
 def test_communicator_strict_order_delivers_everything():
-    results = run_distributed(communicate_1f1b, len(LAUNCH_OF), MICRO_BATCHES, timeout=RUN_TIMEOUT,
-                              env=STRICT)
+    results = run_distributed(
+        communicate_1f1b, len(LAUNCH_OF), MICRO_BATCHES, timeout=RUN_TIMEOUT, env=STRICT
+    )
     for stage, received in results:
-        kinds = ([] if stage == 0 else ["forward"]) + ([] if stage == len(STAGES) - 1
-                                                      else ["backward"])
+        kinds = ([] if stage == 0 else ["forward"]) + (
+            [] if stage == len(STAGES) - 1 else ["backward"]
+        )
         assert sorted(received) == sorted((k, m) for k in kinds for m in range(MICRO_BATCHES))
 
 
 def test_communicator_previous_order_hangs_in_strict_mode(capfd):
     with pytest.raises(DistributedTimeout):
-        run_distributed(communicate_1f1b, len(LAUNCH_OF), MICRO_BATCHES, previous_order=True,
-                        timeout=COMMUNICATOR_HANG_TIMEOUT, env=STRICT)
+        run_distributed(
+            communicate_1f1b,
+            len(LAUNCH_OF),
+            MICRO_BATCHES,
+            previous_order=True,
+            timeout=COMMUNICATOR_HANG_TIMEOUT,
+            env=STRICT,
+        )
     _assert_stuck_in_exchange(capfd, len(LAUNCH_OF))
 
 
@@ -147,8 +186,9 @@ def _assert_stuck_in_exchange(capfd, world):
 def write(tmp_path, name):
     world, stages = PLANS[name]
     model = model_from_dict(MODEL)
-    pipelines = [{"micro_batch_size": MICRO_BATCH, "num_microbatches": MICRO_BATCHES,
-                  "stages": stages}]
+    pipelines = [
+        {"micro_batch_size": MICRO_BATCH, "num_microbatches": MICRO_BATCHES, "stages": stages}
+    ]
     plan = build_plan(cpu_cluster(world), model, MICRO_BATCH * MICRO_BATCHES, pipelines)
     path = tmp_path / f"{name}.json"
     save_plan(plan, path)
@@ -157,7 +197,7 @@ def write(tmp_path, name):
 
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_strict_order_trains_like_default(name, tmp_path):
-    assert MODEL["seq_length"] * MICRO_BATCH * MODEL["hidden_size"] * 4 > 10e6   # tens of MB
+    assert MODEL["seq_length"] * MICRO_BATCH * MODEL["hidden_size"] * 4 > 10e6  # tens of MB
     world, path = write(tmp_path, name)
     default = run_distributed(train_one_step, world, path, timeout=RUN_TIMEOUT)[0]
     strict = run_distributed(train_one_step, world, path, timeout=RUN_TIMEOUT, env=STRICT)[0]
@@ -169,6 +209,7 @@ def test_previous_order_hangs_in_strict_mode(tmp_path, capfd):
     """The issue's case in training (the many-to-many case: the communicator test above)."""
     world, path = write(tmp_path, "two_stages")
     with pytest.raises(DistributedTimeout):
-        run_distributed(train_one_step, world, path, previous_order=True, timeout=HANG_TIMEOUT,
-                        env=STRICT)
+        run_distributed(
+            train_one_step, world, path, previous_order=True, timeout=HANG_TIMEOUT, env=STRICT
+        )
     _assert_stuck_in_exchange(capfd, world)

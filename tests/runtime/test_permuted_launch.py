@@ -4,9 +4,10 @@ Two torchrun agents start the plan's two nodes in reverse order (the agent with 
 the plan's second node), so launch ranks 0-1 are plan ranks 2-3. Process groups number their
 members by launch rank; any buffer laid out in plan order would then be cut wrongly. Before the
 distributed optimizer placed its regions by group rank, this launch was off by 6 % in loss and
-5-14 % in grad norm (even and memory shards), with no error; now it agrees to 1e-7. The GPU types differ per node, so the memory-proportional shards
-differ per rank too.
+5-14 % in grad norm (even and memory shards), with no error; now it agrees to 1e-7. The GPU types
+differ per node, so the memory-proportional shards differ per rank too.
 """
+
 import json
 import os
 import subprocess
@@ -23,20 +24,42 @@ from runtime.plans import GLOBAL_BATCH, REFERENCE, cpu_cluster
 from runtime.workers import BASE_FLAGS, max_relative_difference
 
 TOLERANCE = 1e-5
-TWO_NODES = {"name": "two-nodes", "nodes": [
-    {"name": "n0", "gpu": "A100-SXM-80GB", "gpus_per_node": 2, "intra_node": "nvlink",
-     "nic": "10 Gbit/s"},
-    {"name": "n1", "gpu": "RTX-4090", "gpus_per_node": 2, "intra_node": "host",
-     "nic": "10 Gbit/s"}]}
+TWO_NODES = {
+    "name": "two-nodes",
+    "nodes": [
+        {
+            "name": "n0",
+            "gpu": "A100-SXM-80GB",
+            "gpus_per_node": 2,
+            "intra_node": "nvlink",
+            "nic": "10 Gbit/s",
+        },
+        {
+            "name": "n1",
+            "gpu": "RTX-4090",
+            "gpus_per_node": 2,
+            "intra_node": "host",
+            "nic": "10 Gbit/s",
+        },
+    ],
+}
 # Pipeline 0: TP=2 uneven on n0, then one rank of n1; pipeline 1: the other rank of n1. Every
 # gradient segment is held by a rank of n0 and both ranks of n1.
 PIPELINES = [
-    {"micro_batch_size": 1, "num_microbatches": 6, "stages": [
-        {"ranks": [0, 1], "layers": [0, 3],
-         "shards": {"query_groups": [3, 1], "ffn": [192, 64], "vocab": [96, 32]}},
-        {"ranks": [2], "layers": [3, 4]}]},
-    {"micro_batch_size": 2, "num_microbatches": 1, "stages": [
-        {"ranks": [3], "layers": [0, 4]}]}]
+    {
+        "micro_batch_size": 1,
+        "num_microbatches": 6,
+        "stages": [
+            {
+                "ranks": [0, 1],
+                "layers": [0, 3],
+                "shards": {"query_groups": [3, 1], "ffn": [192, 64], "vocab": [96, 32]},
+            },
+            {"ranks": [2], "layers": [3, 4]},
+        ],
+    },
+    {"micro_batch_size": 2, "num_microbatches": 1, "stages": [{"ranks": [3], "layers": [0, 4]}]},
+]
 
 
 def _agents(argv, nodes, timeout=300):
@@ -45,12 +68,35 @@ def _agents(argv, nodes, timeout=300):
     port = str(free_port())
     procs = []
     for node_rank, node in enumerate(nodes):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(nodes)),
-               "--node-rank", str(node_rank), "--nproc-per-node", "2", "--master-addr",
-               "127.0.0.1", "--master-port", port, "pretrain_gpt.py", *map(str, argv)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(len(nodes)),
+            "--node-rank",
+            str(node_rank),
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+            "pretrain_gpt.py",
+            *map(str, argv),
+        ]
         env = {**os.environ, "HEXI_PLAN_NODE": node, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
     out = []
     try:
         for p in procs:
@@ -76,22 +122,48 @@ def one_rank(tmp_path_factory):
     d = tmp_path_factory.mktemp("one-rank")
     plan = build_plan(cpu_cluster(1), load_model("tiny"), GLOBAL_BATCH, REFERENCE)
     save_plan(plan, d / "plan.json")
-    r = subprocess.run([sys.executable, "pretrain_gpt.py", "--hetero-plan-path", d / "plan.json",
-                        *BASE_FLAGS, "--hetero-metrics-path", d / "m.jsonl"],
-                       cwd=REPO, capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "pretrain_gpt.py",
+            "--hetero-plan-path",
+            d / "plan.json",
+            *BASE_FLAGS,
+            "--hetero-metrics-path",
+            d / "m.jsonl",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return _metrics(d / "m.jsonl")
 
 
 @pytest.mark.parametrize("shard", ["even", "memory"])
 def test_distributed_optimizer_under_reversed_node_order(shard, one_rank, tmp_path):
-    plan = build_plan(load_cluster_dict(TWO_NODES), load_model("tiny"), GLOBAL_BATCH, PIPELINES,
-                      use_distributed_optimizer=True, optimizer_shard=shard)
+    plan = build_plan(
+        load_cluster_dict(TWO_NODES),
+        load_model("tiny"),
+        GLOBAL_BATCH,
+        PIPELINES,
+        use_distributed_optimizer=True,
+        optimizer_shard=shard,
+    )
     save_plan(plan, tmp_path / "plan.json")
     metrics = tmp_path / "m.jsonl"
-    agents = _agents(["--hetero-plan-path", tmp_path / "plan.json", *BASE_FLAGS,
-                      "--hetero-metrics-path", metrics], ["n1", "n0"])
+    agents = _agents(
+        [
+            "--hetero-plan-path",
+            tmp_path / "plan.json",
+            *BASE_FLAGS,
+            "--hetero-metrics-path",
+            metrics,
+        ],
+        ["n1", "n0"],
+    )
     assert [code for code, _ in agents] == [0, 0], [err[-3000:] for _, err in agents]
     losses, norms = _metrics(metrics)
     ref_losses, ref_norms = one_rank

@@ -7,6 +7,7 @@ proves the wrapper is in the path of the tensor collectives of a step with tenso
 a TP-changing stage boundary, the weighted gradient sync and the distributed optimizer, and that
 it refuses a tensor on another device.
 """
+
 import torch
 
 from harness import run_distributed
@@ -18,6 +19,7 @@ def _train_strictly(plan_path):
 
     from megatron_hexi import strict_collectives
     from runtime.workers import train
+
     out = train(plan_path)
     calls = dict(strict_collectives.calls)
     try:
@@ -31,12 +33,15 @@ def _train_strictly(plan_path):
 def test_every_step_collective_is_checked(tmp_path):
     model, world, pipelines = PLANS["two_pipelines_uneven_tp2"]
     path = write_plan(tmp_path, "strict", model, world, pipelines, use_distributed_optimizer=True)
-    results = run_distributed(_train_strictly, world, path, timeout=400,
-                              env={"HEXI_STRICT_COLLECTIVES": "1"})
+    results = run_distributed(
+        _train_strictly, world, path, timeout=400, env={"HEXI_STRICT_COLLECTIVES": "1"}
+    )
     for rank, r in enumerate(results):
-        assert r["refused"] == ("torch.distributed.all_reduce: a (2,) torch.float32 tensor on "
-                                "meta, but this run's device is cpu (NCCL takes only tensors on "
-                                "the run's device)"), (rank, r["refused"])
+        assert r["refused"] == (
+            "torch.distributed.all_reduce: a (2,) torch.float32 tensor on "
+            "meta, but this run's device is cpu (NCCL takes only tensors on "
+            "the run's device)"
+        ), (rank, r["refused"])
         assert r["calls"].get("all_reduce", 0) > 0, (rank, r["calls"])
     kinds = set().union(*(r["calls"] for r in results))
     # TP all-reduces and the boundary all-gather, pipeline sends and receives, the sharded

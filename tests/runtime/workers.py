@@ -5,6 +5,7 @@ rank 0, the per-iteration losses and grad norms and the final parameters gathere
 tensors. `defect` deliberately breaks the gradient sync the way the HexiScale code does, to prove
 the equivalence tests catch it.
 """
+
 import torch
 
 # Adam's eps is 1e-4 here, not 1e-8: in the first steps Adam divides each gradient element by its
@@ -13,17 +14,35 @@ import torch
 # 1e-8 gives losses and grad norms equal to 7e-8 but parameters only to 1.3e-4 relative (4e-6
 # absolute, at lr 1e-3); eps 1e-4 gives parameters to ~1e-6. The gradients are what the runtime
 # computes; this keeps the optimizer from amplifying rounding noise in the comparison.
-BASE_FLAGS = ["--adam-eps", "1e-4", "--mock-data", "--train-iters", "3", "--lr", "1e-3", "--lr-decay-style", "constant",
-              "--seed", "1234", "--attention-dropout", "0", "--hidden-dropout", "0",
-              "--log-interval", "1000", "--weight-decay", "0.01"]
+BASE_FLAGS = [
+    "--adam-eps",
+    "1e-4",
+    "--mock-data",
+    "--train-iters",
+    "3",
+    "--lr",
+    "1e-3",
+    "--lr-decay-style",
+    "constant",
+    "--seed",
+    "1234",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--log-interval",
+    "1000",
+    "--weight-decay",
+    "0.01",
+]
 
 
 def _break_sync(defect):
     """Monkeypatch one HexiScale defect into this process's runtime."""
     import dataclasses
 
-    from planner import layout
     from megatron_hexi.grad_sync import GradientSync
+    from planner import layout
 
     if defect == "misaligned_fused":
         # Sync as if each rank's fused [q; k; v] and [gate; up] rows were one contiguous block
@@ -39,6 +58,7 @@ def _break_sync(defect):
                     s = dataclasses.replace(s, pieces=(layout.Piece(0, tp_rank * n, n),))
                 shards.append(s)
             return shards
+
         layout.rank_param_shards = misaligned
     elif defect == "equal_weighting":
         # Each pipeline averages over its own tokens, then pipelines are averaged equally.
@@ -50,6 +70,7 @@ def _break_sync(defect):
                 if p.grad is not None:
                     p.grad.mul_(num_tokens / trainer_tokens / self._num_pipelines)
             real_sync(self, num_tokens)
+
         GradientSync.sync = equal
     elif defect == "tp_weighted_replicated":
         # Every TP replica of a norm contributes, so stages of TP t count it t times.
@@ -58,6 +79,7 @@ def _break_sync(defect):
         def init(self, plan_rank, params, segments, groups, **kwargs):
             segments = [dataclasses.replace(s, contributors=frozenset(s.ranks)) for s in segments]
             real_init(self, plan_rank, params, segments, groups, **kwargs)
+
         GradientSync.__init__ = init
     elif defect is not None:
         raise ValueError(defect)
@@ -76,19 +98,27 @@ def train(plan_path, defect=None, extra_flags=()):
     _break_sync(defect)
     if defect == "equal_weighting":
         from megatron_hexi.grad_sync import GradientSync
-        pipe = plan.pipelines[plan.rank_view(dist.get_rank()).pipeline]   # launched in plan order
+
+        pipe = plan.pipelines[plan.rank_view(dist.get_rank()).pipeline]  # launched in plan order
         GradientSync._own_pipeline_tokens = pipe.num_samples * plan.model.seq_length
         GradientSync._num_pipelines = len(plan.pipelines)
     trainer, history = run(plan, config, device)
     full = trainer.full_parameters()
-    out = {"losses": [h["lm_loss"] for h in history],
-           "grad_norms": [h["grad_norm"] for h in history],
-           "sync_bytes": trainer.grad_sync.bytes_per_step,
-           "plan_rank": trainer.rank}
+    out = {
+        "losses": [h["lm_loss"] for h in history],
+        "grad_norms": [h["grad_norm"] for h in history],
+        "sync_bytes": trainer.grad_sync.bytes_per_step,
+        "plan_rank": trainer.rank,
+    }
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {"plan_rank": trainer.rank,
-                                      "sync_bytes": trainer.grad_sync.bytes_per_step,
-                                      "optimizer_bytes": optimizer_state_bytes(trainer.optimizer)})
+    dist.all_gather_object(
+        everyone,
+        {
+            "plan_rank": trainer.rank,
+            "sync_bytes": trainer.grad_sync.bytes_per_step,
+            "optimizer_bytes": optimizer_state_bytes(trainer.optimizer),
+        },
+    )
     if dist.get_rank() == 0:
         out["params"] = {k: v.clone() for k, v in full.items()}
         out["sync_bytes_per_rank"] = {e["plan_rank"]: e["sync_bytes"] for e in everyone}
@@ -102,9 +132,12 @@ def optimizer_state_bytes(optimizer):
     for group in optimizer.optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.optimizer.state.get(p, {})
-            total += sum(t.numel() * t.element_size() for k, t in state.items()
-                         if torch.is_tensor(t) and k != "step")
-            if hasattr(optimizer, "parts"):          # sharded: fp32 masters are separate
+            total += sum(
+                t.numel() * t.element_size()
+                for k, t in state.items()
+                if torch.is_tensor(t) and k != "step"
+            )
+            if hasattr(optimizer, "parts"):  # sharded: fp32 masters are separate
                 total += p.numel() * p.element_size()
     return total
 
@@ -119,12 +152,14 @@ def max_relative_difference(a, b):
 def _record_trainers():
     """Keep every Trainer this process builds (the helpers below inspect it after `train`)."""
     from megatron_hexi import training
+
     made = []
     real_init = training.Trainer.__init__
 
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         made.append(self)
+
     training.Trainer.__init__ = init
     return made
 
@@ -146,8 +181,10 @@ def train_with_first_grads(plan_path, extra_flags=(), defect=None):
     def finalize(self, *args, **kwargs):
         real_finalize(self, *args, **kwargs)
         if not first:
-            first["grads"] = [(shard, param_grad(p).detach().float().clone())
-                              for shard, p in self.params]
+            first["grads"] = [
+                (shard, param_grad(p).detach().float().clone()) for shard, p in self.params
+            ]
+
     training.Trainer._finalize_grads = finalize
     out = train(plan_path, defect=defect, extra_flags=extra_flags)
     trainer = made[0]
@@ -168,10 +205,9 @@ def train_strict_kernels(plan_path, extra_flags=()):
     CPU suite could not otherwise see such inputs. Adds, summed over the ranks: the stand-in's
     calls and tensors, and how many owned gradient slices are strided views of their
     parameter (column slices), i.e. inputs the norm must read in place."""
-    import torch.distributed as dist
-
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer
+    import torch.distributed as dist
 
     counts = {"calls": 0, "tensors": 0}
 
@@ -182,10 +218,12 @@ def train_strict_kernels(plan_path, extra_flags=()):
                     if not t.is_contiguous():
                         raise NonContiguousKernelInput(
                             f"{getattr(op, '__name__', op)}: tensor {j} of list {i} is not "
-                            f"contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+                            f"contiguous (shape {tuple(t.shape)}, stride {t.stride()})"
+                        )
                 counts["tensors"] += len(tensors)
             counts["calls"] += 1
             return applier(op, noop_flag, tensor_lists, *args)
+
         return apply
 
     for module in (clip_grads, optimizer):
@@ -193,8 +231,10 @@ def train_strict_kernels(plan_path, extra_flags=()):
     made = _record_trainers()
     out = train(plan_path, extra_flags=extra_flags)
     trainer = made[0]
-    strided = sum(not s.param.narrow(s.dim, s.start, s.length).is_contiguous()
-                  for s in trainer.grad_sync.owned)
+    strided = sum(
+        not s.param.narrow(s.dim, s.start, s.length).is_contiguous()
+        for s in trainer.grad_sync.owned
+    )
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (counts["calls"], counts["tensors"], strided))
     out["kernel_calls"] = sum(e[0] for e in everyone)

@@ -61,7 +61,9 @@ def slurm_cluster(tmp_path_factory) -> SlurmCluster:
     if not sys.platform.startswith("linux"):
         _unavailable("localhost Slurm needs Linux")
     if os.geteuid() != 0:
-        _unavailable("localhost Slurm needs root (daemons run as root, slurmd in a mount namespace)")
+        _unavailable(
+            "localhost Slurm needs root (daemons run as root, slurmd in a mount namespace)"
+        )
     if shutil.which("sbatch") is None and shutil.which("apt-get") is None:
         _unavailable("Slurm is not installed and there is no apt-get to install it")
 

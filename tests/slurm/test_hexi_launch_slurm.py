@@ -5,6 +5,7 @@ RTX-4090 on partition rtx4090: rtx4090-1; 2 fake GPUs each). The stand-in traini
 tests/launch/fake_train.py maps each process to its plan rank the way the runtime does and runs a
 gloo all_reduce; pretrain_gpt.py replaces it once the runtime is ready.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,13 +18,17 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from hexi_launch_helpers import (FAKE_TRAIN, check_fake_result, cluster_dict,  # noqa: E402
-                                 hexi_launch, make_plan)
-
 from harness import run_distributed  # noqa: E402
+from hexi_launch_helpers import (
+    FAKE_TRAIN,
+    check_fake_result,
+    cluster_dict,  # noqa: E402
+    hexi_launch,
+    make_plan,
+)
 from megatron_hexi.launch.common import default_gres_type  # noqa: E402
-from runtime.workers import BASE_FLAGS, train  # noqa: E402
 from planner.cluster import load_cluster_dict  # noqa: E402
+from runtime.workers import BASE_FLAGS, train  # noqa: E402
 
 pytestmark = pytest.mark.slurm
 
@@ -33,10 +38,16 @@ JOB_TIMEOUT_S = 240
 
 def submit(slurm_cluster, tmp_path, job, name):
     """sbatch --wait; returns the job's output. Fails with the log on any problem."""
-    env = {**slurm_cluster.env, "TMPDIR": str(tmp_path)}   # torchrun's temp dirs
+    env = {**slurm_cluster.env, "TMPDIR": str(tmp_path)}  # torchrun's temp dirs
     try:
-        r = subprocess.run(["sbatch", "--wait", "--parsable", str(job)], env=env, cwd=tmp_path,
-                           capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        r = subprocess.run(
+            ["sbatch", "--wait", "--parsable", str(job)],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=JOB_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired:
         slurm_cluster.run("scancel", f"--name={name}")
         raise
@@ -52,9 +63,27 @@ def submit(slurm_cluster, tmp_path, job, name):
 
 def generate(tmp_path, plan_path, name, *extra, entry=("--entry", str(FAKE_TRAIN)), args=()):
     job = tmp_path / "job.sbatch"
-    r = hexi_launch("slurm", plan_path, *PARTS, "--job-name", name, "--time", "5",
-                    "--log", tmp_path / "job-%j.out", "--timeout-s", "120",
-                    "--python", sys.executable, *entry, *extra, "-o", job, "--", *args)
+    r = hexi_launch(
+        "slurm",
+        plan_path,
+        *PARTS,
+        "--job-name",
+        name,
+        "--time",
+        "5",
+        "--log",
+        tmp_path / "job-%j.out",
+        "--timeout-s",
+        "120",
+        "--python",
+        sys.executable,
+        *entry,
+        *extra,
+        "-o",
+        job,
+        "--",
+        *args,
+    )
     assert r.returncode == 0, r.stderr
     return job
 
@@ -62,7 +91,9 @@ def generate(tmp_path, plan_path, name, *extra, entry=("--entry", str(FAKE_TRAIN
 def check_nodes(slurm_cluster, res):
     """Every rank ran on a Slurm node whose GPU type is the plan's GPU type for it."""
     for x in res["ranks"]:
-        assert slurm_cluster.info["nodes"][x["slurm_node"]]["gpu_type"] == default_gres_type(x["gpu"]), x
+        assert slurm_cluster.info["nodes"][x["slurm_node"]]["gpu_type"] == default_gres_type(
+            x["gpu"]
+        ), x
 
 
 def test_plain_job(slurm_cluster, tmp_path):
@@ -83,8 +114,9 @@ def test_het_job_plan_order_differs_from_slurm(slurm_cluster, tmp_path):
     Every process still finds its plan rank, and torch rank == plan rank."""
     plan_path = tmp_path / "plan.json"
     plan = make_plan(plan_path, [("rtx4090", 2, 1), ("a100", 1, 2)])
-    job = generate(tmp_path, plan_path, "hexi-het",
-                   args=["--out", tmp_path / "res.json", "--x", "a b", "it's"])
+    job = generate(
+        tmp_path, plan_path, "hexi-het", args=["--out", tmp_path / "res.json", "--x", "a b", "it's"]
+    )
     assert job.read_text().count("#SBATCH hetjob") == 1
     out = submit(slurm_cluster, tmp_path, job, "hexi-het")
     res = check_fake_result(tmp_path / "res.json", plan)
@@ -103,19 +135,36 @@ def test_plan_that_does_not_fit_is_refused(slurm_cluster, tmp_path):
     plan_path = tmp_path / "plan.json"
     make_plan(plan_path, [("rtx4090", 2, 1), ("a100", 2, 3)])
     env = slurm_cluster.env
-    r = subprocess.run([sys.executable, "-m", "megatron_hexi.launch.cli", "slurm", str(plan_path),
-                        *PARTS, "--check-partitions"], env=env, capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_hexi.launch.cli",
+            "slurm",
+            str(plan_path),
+            *PARTS,
+            "--check-partitions",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip() == ("hexi-launch: error: node group a100 needs 3 node(s) with "
-                                "gpu:a100:2; partition a100 has 2 (a100-1, a100-2)")
+    assert r.stderr.strip() == (
+        "hexi-launch: error: node group a100 needs 3 node(s) with "
+        "gpu:a100:2; partition a100 has 2 (a100-1, a100-2)"
+    )
     job = generate(tmp_path, plan_path, "hexi-nofit")
     r = slurm_cluster.run("sbatch", "--parsable", str(job), timeout=30)
     assert r.returncode != 0 and r.stdout.strip() == ""
     # Slurm's own words (22.05): too many nodes for the partition
-    assert re.search(r"Batch job submission failed: (More processors requested than permitted|"
-                     r"Requested node configuration is not available|Node count specification "
-                     r"invalid)", r.stderr), r.stderr
+    assert re.search(
+        r"Batch job submission failed: (More processors requested than permitted|"
+        r"Requested node configuration is not available|Node count specification "
+        r"invalid)",
+        r.stderr,
+    ), r.stderr
     assert not list(tmp_path.glob("job-*.out"))
 
 
@@ -125,10 +174,25 @@ def test_bench_under_slurm(slurm_cluster, tmp_path):
     groups = [("a100", 2, 1), ("rtx4090", 1, 1)]
     make_plan(plan_path, groups)
     links = tmp_path / "links.yaml"
-    job = generate(tmp_path, plan_path, "hexi-bench",
-                   entry=("--entry-module", "megatron_hexi.cluster_tools.bench"),
-                   args=["-o", links, "--sizes", "8B", "256KB", "--iters", "3",
-                         "--timeout-s", "30", "--total-timeout-s", "100"])
+    job = generate(
+        tmp_path,
+        plan_path,
+        "hexi-bench",
+        entry=("--entry-module", "megatron_hexi.cluster_tools.bench"),
+        args=[
+            "-o",
+            links,
+            "--sizes",
+            "8B",
+            "256KB",
+            "--iters",
+            "3",
+            "--timeout-s",
+            "30",
+            "--total-timeout-s",
+            "100",
+        ],
+    )
     submit(slurm_cluster, tmp_path, job, "hexi-bench")
     data = yaml.safe_load(links.read_text())
     assert [lk["between"] for lk in data["links"]] == [["a100-0", "rtx4090-0"]]
@@ -145,26 +209,48 @@ def test_pretrain_gpt_het_job(slurm_cluster, tmp_path):
     from hexi_launch_helpers import MODEL
     from planner.models import model_from_dict
     from planner.plan import build_plan, save_plan
+
     cluster = load_cluster_dict(cluster_dict([("rtx4090", 2, 1), ("a100", 1, 2)]))
-    pipes = [{"micro_batch_size": 1, "num_microbatches": 2,
-              "stages": [{"ranks": [0, 1], "layers": [0, 2]}, {"ranks": [2], "layers": [2, 4]}]},
-             {"micro_batch_size": 2, "num_microbatches": 1,
-              "stages": [{"ranks": [3], "layers": [0, 4]}]}]
+    pipes = [
+        {
+            "micro_batch_size": 1,
+            "num_microbatches": 2,
+            "stages": [{"ranks": [0, 1], "layers": [0, 2]}, {"ranks": [2], "layers": [2, 4]}],
+        },
+        {
+            "micro_batch_size": 2,
+            "num_microbatches": 1,
+            "stages": [{"ranks": [3], "layers": [0, 4]}],
+        },
+    ]
     plan_path = tmp_path / "plan.json"
     save_plan(build_plan(cluster, model_from_dict(MODEL, "model"), 4, pipes), str(plan_path))
     metrics = tmp_path / "metrics.jsonl"
-    job = generate(tmp_path, plan_path, "hexi-e2e", entry=("--entry", str(entry)),
-                   args=[*BASE_FLAGS, "--hetero-metrics-path", metrics])
+    job = generate(
+        tmp_path,
+        plan_path,
+        "hexi-e2e",
+        entry=("--entry", str(entry)),
+        args=[*BASE_FLAGS, "--hetero-metrics-path", metrics],
+    )
     out = submit(slurm_cluster, tmp_path, job, "hexi-e2e")
     assert "-> plan node rtx4090-0, torchrun node rank 0, 2 process(es)" in out
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3], out
     # The same training on one CPU process: the job's losses must be the same numbers.
-    one = [{"micro_batch_size": 4, "num_microbatches": 1,
-            "stages": [{"ranks": [0], "layers": [0, 4]}]}]
+    one = [
+        {"micro_batch_size": 4, "num_microbatches": 1, "stages": [{"ranks": [0], "layers": [0, 4]}]}
+    ]
     ref_path = tmp_path / "one-rank.json"
-    save_plan(build_plan(load_cluster_dict(cluster_dict([("a100", 1, 1)])),
-                         model_from_dict(MODEL, "model"), 4, one), str(ref_path))
+    save_plan(
+        build_plan(
+            load_cluster_dict(cluster_dict([("a100", 1, 1)])),
+            model_from_dict(MODEL, "model"),
+            4,
+            one,
+        ),
+        str(ref_path),
+    )
     ref = run_distributed(train, 1, ref_path, timeout=240)[0]
     for row, loss in zip(rows, ref["losses"]):
         assert abs(row["lm_loss"] - loss) <= 1e-5 * abs(loss), (rows, ref["losses"])

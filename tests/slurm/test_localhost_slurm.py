@@ -92,7 +92,8 @@ def test_heterogeneous_job_allreduce(slurm_cluster, tmp_path):
             #SBATCH --cpus-per-task=2
             #SBATCH --gres=gpu:rtx4090:1
             set -euo pipefail
-            echo "het size $SLURM_HET_SIZE: $SLURM_JOB_NODELIST_HET_GROUP_0 + $SLURM_JOB_NODELIST_HET_GROUP_1"
+            echo "het size $SLURM_HET_SIZE:" \\
+                "$SLURM_JOB_NODELIST_HET_GROUP_0 + $SLURM_JOB_NODELIST_HET_GROUP_1"
             MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0" | head -n 1)
             NNODES=0
             for ((i = 0; i < SLURM_HET_SIZE; i++)); do

@@ -7,27 +7,40 @@ and P2P, FP32Optimizer). Both time each step from a barrier on every rank and re
 the slowest rank's time, a breakdown (forward/backward, gradient finalize, optimizer + rest) and
 the CPU time summed over ranks.
 """
+
 import time
 
 import torch
 import torch.distributed as dist
 
+
 def run_config(iters):
     """Both variants' settings: mock data, fp32 Adam at a constant lr, no dropout, CPU."""
-    from megatron_hexi.config import (DataConfig, DropoutConfig, LRScheduleConfig,
-                                      OptimizerConfig, RunConfig, RuntimeConfig, TrainingConfig)
+    from megatron_hexi.config import (
+        DataConfig,
+        DropoutConfig,
+        LRScheduleConfig,
+        OptimizerConfig,
+        RunConfig,
+        RuntimeConfig,
+        TrainingConfig,
+    )
+
     return RunConfig(
         training=TrainingConfig(train_iters=iters, seed=1234),
         optimizer=OptimizerConfig(lr=1e-4, weight_decay=0.01, adam_eps=1e-8, clip_grad=1.0),
         lr_schedule=LRScheduleConfig(lr_decay_style="constant"),
         dropout=DropoutConfig(attention_dropout=0.0, hidden_dropout=0.0),
-        data=DataConfig(mock_data=True), runtime=RuntimeConfig(device="cpu"))
+        data=DataConfig(mock_data=True),
+        runtime=RuntimeConfig(device="cpu"),
+    )
 
 
 def _samples(config, plan):
     """Every sample the run reads, materialised once (same tokens for both variants, and no
     data-loading cost inside the timed step)."""
     from megatron_hexi.training import build_dataset
+
     ds = build_dataset(plan, config)
     return [ds[i] for i in range(config.training.train_iters * plan.global_batch_size)]
 
@@ -61,8 +74,13 @@ def _report(steps, losses):
     fin = _gather_max([s[2] for s in steps])
     cpu = torch.tensor([s[3] for s in steps], dtype=torch.float64)
     dist.all_reduce(cpu)
-    return {"step_s": total, "fwd_bwd_s": fwd, "finalize_s": fin, "cpu_s": cpu.tolist(),
-            "losses": losses}
+    return {
+        "step_s": total,
+        "fwd_bwd_s": fwd,
+        "finalize_s": fin,
+        "cpu_s": cpu.tolist(),
+        "losses": losses,
+    }
 
 
 def ours(plan, iters):
@@ -77,6 +95,7 @@ def ours(plan, iters):
     trainer.transformer_config.finalize_model_grads_func = fin
     # Trainer.train_step imports the schedule at call time: clock it where it is looked up.
     import megatron.core.pipeline_parallel.schedules as schedules
+
     sch = _Clock(schedules.forward_backward_pipelining_without_interleaving)
     schedules.forward_backward_pipelining_without_interleaving = sch
     steps, losses = [], []
@@ -104,9 +123,12 @@ def plain(plan, iters):
     from megatron.core.optimizer.optimizer import FP32Optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel.schedules import (
-        forward_backward_no_pipelining, forward_backward_pipelining_without_interleaving)
+        forward_backward_no_pipelining,
+        forward_backward_pipelining_without_interleaving,
+    )
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
+
     from megatron_hexi.patches import apply_cpu_patches
 
     apply_cpu_patches()
@@ -118,39 +140,64 @@ def plain(plan, iters):
     mbs, nmb = pipe.micro_batch_size, pipe.num_microbatches
     m = plan.model
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
     model_parallel_cuda_manual_seed(run.training.seed)
     first = parallel_state.is_pipeline_first_stage()
     last = parallel_state.is_pipeline_last_stage()
     config = TransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-        kv_channels=m.head_dim, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        normalization=m.normalization, layernorm_epsilon=m.norm_epsilon,
-        gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu,
-        add_bias_linear=m.add_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
-        init_method_std=m.init_method_std, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, calculate_per_token_loss=True,
-        use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, sequence_parallel=False, batch_p2p_comm=False,
-        deallocate_pipeline_outputs=False)
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.head_dim,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu,
+        add_bias_linear=m.add_bias_linear,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_method_std,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        calculate_per_token_loss=True,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        sequence_parallel=False,
+        batch_p2p_comm=False,
+        deallocate_pipeline_outputs=False,
+    )
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
-    model = GPTModel(config=config,
-                     transformer_layer_spec=get_gpt_layer_local_spec(
-                         normalization=m.normalization),
-                     vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
-                     pre_process=first, post_process=last, parallel_output=True,
-                     share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-                     position_embedding_type="rope", rotary_base=m.rotary_base)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=m.normalization),
+        vocab_size=m.vocab_size,
+        max_sequence_length=m.seq_length,
+        pre_process=first,
+        post_process=last,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=m.rotary_base,
+    )
 
     def finalize(model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):
         # megatron-core's finalize_model_grads at DP=1, untied, no SP: per-token scaling only.
         pp_group = parallel_state.get_pipeline_model_parallel_group()
-        dist.broadcast(num_tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=pp_group)
+        dist.broadcast(
+            num_tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=pp_group
+        )
         scale = 1.0 / num_tokens.item()
         for chunk in model_chunks:
             for p in chunk.parameters():
@@ -164,33 +211,69 @@ def plain(plan, iters):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-    groups = [{"params": g, "wd_mult": w, "lr_mult": 1.0, "is_expert_parallel": False,
-               "default_config": True} for g, w in ((decay, 1.0), (no_decay, 0.0)) if g]
-    inner = torch.optim.AdamW(groups, lr=o.lr, weight_decay=o.weight_decay,
-                              betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
-    opt = FP32Optimizer(inner, OptimizerConfig(optimizer="adam", lr=o.lr,
-                                               weight_decay=o.weight_decay,
-                                               adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-                                               params_dtype=torch.float32), lambda _: None)
+    groups = [
+        {
+            "params": g,
+            "wd_mult": w,
+            "lr_mult": 1.0,
+            "is_expert_parallel": False,
+            "default_config": True,
+        }
+        for g, w in ((decay, 1.0), (no_decay, 0.0))
+        if g
+    ]
+    inner = torch.optim.AdamW(
+        groups,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=(o.adam_beta1, o.adam_beta2),
+        eps=o.adam_eps,
+    )
+    opt = FP32Optimizer(
+        inner,
+        OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            params_dtype=torch.float32,
+        ),
+        lambda _: None,
+    )
     sched = OptimizerParamScheduler(
-        opt, init_lr=0.0, max_lr=o.lr, min_lr=0.0, lr_warmup_steps=0,
-        lr_decay_steps=iters, lr_decay_style="constant", start_wd=o.weight_decay,
-        end_wd=o.weight_decay, wd_incr_steps=iters, wd_incr_style="constant")
+        opt,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=0.0,
+        lr_warmup_steps=0,
+        lr_decay_steps=iters,
+        lr_decay_style="constant",
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=iters,
+        wd_incr_style="constant",
+    )
 
     samples = _samples(run, plan) if (first or last) else None
 
     def batches(it):
         base = it * plan.global_batch_size
         for k in range(nmb):
-            group = samples[base + k * mbs: base + (k + 1) * mbs]
-            yield {key: torch.stack([s[key] for s in group])
-                   for key in ("tokens", "labels", "loss_mask", "position_ids")}
+            group = samples[base + k * mbs : base + (k + 1) * mbs]
+            yield {
+                key: torch.stack([s[key] for s in group])
+                for key in ("tokens", "labels", "loss_mask", "position_ids")
+            }
 
     def loss_func(loss_mask, per_token):
         mask = loss_mask.float()
         loss_sum = (per_token.float() * mask).sum()
-        return loss_sum, mask.sum().to(torch.int), {
-            "lm loss": torch.stack([loss_sum.detach().double(), mask.sum().double()])}
+        return (
+            loss_sum,
+            mask.sum().to(torch.int),
+            {"lm loss": torch.stack([loss_sum.detach().double(), mask.sum().double()])},
+        )
 
     def forward_step(data_iterator, model):
         b = next(data_iterator) if (first or last) else None
@@ -200,8 +283,11 @@ def plain(plan, iters):
         out = model(tokens, positions, None, labels=labels)
         return out, (partial(loss_func, b["loss_mask"]) if last else None)
 
-    schedule = (forward_backward_pipelining_without_interleaving if pp > 1
-                else forward_backward_no_pipelining)
+    schedule = (
+        forward_backward_pipelining_without_interleaving
+        if pp > 1
+        else forward_backward_no_pipelining
+    )
     steps, losses = [], []
     for it in range(iters):
         dist.barrier()
@@ -210,8 +296,14 @@ def plain(plan, iters):
         model.train()
         opt.zero_grad()
         data = batches(it) if samples is not None else iter(())
-        store = schedule(forward_step_func=forward_step, data_iterator=data, model=[model],
-                         num_microbatches=nmb, seq_length=m.seq_length, micro_batch_size=mbs)
+        store = schedule(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=[model],
+            num_microbatches=nmb,
+            seq_length=m.seq_length,
+            micro_batch_size=mbs,
+        )
         t1 = time.perf_counter()
         opt.step()
         sched.step(increment=1)
@@ -221,7 +313,7 @@ def plain(plan, iters):
             s = torch.stack([x["lm loss"] for x in store]).sum(0)
             losses.append((s[0] / s[1]).item())
     t = torch.tensor(losses or [0.0] * iters, dtype=torch.float64)
-    dist.broadcast(t, src=dist.get_world_size() - 1)   # the last stage holds the loss
+    dist.broadcast(t, src=dist.get_world_size() - 1)  # the last stage holds the loss
     out = _report(steps, t.tolist())
     parallel_state.destroy_model_parallel()
     return out if dist.get_rank() == 0 else None

@@ -25,9 +25,10 @@ The file is in the page cache (just written, then read once before timing), so t
 memory and CPU bound: the worst case for the ratio. Reading from a disk adds the same I/O time to
 both variants. Wall times need an idle machine: the load average is printed before and after.
 """
+
 import os
 
-os.environ["OMP_NUM_THREADS"] = "1"          # before torch is imported, here and in the ranks
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, here and in the ranks
 
 import argparse  # noqa: E402
 import shlex  # noqa: E402
@@ -51,15 +52,26 @@ def _setup(plan, checkpoint):
     """(RunConfig, device): one step of mock data, no dropout, with `checkpoint` (a
     CheckpointConfig); the process group initialised."""
     import torch
+
     torch.set_num_threads(1)
-    from megatron_hexi.config import (DataConfig, DropoutConfig, LoggingConfig, OptimizerConfig,
-                                      RunConfig, TrainingConfig)
+    from megatron_hexi.config import (
+        DataConfig,
+        DropoutConfig,
+        LoggingConfig,
+        OptimizerConfig,
+        RunConfig,
+        TrainingConfig,
+    )
     from megatron_hexi.training import init_distributed
-    config = RunConfig(training=TrainingConfig(train_iters=1, seed=1234),
-                       optimizer=OptimizerConfig(lr=1e-3),
-                       dropout=DropoutConfig(attention_dropout=0.0, hidden_dropout=0.0),
-                       data=DataConfig(mock_data=True), checkpoint=checkpoint,
-                       logging=LoggingConfig(log_interval=1000))
+
+    config = RunConfig(
+        training=TrainingConfig(train_iters=1, seed=1234),
+        optimizer=OptimizerConfig(lr=1e-3),
+        dropout=DropoutConfig(attention_dropout=0.0, hidden_dropout=0.0),
+        data=DataConfig(mock_data=True),
+        checkpoint=checkpoint,
+        logging=LoggingConfig(log_interval=1000),
+    )
     return config, init_distributed(plan, config)
 
 
@@ -67,8 +79,10 @@ def save_worker(plan, ckpt_dir):
     """One training step, then the save at the end of the run; returns the save's seconds."""
     import contextlib
     import io
+
     from megatron_hexi.config import CheckpointConfig
     from megatron_hexi.training import run
+
     config, device = _setup(plan, CheckpointConfig(save=str(ckpt_dir)))
     with contextlib.redirect_stdout(io.StringIO()):
         trainer, _ = run(plan, config, device)
@@ -87,14 +101,15 @@ def load_worker(plan, ckpt_dir, rounds):
     from megatron_hexi import checkpoint
     from megatron_hexi.config import CheckpointConfig
     from megatron_hexi.training import Trainer
+
     config, device = _setup(plan, CheckpointConfig(load=str(ckpt_dir)))
     trainer = Trainer(plan, config, device)
     load = config.checkpoint
     times = {False: [], True: []}
     with contextlib.redirect_stdout(io.StringIO()):
-        checkpoint.load(trainer, load, verify=True)      # warm-up: page cache, allocator
+        checkpoint.load(trainer, load, verify=True)  # warm-up: page cache, allocator
         for r in range(rounds):
-            for verify in ((False, True) if r % 2 == 0 else (True, False)):
+            for verify in (False, True) if r % 2 == 0 else (True, False):
                 dist.barrier()
                 start = time.perf_counter()
                 checkpoint.load(trainer, load, verify=verify)
@@ -107,6 +122,7 @@ def load_worker(plan, ckpt_dir, rounds):
             def __init__(self, *a, **k):
                 super().__init__(*a, **k)
                 opened.append(self)
+
         checkpoint.Checkpoint = Counted
         try:
             checkpoint.load(trainer, load, verify=True)
@@ -124,6 +140,7 @@ def parts(ckpt_dir, repeats=3):
     from safetensors import safe_open
 
     from megatron_hexi.checkpoint import BLOCK_BYTES, Checkpoint, block_checksums, non_finite
+
     torch.set_num_threads(1)
     with Checkpoint(str(ckpt_dir)) as ck:
         keys = [(fname, row["key"]) for fname, rows in ck.meta["files"].items() for row in rows]
@@ -134,19 +151,25 @@ def parts(ckpt_dir, repeats=3):
 
     def flat(t):
         return t.reshape(-1).view(torch.uint8).numpy()
+
     jobs = {
         "read (get_tensor)": lambda: [handles[f].get_tensor(k) for f, k in keys],
-        f"crc32 per {BLOCK_BYTES >> 10} KiB (recorded)": lambda: [block_checksums(t)
-                                                             for t in tensors],
-        **{f"crc32 per {kib} KiB": (lambda kib=kib: [block_checksums(t, kib << 10)
-                                                     for t in tensors])
-           for kib in (16, 64, 256, 4096) if kib << 10 != BLOCK_BYTES},
-        "crc32 whole tensors": lambda: [block_checksums(t, max(1, t.numel() * t.element_size()))
-                                        for t in tensors],
+        f"crc32 per {BLOCK_BYTES >> 10} KiB (recorded)": lambda: [
+            block_checksums(t) for t in tensors
+        ],
+        **{
+            f"crc32 per {kib} KiB": (
+                lambda kib=kib: [block_checksums(t, kib << 10) for t in tensors]
+            )
+            for kib in (16, 64, 256, 4096)
+            if kib << 10 != BLOCK_BYTES
+        },
+        "crc32 whole tensors": lambda: [
+            block_checksums(t, max(1, t.numel() * t.element_size())) for t in tensors
+        ],
         "finite check (numpy min, max)": lambda: [non_finite(t) for t in tensors],
         "torch.aminmax": lambda: [torch.aminmax(t) for t in tensors],
-        "blake2b-128": lambda: [hashlib.blake2b(flat(t), digest_size=16).digest()
-                                for t in tensors],
+        "blake2b-128": lambda: [hashlib.blake2b(flat(t), digest_size=16).digest() for t in tensors],
         "sha256": lambda: [hashlib.sha256(flat(t)).digest() for t in tensors],
         "isfinite(t).all()": lambda: [torch.isfinite(t).all() for t in tensors],
     }
@@ -166,10 +189,16 @@ def checked_by_block_size(ckpt_dir, plan, sizes=(64 << 10, 256 << 10, 1 << 20, 4
     each rank's pieces, the blocks of the stored tensors they overlap, each block counted once."""
     import numpy as np
 
-    from megatron_hexi.checkpoint import (ITEMSIZE, Checkpoint, blocks_bytes, overlapping_blocks,
-                                          tensor_bytes)
+    from megatron_hexi.checkpoint import (
+        ITEMSIZE,
+        Checkpoint,
+        blocks_bytes,
+        overlapping_blocks,
+        tensor_bytes,
+    )
     from planner.layout import rank_param_shards
-    with Checkpoint(str(ckpt_dir)) as ck:     # the index only: nothing is read
+
+    with Checkpoint(str(ckpt_dir)) as ck:  # the index only: nothing is read
         index = ck.index
     out = {}
     for block in sizes:
@@ -185,14 +214,16 @@ def checked_by_block_size(ckpt_dir, plan, sizes=(64 << 10, 256 << 10, 1 << 20, 4
                         hit = np.zeros(-(-tensor_bytes(row) // block), dtype=bool)
                         for piece in shard.pieces:
                             lo = max(piece.global_start, row["start"]) - row["start"]
-                            hi = min(piece.global_start + piece.length,
-                                     row["start"] + row["length"]) - row["start"]
+                            hi = (
+                                min(piece.global_start + piece.length, row["start"] + row["length"])
+                                - row["start"]
+                            )
                             if lo < hi:
                                 read += tensor_bytes(row) * (hi - lo) // row["length"]
-                                hit |= overlapping_blocks(shape, itemsize, row["dim"], lo, hi,
-                                                          block)
-                        checked += blocks_bytes(np.flatnonzero(hit), block,
-                                                tensor_bytes(row))
+                                hit |= overlapping_blocks(
+                                    shape, itemsize, row["dim"], lo, hi, block
+                                )
+                        checked += blocks_bytes(np.flatnonzero(hit), block, tensor_bytes(row))
             out[block].append((read, checked))
     return out
 
@@ -201,14 +232,21 @@ def build_plans(directory, model_fields):
     """(model, {case: (Plan, world size)}); the ranks get the Plan objects (no plan files)."""
     from planner.models import load_model
     from planner.plan import build_plan
+
     sys.path.insert(0, str(ROOT / "tests"))
     from runtime.plans import cpu_cluster
+
     (directory / "model.yaml").write_text(yaml.safe_dump(model_fields))
     model = load_model(str(directory / "model.yaml"))
     plans = {}
     for name, world, ranks in (("same plan", 1, [0]), ("resharded", 2, [0, 1])):
-        pipelines = [{"micro_batch_size": 1, "num_microbatches": GLOBAL_BATCH,
-                      "stages": [{"ranks": ranks, "layers": [0, model.num_layers]}]}]
+        pipelines = [
+            {
+                "micro_batch_size": 1,
+                "num_microbatches": GLOBAL_BATCH,
+                "stages": [{"ranks": ranks, "layers": [0, model.num_layers]}],
+            }
+        ]
         plans[name] = (build_plan(cpu_cluster(world), model, GLOBAL_BATCH, pipelines), world)
     return model, plans
 
@@ -221,55 +259,82 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="loads of each variant")
     p.add_argument("--timeout", type=float, default=600, help="seconds per job (harness)")
     a = p.parse_args(argv)
+    import checkpoint_verify as me  # the ranks find the workers by this module's name
     from harness import run_distributed
-    import checkpoint_verify as me        # the ranks find the workers by this module's name
-    fields = {"name": "bench-ckpt", "num_layers": a.layers, "hidden_size": a.hidden,
-              "ffn_hidden_size": 4 * a.hidden, "num_attention_heads": 8, "num_query_groups": 8,
-              "vocab_size": a.vocab, "seq_length": 128}
+
+    fields = {
+        "name": "bench-ckpt",
+        "num_layers": a.layers,
+        "hidden_size": a.hidden,
+        "ffn_hidden_size": 4 * a.hidden,
+        "num_attention_heads": 8,
+        "num_query_groups": 8,
+        "vocab_size": a.vocab,
+        "seq_length": 128,
+    }
     print("$ " + " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]), flush=True)
     load0 = os.getloadavg()
-    print(f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} on {os.cpu_count()} CPUs",
-          flush=True)
+    print(
+        f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} on {os.cpu_count()} CPUs",
+        flush=True,
+    )
     start = time.monotonic()
     env = {"OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="hexi-ckpt-verify-") as tmp:
         tmp = Path(tmp)
         model, plans = build_plans(tmp, fields)
         ckpt = tmp / "ckpt"
-        save_s = run_distributed(me.save_worker, 1, plans["same plan"][0], ckpt,
-                                 timeout=a.timeout, env=env)[0]
+        save_s = run_distributed(
+            me.save_worker, 1, plans["same plan"][0], ckpt, timeout=a.timeout, env=env
+        )[0]
         size, part = parts(ckpt)
-        print(f"model {a.layers}L h{a.hidden} ffn{4 * a.hidden} vocab {a.vocab}: checkpoint "
-              f"{size / 1e6:.0f} MB (fp32 weights + Adam moments, one rank file), saved in "
-              f"{save_s:.2f} s with checksums", flush=True)
+        print(
+            f"model {a.layers}L h{a.hidden} ffn{4 * a.hidden} vocab {a.vocab}: checkpoint "
+            f"{size / 1e6:.0f} MB (fp32 weights + Adam moments, one rank file), saved in "
+            f"{save_s:.2f} s with checksums",
+            flush=True,
+        )
         ratios = {}
-        print(f"\n{'case':<11} {'ranks':>5} {'plain_s':>8} {'verified_s':>10} {'ratio':>6}  "
-              f"MB read / checked per rank")
+        print(
+            f"\n{'case':<11} {'ranks':>5} {'plain_s':>8} {'verified_s':>10} {'ratio':>6}  "
+            f"MB read / checked per rank"
+        )
         for case, (plan, world) in plans.items():
-            results = run_distributed(me.load_worker, world, plan, ckpt, a.rounds,
-                                      timeout=a.timeout, env=env)
+            results = run_distributed(
+                me.load_worker, world, plan, ckpt, a.rounds, timeout=a.timeout, env=env
+            )
             times = results[0]
             plain, verified = (statistics.median(times[v]) for v in (False, True))
             ratios[case] = verified / plain
-            per_rank = ", ".join(f"{r['bytes'][0] / 1e6:.0f} / {r['bytes'][1] / 1e6:.0f}"
-                                 for r in results)
-            print(f"{case:<11} {world:>5} {plain:8.3f} {verified:10.3f} {ratios[case]:5.2f}x  "
-                  f"{per_rank}", flush=True)
+            per_rank = ", ".join(
+                f"{r['bytes'][0] / 1e6:.0f} / {r['bytes'][1] / 1e6:.0f}" for r in results
+            )
+            print(
+                f"{case:<11} {world:>5} {plain:8.3f} {verified:10.3f} {ratios[case]:5.2f}x  "
+                f"{per_rank}",
+                flush=True,
+            )
         by_size = checked_by_block_size(ckpt, plans["resharded"][0])
     print(f"\nparts, one thread, over all {size / 1e6:.0f} MB (best of 3):")
     for name, seconds in part.items():
         print(f"  {name:<30} {seconds:7.3f} s  {size / seconds / 1e9:6.2f} GB/s")
     print("\nresharded load, MB read / checked per rank, by block size (computed):")
     for block, per_rank in by_size.items():
-        print(f"  {block >> 10:>5} KiB  " + ", ".join(f"{r / 1e6:.0f} / {c / 1e6:.0f}"
-                                                    for r, c in per_rank))
+        print(
+            f"  {block >> 10:>5} KiB  "
+            + ", ".join(f"{r / 1e6:.0f} / {c / 1e6:.0f}" for r, c in per_rank)
+        )
     load1 = os.getloadavg()
-    print(f"\nverified / plain load: same plan ratio {ratios['same plan']:.2f}x, resharded ratio "
-          f"{ratios['resharded']:.2f}x; total {time.monotonic() - start:.0f} s; load average "
-          f"{load0[0]:.2f} -> {load1[0]:.2f} on {os.cpu_count()} CPUs")
+    print(
+        f"\nverified / plain load: same plan ratio {ratios['same plan']:.2f}x, resharded ratio "
+        f"{ratios['resharded']:.2f}x; total {time.monotonic() - start:.0f} s; load average "
+        f"{load0[0]:.2f} -> {load1[0]:.2f} on {os.cpu_count()} CPUs"
+    )
     if max(load0[0], load1[0]) > os.cpu_count() * 0.75:
-        print("WARNING: the machine was busy with other work; wall times are inflated and noisy "
-              "(rerun when idle)")
+        print(
+            "WARNING: the machine was busy with other work; wall times are inflated and noisy "
+            "(rerun when idle)"
+        )
     return 0
 
 

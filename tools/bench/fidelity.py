@@ -25,6 +25,7 @@ The memory model is the planner's bf16 mixed-precision one (18 B/param, bf16 act
 CPU the runtime trains in fp32 (4 B weight + 4 B grad + 8 B Adam, fp32 activations), so the
 comparison converts the predicted terms to fp32 byte sizes (stated in the output).
 """
+
 import argparse
 import json
 import os
@@ -38,50 +39,141 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent), str(ROOT / "tests")]
 
-MODEL = {"num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 1024, "num_attention_heads": 8,
-         "num_query_groups": 8, "vocab_size": 1024, "seq_length": 128, "name": "bench-small"}
+MODEL = {
+    "num_layers": 4,
+    "hidden_size": 256,
+    "ffn_hidden_size": 1024,
+    "num_attention_heads": 8,
+    "num_query_groups": 8,
+    "vocab_size": 1024,
+    "seq_length": 128,
+    "name": "bench-small",
+}
 GLOBAL_BATCH = 8
 ALL = [0, 4]
 # name: (pipelines, recompute)
 PLANS = {
-    "1 rank": ([{"micro_batch_size": 2, "num_microbatches": 4,
-                 "stages": [{"ranks": [0], "layers": ALL}]}], False),
-    "1 rank, recompute": ([{"micro_batch_size": 2, "num_microbatches": 4,
-                            "stages": [{"ranks": [0], "layers": ALL}]}], True),
-    "TP2": ([{"micro_batch_size": 2, "num_microbatches": 4,
-              "stages": [{"ranks": [0, 1], "layers": ALL}]}], False),
-    "TP2 uneven 3:1": ([{"micro_batch_size": 2, "num_microbatches": 4, "stages": [
-        {"ranks": [0, 1], "layers": ALL,
-         "shards": {"query_groups": [6, 2], "ffn": [768, 256], "vocab": [768, 256]}}]}], False),
-    "PP2 m4": ([{"micro_batch_size": 2, "num_microbatches": 4, "stages": [
-        {"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}]}], False),
-    "PP2 m8 recompute": ([{"micro_batch_size": 1, "num_microbatches": 8, "stages": [
-        {"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}]}], True),
-    "PP2 uneven 3:1": ([{"micro_batch_size": 2, "num_microbatches": 4, "stages": [
-        {"ranks": [0], "layers": [0, 3]}, {"ranks": [1], "layers": [3, 4]}]}], False),
-    "DP2": ([{"micro_batch_size": 2, "num_microbatches": 2,
-              "stages": [{"ranks": [0], "layers": ALL}]},
-             {"micro_batch_size": 2, "num_microbatches": 2,
-              "stages": [{"ranks": [1], "layers": ALL}]}], False),
-    "2 pipelines 6x1 | 1x2": ([{"micro_batch_size": 1, "num_microbatches": 6,
-                                "stages": [{"ranks": [0], "layers": ALL}]},
-                               {"micro_batch_size": 2, "num_microbatches": 1,
-                                "stages": [{"ranks": [1], "layers": ALL}]}], False),
+    "1 rank": (
+        [{"micro_batch_size": 2, "num_microbatches": 4, "stages": [{"ranks": [0], "layers": ALL}]}],
+        False,
+    ),
+    "1 rank, recompute": (
+        [{"micro_batch_size": 2, "num_microbatches": 4, "stages": [{"ranks": [0], "layers": ALL}]}],
+        True,
+    ),
+    "TP2": (
+        [
+            {
+                "micro_batch_size": 2,
+                "num_microbatches": 4,
+                "stages": [{"ranks": [0, 1], "layers": ALL}],
+            }
+        ],
+        False,
+    ),
+    "TP2 uneven 3:1": (
+        [
+            {
+                "micro_batch_size": 2,
+                "num_microbatches": 4,
+                "stages": [
+                    {
+                        "ranks": [0, 1],
+                        "layers": ALL,
+                        "shards": {"query_groups": [6, 2], "ffn": [768, 256], "vocab": [768, 256]},
+                    }
+                ],
+            }
+        ],
+        False,
+    ),
+    "PP2 m4": (
+        [
+            {
+                "micro_batch_size": 2,
+                "num_microbatches": 4,
+                "stages": [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}],
+            }
+        ],
+        False,
+    ),
+    "PP2 m8 recompute": (
+        [
+            {
+                "micro_batch_size": 1,
+                "num_microbatches": 8,
+                "stages": [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}],
+            }
+        ],
+        True,
+    ),
+    "PP2 uneven 3:1": (
+        [
+            {
+                "micro_batch_size": 2,
+                "num_microbatches": 4,
+                "stages": [{"ranks": [0], "layers": [0, 3]}, {"ranks": [1], "layers": [3, 4]}],
+            }
+        ],
+        False,
+    ),
+    "DP2": (
+        [
+            {
+                "micro_batch_size": 2,
+                "num_microbatches": 2,
+                "stages": [{"ranks": [0], "layers": ALL}],
+            },
+            {
+                "micro_batch_size": 2,
+                "num_microbatches": 2,
+                "stages": [{"ranks": [1], "layers": ALL}],
+            },
+        ],
+        False,
+    ),
+    "2 pipelines 6x1 | 1x2": (
+        [
+            {
+                "micro_batch_size": 1,
+                "num_microbatches": 6,
+                "stages": [{"ranks": [0], "layers": ALL}],
+            },
+            {
+                "micro_batch_size": 2,
+                "num_microbatches": 1,
+                "stages": [{"ranks": [1], "layers": ALL}],
+            },
+        ],
+        False,
+    ),
 }
 
 
 def run_config(iters, device_type):
     """The runs' settings: mock data, Adam at a constant lr, no dropout, on `device_type`."""
-    from megatron_hexi.config import (DataConfig, DropoutConfig, LRScheduleConfig,
-                                      OptimizerConfig, RunConfig, RuntimeConfig, TrainingConfig)
-    return RunConfig(training=TrainingConfig(train_iters=iters, seed=1234),
-                     optimizer=OptimizerConfig(lr=1e-4, weight_decay=0.01),
-                     lr_schedule=LRScheduleConfig(lr_decay_style="constant"),
-                     dropout=DropoutConfig(attention_dropout=0.0, hidden_dropout=0.0),
-                     data=DataConfig(mock_data=True), runtime=RuntimeConfig(device=device_type))
+    from megatron_hexi.config import (
+        DataConfig,
+        DropoutConfig,
+        LRScheduleConfig,
+        OptimizerConfig,
+        RunConfig,
+        RuntimeConfig,
+        TrainingConfig,
+    )
+
+    return RunConfig(
+        training=TrainingConfig(train_iters=iters, seed=1234),
+        optimizer=OptimizerConfig(lr=1e-4, weight_decay=0.01),
+        lr_schedule=LRScheduleConfig(lr_decay_style="constant"),
+        dropout=DropoutConfig(attention_dropout=0.0, hidden_dropout=0.0),
+        data=DataConfig(mock_data=True),
+        runtime=RuntimeConfig(device=device_type),
+    )
 
 
 # ------------------------------------------------------------------------ rank body (spawned)
+
 
 class _SavedBytes:
     """Live bytes of tensors autograd saves for backward (parameters excluded), and the peak."""
@@ -111,6 +203,7 @@ class _SavedBytes:
                 if tracker.count[key] == 0:
                     tracker.cur -= st.nbytes()
                     del tracker.count[key]
+
         return Held(t)
 
     @staticmethod
@@ -137,21 +230,34 @@ def train_rank(plan, iters, device_type, measure_memory):
         tracker = _SavedBytes(ptrs)
         with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
             trainer.train_step(iters)
+
         def nbytes(t):
             return t.numel() * t.element_size()
+
         grads = sum(nbytes(p.grad) for p in params if p.grad is not None)
-        grads += sum(nbytes(p.main_grad) for p in params
-                     if getattr(p, "main_grad", None) is not None
-                     and (p.grad is None or p.main_grad.data_ptr() != p.grad.data_ptr()))
+        grads += sum(
+            nbytes(p.main_grad)
+            for p in params
+            if getattr(p, "main_grad", None) is not None
+            and (p.grad is None or p.main_grad.data_ptr() != p.grad.data_ptr())
+        )
         inner = trainer.optimizer.optimizer
-        state = sum(nbytes(v) for s in inner.state.values() for v in s.values()
-                    if torch.is_tensor(v) and v.numel() > 1)
+        state = sum(
+            nbytes(v)
+            for s in inner.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.numel() > 1
+        )
         masters = 0
         for g in getattr(trainer.optimizer, "fp32_from_float16_groups", []) or []:
             masters += sum(nbytes(p) for p in g)
-        out["memory"] = {"params": sum(p.numel() for p in params),
-                         "weights": sum(nbytes(p) for p in params), "grads": grads,
-                         "optimizer": state + masters, "activations": tracker.peak}
+        out["memory"] = {
+            "params": sum(p.numel() for p in params),
+            "weights": sum(nbytes(p) for p in params),
+            "grads": grads,
+            "optimizer": state + masters,
+            "activations": tracker.peak,
+        }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, out)
     return everyone
@@ -159,10 +265,17 @@ def train_rank(plan, iters, device_type, measure_memory):
 
 # --------------------------------------------------------------------------------- driver
 
+
 def _cluster(world, profile):
     from planner.cluster import load_cluster_dict
-    group = {"name": "cpu", "gpu": "CPU", "gpus_per_node": world, "intra_node": "host",
-             "nic": "10 Gbit/s"}
+
+    group = {
+        "name": "cpu",
+        "gpu": "CPU",
+        "gpus_per_node": world,
+        "intra_node": "host",
+        "nic": "10 Gbit/s",
+    }
     if profile:
         group["profile"] = str(profile)
     return load_cluster_dict({"name": f"local-{world}", "nodes": [group]})
@@ -173,19 +286,42 @@ def _world(pipelines):
 
 
 def _profile(model_path, out, seconds, device):
-    cmd = [sys.executable, "-W", "ignore", "-m", "megatron_hexi.profile", "--model",
-           str(model_path), "--tp-widths", "1", "2", "4", "--micro-batch-sizes", "1", "2", "4",
-           "--comm-procs", "2", "--max-seconds", str(seconds), "--device", device, "-o", str(out)]
-    print("$ OMP_NUM_THREADS=1 " + " ".join(cmd[3:]).replace(sys.executable, "python"),
-          flush=True)
+    cmd = [
+        sys.executable,
+        "-W",
+        "ignore",
+        "-m",
+        "megatron_hexi.profile",
+        "--model",
+        str(model_path),
+        "--tp-widths",
+        "1",
+        "2",
+        "4",
+        "--micro-batch-sizes",
+        "1",
+        "2",
+        "4",
+        "--comm-procs",
+        "2",
+        "--max-seconds",
+        str(seconds),
+        "--device",
+        device,
+        "-o",
+        str(out),
+    ]
+    print("$ OMP_NUM_THREADS=1 " + " ".join(cmd[3:]).replace(sys.executable, "python"), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, env=env, cwd=ROOT)
 
 
 def plot(rows, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(4.6, 4.2), dpi=90)
     meas = [r["measured"] * 1e3 for r in rows]
     pred = [r["predicted"] * 1e3 for r in rows]
@@ -215,8 +351,12 @@ def main(argv=None):
     ap.add_argument("--max-profile-seconds", type=float, default=120)
     ap.add_argument("--steps", type=int, default=8, help="timed steps per plan")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="launches per plan, in rounds over all plans (fastest step of all)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="launches per plan, in rounds over all plans (fastest step of all)",
+    )
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--plans", nargs="+", default=None, help="subset of plan names")
     ap.add_argument("--png", default=str(ROOT / "docs/fidelity.png"))
@@ -227,10 +367,10 @@ def main(argv=None):
 
     import fidelity as this
     from harness import run_distributed
+    from planner.costmodel import Topology
     from planner.models import load_model
     from planner.plan import build_plan
     from planner.profile import cost_sources
-    from planner.costmodel import Topology
     from planner.simulator import simulate
 
     start = time.monotonic()
@@ -249,64 +389,103 @@ def main(argv=None):
         rows = []
         names = a.plans or list(PLANS)
         launches = {name: [] for name in names}
-        plans = {name: build_plan(_cluster(_world(PLANS[name][0]), prof), model, GLOBAL_BATCH,
-                                  PLANS[name][0], recompute=PLANS[name][1]) for name in names}
-        for rnd in range(a.rounds):     # every plan once per round: a slow spell hits one round
+        plans = {
+            name: build_plan(
+                _cluster(_world(PLANS[name][0]), prof),
+                model,
+                GLOBAL_BATCH,
+                PLANS[name][0],
+                recompute=PLANS[name][1],
+            )
+            for name in names
+        }
+        for rnd in range(a.rounds):  # every plan once per round: a slow spell hits one round
             for name in names:
                 world = _world(PLANS[name][0])
                 t = time.monotonic()
-                per_rank = run_distributed(this.train_rank, world, plans[name], a.warmup + a.steps,
-                                           a.device, rnd == 0, timeout=a.timeout,
-                                           env={"OMP_NUM_THREADS": "1"},
-                                           hide_cuda=a.device == "cpu")[0]
+                per_rank = run_distributed(
+                    this.train_rank,
+                    world,
+                    plans[name],
+                    a.warmup + a.steps,
+                    a.device,
+                    rnd == 0,
+                    timeout=a.timeout,
+                    env={"OMP_NUM_THREADS": "1"},
+                    hide_cuda=a.device == "cpu",
+                )[0]
                 launches[name].append(per_rank)
                 loads.append(os.getloadavg()[0])
-                steps = per_rank[0]["step_s"][a.warmup:]
-                print(f"  round {rnd + 1} {name:<24} fastest step {min(steps) * 1e3:7.1f} ms, "
-                      f"median {statistics.median(steps) * 1e3:7.1f} ms (run "
-                      f"{time.monotonic() - t:4.1f} s, load {loads[-1]:.1f})", flush=True)
+                steps = per_rank[0]["step_s"][a.warmup :]
+                print(
+                    f"  round {rnd + 1} {name:<24} fastest step {min(steps) * 1e3:7.1f} ms, "
+                    f"median {statistics.median(steps) * 1e3:7.1f} ms (run "
+                    f"{time.monotonic() - t:4.1f} s, load {loads[-1]:.1f})",
+                    flush=True,
+                )
         for name in names:
             pipelines, recompute = PLANS[name]
             world = _world(pipelines)
             plan = plans[name]
             est = simulate(plan)
-            cat_plan = build_plan(_cluster(world, None), model, GLOBAL_BATCH, pipelines,
-                                  recompute=recompute)
+            cat_plan = build_plan(
+                _cluster(world, None), model, GLOBAL_BATCH, pipelines, recompute=recompute
+            )
             catalog = simulate(cat_plan).iteration_time_s
             if not rows:
                 for line in cost_sources(Topology(plan.cluster), model).values():
                     print(f"cost source: {line}", flush=True)
-            per_rank = launches[name][0]    # the first round also measured memory
+            per_rank = launches[name][0]  # the first round also measured memory
             # step_time_s is the max over ranks already
-            steps = [s for run in launches[name] for s in run[0]["step_s"][a.warmup:]]
+            steps = [s for run in launches[name] for s in run[0]["step_s"][a.warmup :]]
             measured, median = min(steps), statistics.median(steps)
             err = (est.iteration_time_s - measured) / measured
             mem = []
             for r in sorted(per_rank, key=lambda x: x["rank"]):
                 terms = est.memory_terms_gb[r["rank"]]
                 mem.append({"rank": r["rank"], "measured": r["memory"], "predicted_gb": terms})
-            rows.append({"plan": name, "world": world, "predicted": est.iteration_time_s,
-                         "catalog": catalog, "measured": measured, "error": err,
-                         "median": median,
-                         "median_error": (est.iteration_time_s - median) / median,
-                         "spread": (max(steps) - min(steps)) / measured, "memory": mem})
-            print(f"  {name:<24} predicted {est.iteration_time_s * 1e3:7.1f} ms  measured "
-                  f"{measured * 1e3:7.1f} ms (median {median * 1e3:7.1f})  error {err:+6.1%}  "
-                  f"(catalog {catalog * 1e3:7.1f} ms)", flush=True)
-    print("\n| plan | procs | predicted ms | measured ms (fastest step) | error | median step ms "
-          "| error vs median | catalog ms |")
+            rows.append(
+                {
+                    "plan": name,
+                    "world": world,
+                    "predicted": est.iteration_time_s,
+                    "catalog": catalog,
+                    "measured": measured,
+                    "error": err,
+                    "median": median,
+                    "median_error": (est.iteration_time_s - median) / median,
+                    "spread": (max(steps) - min(steps)) / measured,
+                    "memory": mem,
+                }
+            )
+            print(
+                f"  {name:<24} predicted {est.iteration_time_s * 1e3:7.1f} ms  measured "
+                f"{measured * 1e3:7.1f} ms (median {median * 1e3:7.1f})  error {err:+6.1%}  "
+                f"(catalog {catalog * 1e3:7.1f} ms)",
+                flush=True,
+            )
+    print(
+        "\n| plan | procs | predicted ms | measured ms (fastest step) | error | median step ms "
+        "| error vs median | catalog ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['plan']} | {r['world']} | {r['predicted'] * 1e3:.1f} | "
-              f"{r['measured'] * 1e3:.1f} | {r['error']:+.1%} | {r['median'] * 1e3:.1f} | "
-              f"{r['median_error']:+.1%} | {r['catalog'] * 1e3:.1f} |")
+        print(
+            f"| {r['plan']} | {r['world']} | {r['predicted'] * 1e3:.1f} | "
+            f"{r['measured'] * 1e3:.1f} | {r['error']:+.1%} | {r['median'] * 1e3:.1f} | "
+            f"{r['median_error']:+.1%} | {r['catalog'] * 1e3:.1f} |"
+        )
     errs = [abs(r["error"]) for r in rows]
     mean, mx = statistics.mean(errs), max(errs)
     med_errs = [abs(r["median_error"]) for r in rows]
-    print(f"\nstep time: mean |error| {mean:.1%} (target <= 10 %), max |error| {mx:.1%} "
-          f"(target <= 20 %): {'OK' if mean <= 0.10 and mx <= 0.20 else 'MISSED'}")
-    print(f"against the median step instead: mean |error| {statistics.mean(med_errs):.1%}, max "
-          f"{max(med_errs):.1%}")
+    print(
+        f"\nstep time: mean |error| {mean:.1%} (target <= 10 %), max |error| {mx:.1%} "
+        f"(target <= 20 %): {'OK' if mean <= 0.10 and mx <= 0.20 else 'MISSED'}"
+    )
+    print(
+        f"against the median step instead: mean |error| {statistics.mean(med_errs):.1%}, max "
+        f"{max(med_errs):.1%}"
+    )
     # memory: the planner's bf16 model converted to the runtime's fp32 CPU byte sizes
     print("\nmemory per rank (MB): predicted (fp32 sizes) / measured")
     print("| plan | rank | params pred/meas | weights+grads+Adam | activations |")
@@ -317,26 +496,35 @@ def main(argv=None):
         for m in r["memory"]:
             t, got = m["predicted_gb"], m["measured"]
             params_pred = t["weights"] * 1e9 / 2
-            state_pred = params_pred * (4 + 4 + 8) if fp32 else (t["weights"] + t["grads"]
-                                                                 + t["optimizer"]) * 1e9
+            state_pred = (
+                params_pred * (4 + 4 + 8)
+                if fp32
+                else (t["weights"] + t["grads"] + t["optimizer"]) * 1e9
+            )
             state_meas = got["weights"] + got["grads"] + got["optimizer"]
             act_pred = (t["activations"] * (2 if fp32 else 1) + t["logits"]) * 1e9
             state_err.append(abs(state_pred - state_meas) / state_meas)
             act_err.append(abs(act_pred - got["activations"]) / got["activations"])
-            print(f"| {r['plan']} | {m['rank']} | {params_pred / 1e6:.3f}M / "
-                  f"{got['params'] / 1e6:.3f}M | {state_pred / 1e6:.1f} / {state_meas / 1e6:.1f} "
-                  f"| {act_pred / 1e6:.1f} / {got['activations'] / 1e6:.1f} "
-                  f"({(act_pred - got['activations']) / got['activations']:+.0%}) |")
-    print(f"\nmemory: weights+grads+optimizer mean |error| {statistics.mean(state_err):.1%}, max "
-          f"{max(state_err):.1%}; activations mean |error| {statistics.mean(act_err):.1%}, max "
-          f"{max(act_err):.1%}")
+            print(
+                f"| {r['plan']} | {m['rank']} | {params_pred / 1e6:.3f}M / "
+                f"{got['params'] / 1e6:.3f}M | {state_pred / 1e6:.1f} / {state_meas / 1e6:.1f} "
+                f"| {act_pred / 1e6:.1f} / {got['activations'] / 1e6:.1f} "
+                f"({(act_pred - got['activations']) / got['activations']:+.0%}) |"
+            )
+    print(
+        f"\nmemory: weights+grads+optimizer mean |error| {statistics.mean(state_err):.1%}, max "
+        f"{max(state_err):.1%}; activations mean |error| {statistics.mean(act_err):.1%}, max "
+        f"{max(act_err):.1%}"
+    )
     if a.png:
         plot(rows, a.png)
         print(f"wrote {a.png}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
-    print(f"total {time.monotonic() - start:.0f} s; load average {min(loads):.1f}-{max(loads):.1f} "
-          f"on {os.cpu_count()} CPUs")
+    print(
+        f"total {time.monotonic() - start:.0f} s; load average {min(loads):.1f}-{max(loads):.1f} "
+        f"on {os.cpu_count()} CPUs"
+    )
     if max(loads) > (os.cpu_count() or 1) + 0.5:
         print("WARNING: other jobs loaded the machine; step times are noisy (rerun when idle)")
     return 0 if (mean <= 0.10 and mx <= 0.20) else 1

@@ -19,9 +19,10 @@ Order alternates between rounds to cancel drift. OMP_NUM_THREADS=1; normal_ with
 on one thread anyway. Wall times need an idle machine: the load average is printed before and
 after.
 """
+
 import os
 
-os.environ["OMP_NUM_THREADS"] = "1"          # before torch is imported, here and in the children
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, here and in the children
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -47,6 +48,7 @@ def stage_plan(model_name, tp, layers):
     from planner.cluster import load_cluster_dict
     from planner.models import load_model
     from planner.plan import build_plan
+
     m = load_model(model_name)
     if m.num_layers % layers:
         raise SystemExit(f"--layers {layers} must divide the model's {m.num_layers} layers")
@@ -54,18 +56,34 @@ def stage_plan(model_name, tp, layers):
     for first in range(layers, m.num_layers, layers):
         stages.append({"ranks": [tp + len(stages) - 1], "layers": [first, first + layers]})
     world = tp + len(stages) - 1
-    cluster = load_cluster_dict({"name": "bench", "nodes": [
-        {"name": "cpu", "gpu": "CPU", "gpus_per_node": world, "intra_node": "host",
-         "nic": "10 Gbit/s"}]})
-    return build_plan(cluster, m, len(stages),
-                      [{"micro_batch_size": 1, "num_microbatches": len(stages),
-                        "stages": stages}])
+    cluster = load_cluster_dict(
+        {
+            "name": "bench",
+            "nodes": [
+                {
+                    "name": "cpu",
+                    "gpu": "CPU",
+                    "gpus_per_node": world,
+                    "intra_node": "host",
+                    "nic": "10 Gbit/s",
+                }
+            ],
+        }
+    )
+    return build_plan(
+        cluster,
+        m,
+        len(stages),
+        [{"micro_batch_size": 1, "num_microbatches": len(stages), "stages": stages}],
+    )
 
 
 def full_tensors_init(plan, params, seed):
     """The previous initialisation: each full canonical tensor from one seeded generator, sliced."""
     import torch
+
     from megatron_hexi.model import take_pieces
+
     m = plan.model
     with torch.no_grad():
         for shard, p in params:
@@ -73,9 +91,13 @@ def full_tensors_init(plan, params, seed):
                 full = (torch.ones if shard.init == "ones" else torch.zeros)(shard.shape)
             else:
                 gen = torch.Generator().manual_seed(
-                    (seed * 1_000_003 + zlib.crc32(shard.name.encode())) % (2**63))
-                scale = (m.init_method_std / (2.0 * m.num_layers) ** 0.5
-                         if shard.init == "scaled_normal" else m.init_method_std)
+                    (seed * 1_000_003 + zlib.crc32(shard.name.encode())) % (2**63)
+                )
+                scale = (
+                    m.init_method_std / (2.0 * m.num_layers) ** 0.5
+                    if shard.init == "scaled_normal"
+                    else m.init_method_std
+                )
                 full = torch.empty(shard.shape).normal_(0.0, scale, generator=gen)
             p.copy_(take_pieces(full, shard).to(p.dtype))
             del full
@@ -84,8 +106,10 @@ def full_tensors_init(plan, params, seed):
 def child(args):
     """One measurement in this fresh process; prints one JSON line."""
     import torch
+
     from megatron_hexi.model import initialise_weights
     from planner.layout import rank_param_shards
+
     torch.set_num_threads(1)
     plan = stage_plan(args.model, args.tp, args.layers)
     shards = rank_param_shards(plan, args.rank)
@@ -96,14 +120,34 @@ def child(args):
     init(plan, params, SEED)
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"seconds": seconds, "peak": peak, "before": before,
-                      "shard_bytes": sum(4 * p.numel() for _, p in params),
-                      "full_bytes": sum(4 * math.prod(s.shape) for s in shards)}))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "peak": peak,
+                "before": before,
+                "shard_bytes": sum(4 * p.numel() for _, p in params),
+                "full_bytes": sum(4 * math.prod(s.shape) for s in shards),
+            }
+        )
+    )
 
 
 def measure(args, method):
-    cmd = [sys.executable, __file__, "--child", method, "--model", args.model, "--tp",
-           str(args.tp), "--rank", str(args.rank), "--layers", str(args.layers)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        method,
+        "--model",
+        args.model,
+        "--tp",
+        str(args.tp),
+        "--rank",
+        str(args.rank),
+        "--layers",
+        str(args.layers),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode:
         raise SystemExit(f"{method}: exit {r.returncode}\n{r.stderr[-3000:]}")
@@ -124,30 +168,39 @@ def main(argv=None):
     load0 = os.getloadavg()
     runs = {m: [] for m in METHODS}
     for i in range(args.rounds):
-        for method in (METHODS if i % 2 == 0 else METHODS[::-1]):
+        for method in METHODS if i % 2 == 0 else METHODS[::-1]:
             runs[method].append(measure(args, method))
             r = runs[method][-1]
-            print(f"round {i + 1} {method}: {r['seconds']:.2f} s, peak RSS "
-                  f"{r['peak'] / 2**30:.2f} GiB", flush=True)
+            print(
+                f"round {i + 1} {method}: {r['seconds']:.2f} s, peak RSS "
+                f"{r['peak'] / 2**30:.2f} GiB",
+                flush=True,
+            )
     load1 = os.getloadavg()
     first = runs[METHODS[0]][0]
-    print(f"\n{args.model}, rank {args.rank} of a TP={args.tp} stage of {args.layers} layers and "
-          f"the embedding; shard {first['shard_bytes'] / 2**30:.2f} GiB fp32 of full tensors "
-          f"{first['full_bytes'] / 2**30:.2f} GiB; {args.rounds} rounds; load average "
-          f"{load0[0]:.1f} -> {load1[0]:.1f} on {os.cpu_count()} CPUs")
+    print(
+        f"\n{args.model}, rank {args.rank} of a TP={args.tp} stage of {args.layers} layers and "
+        f"the embedding; shard {first['shard_bytes'] / 2**30:.2f} GiB fp32 of full tensors "
+        f"{first['full_bytes'] / 2**30:.2f} GiB; {args.rounds} rounds; load average "
+        f"{load0[0]:.1f} -> {load1[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     print("| method | seconds (median) | peak RSS | above the shard and imports |")
     print("|---|---|---|---|")
     med = {}
     for method in METHODS:
         rs = runs[method]
-        med[method] = (statistics.median(r["seconds"] for r in rs),
-                       statistics.median(r["peak"] for r in rs),
-                       statistics.median(r["peak"] - r["before"] for r in rs))
+        med[method] = (
+            statistics.median(r["seconds"] for r in rs),
+            statistics.median(r["peak"] for r in rs),
+            statistics.median(r["peak"] - r["before"] for r in rs),
+        )
         s, peak, extra = med[method]
         print(f"| {method} | {s:.2f} | {peak / 2**30:.2f} GiB | {extra / 2**30:.3f} GiB |")
     (s0, p0, e0), (s1, p1, e1) = med[METHODS[0]], med[METHODS[1]]
-    print(f"\nblocks against full tensors: {s0 / s1:.1f}x faster, peak RSS {p0 / p1:.1f}x lower, "
-          f"memory above the shard {e0 / max(e1, 1):.0f}x lower")
+    print(
+        f"\nblocks against full tensors: {s0 / s1:.1f}x faster, peak RSS {p0 / p1:.1f}x lower, "
+        f"memory above the shard {e0 / max(e1, 1):.0f}x lower"
+    )
 
 
 if __name__ == "__main__":

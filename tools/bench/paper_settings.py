@@ -1,7 +1,10 @@
 """Predicted MFU on the paper's settings: hexi vs uniform per cluster and model (markdown).
 
     python tools/bench/paper_settings.py [--gbs 64]
+
+One table row per cluster (CLUSTERS, from examples/clusters) and model (MODELS), micro-batch 1.
 """
+
 import argparse
 import os
 
@@ -11,8 +14,13 @@ from planner.models import load_model
 from planner.search import search_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CLUSTERS = ["paper-hetero-a", "paper-hetero-consumer", "paper-a100-pcie-2x8", "paper-hetero-b",
-            "paper-a100-pcie-4x8"]
+CLUSTERS = [
+    "paper-hetero-a",
+    "paper-hetero-consumer",
+    "paper-a100-pcie-2x8",
+    "paper-hetero-b",
+    "paper-a100-pcie-4x8",
+]
 MODELS = ["llama2-7b", "llama2-13b", "llama-30b"]
 
 
@@ -20,12 +28,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gbs", type=int, default=64)
     args = ap.parse_args()
-    print("| cluster | GPUs | peak PFLOPS | model | hexi MFU | uniform MFU | hexi tokens/s | "
-          "hexi layout |")
+    print(
+        "| cluster | GPUs | peak PFLOPS | model | hexi MFU | uniform MFU | hexi tokens/s | "
+        "hexi layout |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name in CLUSTERS:
         c = load_cluster(os.path.join(ROOT, "examples/clusters", name + ".yaml"))
         from planner.costmodel import Topology
+
         topo = Topology(c)
         peak = sum(topo.device_of(r).peak_flops for r in range(c.num_gpus)) / 1e15
         for mname in MODELS:
@@ -40,13 +51,22 @@ def main():
                         plan_h = p
                 except SpecError:
                     row.append("no fit")
-            lay = "-" if plan_h is None else (
-                f"{len(plan_h.pipelines)} pipe x "
-                + "/".join(str(len(pp.stages)) for pp in plan_h.pipelines) + " stages"
-                + (", recompute" if plan_h.training.recompute else ""))
+            lay = (
+                "-"
+                if plan_h is None
+                else (
+                    f"{len(plan_h.pipelines)} pipe x "
+                    + "/".join(str(len(pp.stages)) for pp in plan_h.pipelines)
+                    + " stages"
+                    + (", recompute" if plan_h.training.recompute else "")
+                )
+            )
             tok = "-" if plan_h is None else f"{plan_h.estimate['tokens_per_s']:.0f}"
-            print(f"| {name} | {c.num_gpus} | {peak:.2f} | {mname} | {row[0]} | {row[1]} | {tok} "
-                  f"| {lay} |", flush=True)
+            print(
+                f"| {name} | {c.num_gpus} | {peak:.2f} | {mname} | {row[0]} | {row[1]} | {tok} "
+                f"| {lay} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Targets: <= 10 s at 1024 GPUs, <= 120 s at 8192, near-linear growth.
 
     python tools/bench/planner_scaling.py [--sizes 64 256 1024 4096 8192]
 """
+
 import argparse
 import json
 import os
@@ -35,18 +36,25 @@ def main():
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096, 8192])
     ap.add_argument("--model", default="llama2-7b")
     args = ap.parse_args()
-    print(f"{'GPUs':>6} {'seconds':>8} {'cpu s':>7} {'load':>5} {'peak MB':>8} {'pipelines':>9} "
-          f"{'MFU':>6}", flush=True)
+    print(
+        f"{'GPUs':>6} {'seconds':>8} {'cpu s':>7} {'load':>5} {'peak MB':>8} {'pipelines':>9} "
+        f"{'MFU':>6}",
+        flush=True,
+    )
     for n in args.sizes:
         load = os.getloadavg()[0]
-        out = subprocess.run([sys.executable, "-c", ONE, str(n), args.model], capture_output=True,
-                             text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", ONE, str(n), args.model], capture_output=True, text=True
+        )
         if out.returncode:
             print(f"{n:>6} failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{n:>6} {r['seconds']:>8.2f} {r['cpu']:>7.2f} {load:>5.1f} {r['peak_mb']:>8.1f} "
-              f"{r['pipelines']:>9} {r['mfu']:>6.3f}", flush=True)
+        print(
+            f"{n:>6} {r['seconds']:>8.2f} {r['cpu']:>7.2f} {load:>5.1f} {r['peak_mb']:>8.1f} "
+            f"{r['pipelines']:>9} {r['mfu']:>6.3f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

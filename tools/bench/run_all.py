@@ -13,6 +13,7 @@ Benchmarks (each its own process, output streamed and kept under --log-dir):
 --quick shrinks the slow ones (fewer steps, clusters and sizes); the page docs/benchmarks.md
 says which settings produced its figures.
 """
+
 import argparse
 import datetime
 import os
@@ -33,7 +34,11 @@ def commands(quick):
         "runtime_overhead": [py, str(BENCH / "runtime_overhead.py")]
         + (["--iters", "5", "--warmup", "2", "--rounds", "1"] if quick else []),
         "fidelity": [py, "-W", "ignore", str(BENCH / "fidelity.py")]
-        + (["--steps", "4", "--warmup", "2", "--rounds", "1", "--max-profile-seconds", "60"] if quick else []),
+        + (
+            ["--steps", "4", "--warmup", "2", "--rounds", "1", "--max-profile-seconds", "60"]
+            if quick
+            else []
+        ),
         "search_quality": [py, str(BENCH / "search_quality.py")]
         + (["--clusters", "5", "--max-gpus", "8", "--uniform-extra", "3"] if quick else []),
         "planner_scaling": [py, str(BENCH / "planner_scaling.py")]
@@ -49,19 +54,37 @@ def commands(quick):
 RATIOS = [
     ("sync_volume", r"ratio (\d+\.\d+)\s*$", "sync bytes / lower bound"),
     ("runtime_overhead", r"worst ratio (\d+\.\d+)x", "runtime / megatron-core step (worst)"),
-    ("fidelity", r"mean \|error\| (\d+\.\d+)%.*max \|error\| (\d+\.\d+)%",
-     "cost model step-time |error| mean, max (%)"),
-    ("fidelity", r"activations mean \|error\| (\d+\.\d+)%, max (\d+\.\d+)%",
-     "activation memory |error| mean, max (%)"),
-    ("search_quality", r"hexi / exhaustive: n=(\d+) min=(\S+) median=(\S+)",
-     "hexi / exhaustive (n, min, median)"),
-    ("search_quality", r"hexi / uniform: n=(\d+) min=(\S+) median=(\S+)",
-     "hexi / uniform (n, min, median)"),
+    (
+        "fidelity",
+        r"mean \|error\| (\d+\.\d+)%.*max \|error\| (\d+\.\d+)%",
+        "cost model step-time |error| mean, max (%)",
+    ),
+    (
+        "fidelity",
+        r"activations mean \|error\| (\d+\.\d+)%, max (\d+\.\d+)%",
+        "activation memory |error| mean, max (%)",
+    ),
+    (
+        "search_quality",
+        r"hexi / exhaustive: n=(\d+) min=(\S+) median=(\S+)",
+        "hexi / exhaustive (n, min, median)",
+    ),
+    (
+        "search_quality",
+        r"hexi / uniform: n=(\d+) min=(\S+) median=(\S+)",
+        "hexi / uniform (n, min, median)",
+    ),
     ("planner_scaling", r"^\s*(\d+)\s+(\d+\.\d+)\s", "search seconds at GPUs"),
-    ("checkpoint_verify", r"same plan ratio (\d+\.\d+)x, resharded ratio (\d+\.\d+)x",
-     "verified / plain --load time (same plan, resharded)"),
-    ("init_startup", r"blocks against full tensors: (\d+\.\d+)x faster, peak RSS (\d+\.\d+)x lower",
-     "weight init: full tensors / blocks (time, peak RSS)"),
+    (
+        "checkpoint_verify",
+        r"same plan ratio (\d+\.\d+)x, resharded ratio (\d+\.\d+)x",
+        "verified / plain --load time (same plan, resharded)",
+    ),
+    (
+        "init_startup",
+        r"blocks against full tensors: (\d+\.\d+)x faster, peak RSS (\d+\.\d+)x lower",
+        "weight init: full tensors / blocks (time, peak RSS)",
+    ),
 ]
 
 
@@ -74,19 +97,31 @@ def main(argv=None):
     a = ap.parse_args(argv)
     logs = Path(a.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
-    print(f"# run_all {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {commit} (+ working "
-          f"tree), load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    print(
+        f"# run_all {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {commit} (+ working "
+        f"tree), load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
+        flush=True,
+    )
     outputs, status = {}, {}
     for name, cmd in commands(a.quick).items():
         if name in a.skip or (a.only is not None and name not in a.only):
             continue
-        print(f"\n## {name}\n$ {' '.join(Path(c).name if c == sys.executable else c for c in cmd)}",
-              flush=True)
+        print(
+            f"\n## {name}\n$ {' '.join(Path(c).name if c == sys.executable else c for c in cmd)}",
+            flush=True,
+        )
         t = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
         lines = []
         for line in proc.stdout:
             if "Warning" in line or "warnings.warn" in line:
@@ -96,8 +131,11 @@ def main(argv=None):
         status[name] = proc.wait()
         outputs[name] = "".join(lines)
         (logs / f"{name}.log").write_text(outputs[name])
-        print(f"[{name}: exit {status[name]}, {time.monotonic() - t:.0f} s, load "
-              f"{os.getloadavg()[0]:.1f}]", flush=True)
+        print(
+            f"[{name}: exit {status[name]}, {time.monotonic() - t:.0f} s, load "
+            f"{os.getloadavg()[0]:.1f}]",
+            flush=True,
+        )
     print("\n# ratios measured in this run")
     for name, pattern, label in RATIOS:
         if name not in outputs:

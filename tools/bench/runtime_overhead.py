@@ -28,6 +28,7 @@ forward/backward (schedule incl. P2P, without the finalize), gradient finalize (
 all-reduce + segment sync, or megatron's token broadcast + scaling) and the rest (optimizer with
 grad norm and clipping, scheduler, and in ours the stats all-reduce).
 """
+
 import argparse
 import os
 import shlex
@@ -47,14 +48,32 @@ import yaml  # noqa: E402
 import _overhead_workers as workers  # noqa: E402
 from harness import DistributedTimeout, run_distributed  # noqa: E402
 
-MODEL = {"num_layers": 4, "hidden_size": 256, "ffn_hidden_size": 1024, "num_attention_heads": 8,
-         "num_query_groups": 8, "vocab_size": 1024, "seq_length": 128, "name": "bench-small"}
+MODEL = {
+    "num_layers": 4,
+    "hidden_size": 256,
+    "ffn_hidden_size": 1024,
+    "num_attention_heads": 8,
+    "num_query_groups": 8,
+    "vocab_size": 1024,
+    "seq_length": 128,
+    "name": "bench-small",
+}
 GLOBAL_BATCH = 8
 CASES = {
-    "TP2": [{"micro_batch_size": 2, "num_microbatches": 4,
-             "stages": [{"ranks": [0, 1], "layers": [0, 4]}]}],
-    "PP2": [{"micro_batch_size": 2, "num_microbatches": 4,
-             "stages": [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}]}],
+    "TP2": [
+        {
+            "micro_batch_size": 2,
+            "num_microbatches": 4,
+            "stages": [{"ranks": [0, 1], "layers": [0, 4]}],
+        }
+    ],
+    "PP2": [
+        {
+            "micro_batch_size": 2,
+            "num_microbatches": 4,
+            "stages": [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}],
+        }
+    ],
 }
 
 
@@ -63,14 +82,28 @@ def build_plans(directory):
     from planner.cluster import load_cluster_dict
     from planner.models import load_model
     from planner.plan import build_plan
+
     model_path = directory / "model.yaml"
     model_path.write_text(yaml.safe_dump(MODEL))
     model = load_model(str(model_path))
-    cluster = load_cluster_dict({"name": "cpu-2", "nodes": [
-        {"name": "cpu", "gpu": "CPU", "gpus_per_node": 2, "intra_node": "host",
-         "nic": "10 Gbit/s"}]})
-    return {case: build_plan(cluster, model, GLOBAL_BATCH, pipelines)
-            for case, pipelines in CASES.items()}
+    cluster = load_cluster_dict(
+        {
+            "name": "cpu-2",
+            "nodes": [
+                {
+                    "name": "cpu",
+                    "gpu": "CPU",
+                    "gpus_per_node": 2,
+                    "intra_node": "host",
+                    "nic": "10 Gbit/s",
+                }
+            ],
+        }
+    )
+    return {
+        case: build_plan(cluster, model, GLOBAL_BATCH, pipelines)
+        for case, pipelines in CASES.items()
+    }
 
 
 def main(argv=None):
@@ -81,10 +114,13 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=300, help="seconds per run (harness)")
     a = p.parse_args(argv)
     print("$ " + " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]), flush=True)
-    print(f"model {MODEL['num_layers']}L h{MODEL['hidden_size']} ffn{MODEL['ffn_hidden_size']} "
-          f"heads {MODEL['num_attention_heads']} vocab {MODEL['vocab_size']} seq "
-          f"{MODEL['seq_length']}, global batch {GLOBAL_BATCH} (4 x 2), fp32, 2 gloo ranks, "
-          f"{a.warmup} warm-up + {a.iters} timed steps x {a.rounds} rounds", flush=True)
+    print(
+        f"model {MODEL['num_layers']}L h{MODEL['hidden_size']} ffn{MODEL['ffn_hidden_size']} "
+        f"heads {MODEL['num_attention_heads']} vocab {MODEL['vocab_size']} seq "
+        f"{MODEL['seq_length']}, global batch {GLOBAL_BATCH} (4 x 2), fp32, 2 gloo ranks, "
+        f"{a.warmup} warm-up + {a.iters} timed steps x {a.rounds} rounds",
+        flush=True,
+    )
     iters = a.warmup + a.iters
     load0 = os.getloadavg()[0]
     results = {(c, v): [] for c in CASES for v in ("ours", "plain")}
@@ -98,62 +134,87 @@ def main(argv=None):
                 for variant in ("ours", "plain"):
                     t = time.monotonic()
                     try:
-                        out = run_distributed(getattr(workers, variant), 2, plans[case],
-                                              iters, timeout=a.timeout,
-                                              env={"OMP_NUM_THREADS": "1"})[0]
+                        out = run_distributed(
+                            getattr(workers, variant),
+                            2,
+                            plans[case],
+                            iters,
+                            timeout=a.timeout,
+                            env={"OMP_NUM_THREADS": "1"},
+                        )[0]
                     except DistributedTimeout as e:
-                        print(f"  round {r + 1} {case} {variant:<5} TIMED OUT after "
-                              f"{a.timeout:g} s (load {os.getloadavg()[0]:.1f}): "
-                              f"{str(e).splitlines()[0]}", flush=True)
+                        print(
+                            f"  round {r + 1} {case} {variant:<5} TIMED OUT after "
+                            f"{a.timeout:g} s (load {os.getloadavg()[0]:.1f}): "
+                            f"{str(e).splitlines()[0]}",
+                            flush=True,
+                        )
                         round_medians[case, variant].append(float("nan"))
                         continue
-                    steps = list(zip(out["step_s"], out["fwd_bwd_s"], out["finalize_s"],
-                                     out["cpu_s"]))[a.warmup:]
+                    steps = list(
+                        zip(out["step_s"], out["fwd_bwd_s"], out["finalize_s"], out["cpu_s"])
+                    )[a.warmup :]
                     results[case, variant] += steps
                     losses[case, variant] = out["losses"]
                     med = statistics.median(s[0] for s in steps)
                     round_medians[case, variant].append(med)
-                    print(f"  round {r + 1} {case} {variant:<5} median step {med * 1e3:7.1f} ms, "
-                          f"cpu {statistics.median(s[3] for s in steps) * 1e3:7.1f} ms "
-                          f"(run {time.monotonic() - t:4.1f} s, load {os.getloadavg()[0]:.1f})",
-                          flush=True)
+                    print(
+                        f"  round {r + 1} {case} {variant:<5} median step {med * 1e3:7.1f} ms, "
+                        f"cpu {statistics.median(s[3] for s in steps) * 1e3:7.1f} ms "
+                        f"(run {time.monotonic() - t:4.1f} s, load {os.getloadavg()[0]:.1f})",
+                        flush=True,
+                    )
 
     def med(case, variant, i):
         vals = [s[i] for s in results[case, variant]]
         return statistics.median(vals) * 1e3 if vals else float("nan")
 
-    print(f"\n{'case':<5} {'ours_ms':>8} {'plain_ms':>9} {'ratio':>6} {'paired':>7}   "
-          f"{'ours_cpu':>8} {'plain_cpu':>9} {'ratio':>6}")
+    print(
+        f"\n{'case':<5} {'ours_ms':>8} {'plain_ms':>9} {'ratio':>6} {'paired':>7}   "
+        f"{'ours_cpu':>8} {'plain_cpu':>9} {'ratio':>6}"
+    )
     worst = 0.0
     for case in CASES:
         o, pl = med(case, "ours", 0), med(case, "plain", 0)
-        pairs = [x / y for x, y in zip(round_medians[case, "ours"], round_medians[case, "plain"])
-                 if x == x and y == y]
+        pairs = [
+            x / y
+            for x, y in zip(round_medians[case, "ours"], round_medians[case, "plain"])
+            if x == x and y == y
+        ]
         paired = statistics.median(pairs) if pairs else float("nan")
         oc, pc = med(case, "ours", 3), med(case, "plain", 3)
         worst = max(worst, o / pl) if o == o and pl == pl else float("inf")
-        print(f"{case:<5} {o:8.1f} {pl:9.1f} {o / pl:5.2f}x {paired:6.2f}x   {oc:8.1f} {pc:9.1f} "
-              f"{oc / pc:5.2f}x")
-    print("(ratio: of the medians over all timed steps; paired: median over rounds of the ratio "
-          "of adjacent runs; cpu: process CPU time per step summed over both ranks)")
+        print(
+            f"{case:<5} {o:8.1f} {pl:9.1f} {o / pl:5.2f}x {paired:6.2f}x   {oc:8.1f} {pc:9.1f} "
+            f"{oc / pc:5.2f}x"
+        )
+    print(
+        "(ratio: of the medians over all timed steps; paired: median over rounds of the ratio "
+        "of adjacent runs; cpu: process CPU time per step summed over both ranks)"
+    )
     print("\nbreakdown, median ms per step (fwd/bwd incl. P2P | grad finalize | optimizer+rest):")
     for case in CASES:
         for v in ("ours", "plain"):
             rest = [st[0] - st[1] - st[2] for st in results[case, v]]
             rest_ms = statistics.median(rest) * 1e3 if rest else float("nan")
-            print(f"  {case} {v:<5} {med(case, v, 1):8.1f} | {med(case, v, 2):6.2f} | "
-                  f"{rest_ms:6.1f}")
+            print(
+                f"  {case} {v:<5} {med(case, v, 1):8.1f} | {med(case, v, 2):6.2f} | {rest_ms:6.1f}"
+            )
     print("\nloss per step (first, last), same samples, different initialisations:")
     for (case, v), ls in sorted(losses.items()):
         print(f"  {case} {v:<5} {ls[0]:.4f} -> {ls[-1]:.4f}")
     load1 = os.getloadavg()[0]
-    verdict = ("OK" if worst <= 1.10 else "INCOMPLETE" if worst == float("inf") else "OVER")
-    print(f"\nworst ratio {worst:.2f}x (target <= 1.10): {verdict}; "
-          f"total {time.monotonic() - start:.0f} s; load average {load0:.1f} -> {load1:.1f} on "
-          f"{os.cpu_count()} CPUs")
+    verdict = "OK" if worst <= 1.10 else "INCOMPLETE" if worst == float("inf") else "OVER"
+    print(
+        f"\nworst ratio {worst:.2f}x (target <= 1.10): {verdict}; "
+        f"total {time.monotonic() - start:.0f} s; load average {load0:.1f} -> {load1:.1f} on "
+        f"{os.cpu_count()} CPUs"
+    )
     if max(load0, load1) > os.cpu_count() + 0.5:
-        print("WARNING: the machine was busy with other work; wall times are inflated and noisy "
-              "(compare the paired and cpu columns, or rerun when idle)")
+        print(
+            "WARNING: the machine was busy with other work; wall times are inflated and noisy "
+            "(compare the paired and cpu columns, or rerun when idle)"
+        )
     return 0
 
 

@@ -6,6 +6,7 @@ Model: examples/models/small-1b.yaml (16 layers, ~1 B parameters), global batch 
 
     python tools/bench/search_quality.py [--clusters 20] [--max-gpus 16]
 """
+
 import argparse
 import glob
 import os
@@ -26,8 +27,11 @@ def tps(cluster, model, gbs, strategy):
 
 
 def summary(name, xs):
-    print(f"{name}: n={len(xs)} min={min(xs):.3f} median={statistics.median(xs):.3f} "
-          f"max={max(xs):.3f}", flush=True)
+    print(
+        f"{name}: n={len(xs)} min={min(xs):.3f} median={statistics.median(xs):.3f} "
+        f"max={max(xs):.3f}",
+        flush=True,
+    )
 
 
 def main():
@@ -55,9 +59,11 @@ def main():
         u = tps(c, model, args.gbs, "uniform")
         vs_x.append(h / x)
         vs_u.append(h / u)
-        print(f"seed {seed}: {c.num_gpus:>2} GPUs {len(c.nodes)} machines  hexi/exhaustive "
-              f"{h / x:.3f}  hexi/uniform {h / u:.3f}  ({time.perf_counter() - t:.1f} s)",
-              flush=True)
+        print(
+            f"seed {seed}: {c.num_gpus:>2} GPUs {len(c.nodes)} machines  hexi/exhaustive "
+            f"{h / x:.3f}  hexi/uniform {h / u:.3f}  ({time.perf_counter() - t:.1f} s)",
+            flush=True,
+        )
     for path in sorted(glob.glob(os.path.join(ROOT, "examples/clusters/*.yaml"))):
         c = load_cluster(path)
         m = load_model("tiny") if c.num_gpus <= 4 else model

@@ -7,13 +7,14 @@ The lower bound sums each element once across the pipelines that hold it: a rank
 elements it contributes (not TP replicas of norms) that another pipeline also holds. The numbers
 come from the plan alone, with the same layout the runtime uses.
 """
+
 import sys
 from pathlib import Path
 
 from planner.layout import canonical_shards, gradient_segments, segment_numel
 from planner.plan import load_plan
 
-BYTES_PER_ELEMENT = 4    # gradients are reduced in fp32
+BYTES_PER_ELEMENT = 4  # gradients are reduced in fp32
 
 
 def sync_volume(plan):
@@ -44,8 +45,10 @@ def main(paths):
         for r, (b, lb) in vol.items():
             ratio = f"{b / lb:.3f}" if lb else "-"
             print(f"  {r:>4} {b:>18,} {lb:>12,} {ratio:>6}")
-        print(f"  total {total:,} bytes vs lower bound {bound:,}: ratio "
-              f"{total / bound if bound else float('nan'):.3f}")
+        print(
+            f"  total {total:,} bytes vs lower bound {bound:,}: ratio "
+            f"{total / bound if bound else float('nan'):.3f}"
+        )
 
 
 if __name__ == "__main__":
