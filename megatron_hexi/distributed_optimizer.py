@@ -17,60 +17,79 @@ Every gradient element is owned by exactly one rank, so the norm for clipping is
 are ranges of the canonical tensor (`MasterPart.name/dim/global_start/length`), which is what
 checkpoints store.
 """
+
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from megatron_hexi.grad_sync import global_norm
 from megatron_hexi.process_groups import group_order
 from planner.layout import optimizer_weight, weighted_split
 
+if TYPE_CHECKING:
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_hexi.grad_sync import GradientSync, Slot
+    from planner.plan import Plan
+
 
 @dataclass
 class MasterPart:
     """One part of one segment that this rank owns: its canonical range and fp32 master copy."""
-    param: torch.nn.Parameter
-    name: str                 # canonical parameter name
-    dim: int
-    global_start: int         # in the canonical tensor, along dim
-    local_start: int          # in this rank's parameter, along dim
-    length: int
-    master: torch.Tensor      # fp32 copy of the part
 
-    def param_view(self):
+    param: torch.nn.Parameter
+    name: str  # canonical parameter name
+    dim: int
+    global_start: int  # in the canonical tensor, along dim
+    local_start: int  # in this rank's parameter, along dim
+    length: int
+    master: torch.Tensor  # fp32 copy of the part
+
+    def param_view(self) -> torch.Tensor:
         return self.param.narrow(self.dim, self.local_start, self.length)
 
 
 @dataclass
 class _Region:
     """One member's parts of every segment of a rank set, in buffer order."""
-    pieces: list              # [(slot index, part start, part length, numel)]
+
+    pieces: list[tuple[int, int, int, int]]  # (slot index, part start, part length, numel)
     numel: int
-    position: int             # the member's rank in the group: where its chunk sits in buffers
+    position: int  # the member's rank in the group: where its chunk sits in buffers
 
 
 @dataclass
 class _RankSet:
     """One gradient bucket as the optimizer shards it: every member's region of the buffer."""
-    ranks: tuple              # plan ranks, sorted: the order of the split and the weights
-    group: object             # process group, or None for this rank alone
-    slots: list               # grad_sync.Slot, this rank's slices in buffer order
-    regions: list             # _Region per member, in `ranks` order
-    me: int                   # this rank's index in `ranks`
-    mine: list                # MasterPart per piece of regions[me] (zero-length ones too)
+
+    ranks: tuple[int, ...]  # plan ranks, sorted: the order of the split and the weights
+    group: dist.ProcessGroup | None  # None for this rank alone
+    slots: list[Slot]  # this rank's slices in buffer order
+    regions: list[_Region]  # per member, in `ranks` order
+    me: int  # this rank's index in `ranks`
+    mine: list[MasterPart]  # per piece of regions[me] (zero-length ones too)
 
 
 class HeteroDistributedOptimizer(MegatronOptimizer):
     """Adam(W) over this rank's master parts, with reduce-scatter / all-gather per rank set."""
 
-    def __init__(self, plan, grad_sync, config, shard_mode, device):
+    def __init__(
+        self,
+        plan: Plan,
+        grad_sync: GradientSync,
+        config: OptimizerConfig,
+        shard_mode: str,
+        device: torch.device,
+    ):
         self.plan, self.grad_sync, self.rank = plan, grad_sync, grad_sync.plan_rank
         self.device = device
-        self.parts = []                   # MasterPart, this rank's
-        self.sets = []                    # _RankSet per gradient bucket
+        self.parts: list[MasterPart] = []  # this rank's
+        self.sets: list[_RankSet] = []  # one per gradient bucket
         for bucket in grad_sync.buckets:
             ranks, group, slots = bucket.ranks, bucket.group, bucket.slots
             weights = [optimizer_weight(plan.ranks[r].gpu, shard_mode) for r in ranks]
@@ -87,37 +106,61 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                     regions[i].numel += n * inner
                     starts += n
             me = ranks.index(self.rank)
-            mine = []                     # aligned with regions[me].pieces
+            mine: list[MasterPart] = []  # aligned with regions[me].pieces
             for k, start, n, _ in regions[me].pieces:
                 slot = slots[k]
                 view = slot.param.detach().narrow(slot.dim, slot.start + start, n)
                 master = view.float().clone(memory_format=torch.contiguous_format)
-                mine.append(MasterPart(slot.param, slot.name, slot.dim, slot.global_start + start,
-                                       slot.start + start, n, master))
+                mine.append(
+                    MasterPart(
+                        slot.param,
+                        slot.name,
+                        slot.dim,
+                        slot.global_start + start,
+                        slot.start + start,
+                        n,
+                        master,
+                    )
+                )
             self.parts += [p for p in mine if p.length]
             self.sets.append(_RankSet(ranks, group, slots, regions, me, mine))
         decay = [p.master for p in self.parts if p.param.ndim > 1]
         no_decay = [p.master for p in self.parts if p.param.ndim == 1]
-        groups = [{"params": decay, "wd_mult": 1.0, "lr_mult": 1.0, "default_config": True,
-                   "is_expert_parallel": False},
-                  {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0, "default_config": True,
-                   "is_expert_parallel": False}]
-        inner = torch.optim.AdamW([g for g in groups if g["params"]] or [{"params": []}],
-                                  lr=config.lr, weight_decay=config.weight_decay,
-                                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        groups = [
+            {
+                "params": decay,
+                "wd_mult": 1.0,
+                "lr_mult": 1.0,
+                "default_config": True,
+                "is_expert_parallel": False,
+            },
+            {
+                "params": no_decay,
+                "wd_mult": 0.0,
+                "lr_mult": 1.0,
+                "default_config": True,
+                "is_expert_parallel": False,
+            },
+        ]
+        inner = torch.optim.AdamW(
+            [g for g in groups if g["params"]] or [{"params": []}],
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+        )
         super().__init__(inner, config, lambda o: None)
         self.is_stub_optimizer = False
         self._found_grads = False
 
     # -- gradients ---------------------------------------------------------------------------
     @torch.no_grad()
-    def reduce_scatter_grads(self, num_tokens):
+    def reduce_scatter_grads(self, num_tokens: float) -> None:
         """Sum each part over its holders into the owner's master gradient, divided by tokens."""
         for rs in self.sets:
             ranks, group, slots, regions, me = rs.ranks, rs.group, rs.slots, rs.regions, rs.me
             width = max(r.numel for r in regions)
-            buf = torch.zeros(width * len(ranks), dtype=torch.float32,
-                              device=slots[0].param.device)
+            buf = torch.zeros(width * len(ranks), dtype=torch.float32, device=slots[0].param.device)
             for region in regions:
                 offset = region.position * width
                 for k, start, n, numel in region.pieces:
@@ -125,27 +168,27 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                     if slot.contributes and n:
                         # fp32 `main_grad` under bf16 (grad_sync.FP32MainGrads), else `.grad`
                         g = slot.grad().narrow(slot.dim, slot.start + start, n)
-                        buf[offset:offset + numel].copy_(g.reshape(-1))
+                        buf[offset : offset + numel].copy_(g.reshape(-1))
                     offset += numel
             if group is None:
                 mine = buf
             elif dist.get_backend(group) == "nccl":
                 mine = torch.empty(width, dtype=buf.dtype, device=buf.device)
                 dist.reduce_scatter_tensor(mine, buf, group=group)
-            else:                          # gloo: no reduce-scatter
+            else:  # gloo: no reduce-scatter
                 dist.all_reduce(buf, group=group)
                 at = regions[me].position * width
-                mine = buf[at:at + width]
+                mine = buf[at : at + width]
             mine = mine / num_tokens
             offset = 0
-            for part, (k, start, n, numel) in zip(rs.mine, regions[me].pieces):
+            for part, (_, _, n, numel) in zip(rs.mine, regions[me].pieces):
                 if n:
-                    part.master.grad = mine[offset:offset + numel].view_as(part.master).clone()
+                    part.master.grad = mine[offset : offset + numel].view_as(part.master).clone()
                 offset += numel
         self._found_grads = True
 
     @torch.no_grad()
-    def all_gather_params(self):
+    def all_gather_params(self) -> None:
         """Every holder gets every part's updated values."""
         for rs in self.sets:
             ranks, group, slots, regions = rs.ranks, rs.group, rs.slots, rs.regions
@@ -153,9 +196,9 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
             dtype = slots[0].param.dtype
             mine = torch.zeros(width, dtype=dtype, device=slots[0].param.device)
             offset = 0
-            for part, (k, start, n, numel) in zip(rs.mine, regions[rs.me].pieces):
+            for part, (_, _, n, numel) in zip(rs.mine, regions[rs.me].pieces):
                 if n:
-                    mine[offset:offset + numel].copy_(part.master.reshape(-1))
+                    mine[offset : offset + numel].copy_(part.master.reshape(-1))
                 offset += numel
             if group is None:
                 gathered = [mine]
@@ -168,30 +211,29 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                     slot = slots[k]
                     if n:
                         view = slot.param.data.narrow(slot.dim, slot.start + start, n)
-                        view.copy_(gathered[region.position][offset:offset + numel]
-                                   .view_as(view))
+                        view.copy_(gathered[region.position][offset : offset + numel].view_as(view))
                     offset += numel
 
     # -- MegatronOptimizer interface ---------------------------------------------------------
-    def get_main_grads_for_grad_norm(self):
+    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
         """The owned parts' fp32 gradients: whole tensors of their own, so contiguous."""
         return [p.master.grad for p in self.parts if p.master.grad is not None]
 
-    def get_grad_stats_parallel_group(self):
+    def get_grad_stats_parallel_group(self) -> Any:
         return dist.group.WORLD
 
-    def prepare_grads(self):
+    def prepare_grads(self) -> bool:
         if not self._found_grads:
             raise RuntimeError("reduce_scatter_grads() must run before the optimizer step")
         return False
 
-    def step_with_ready_grads(self):
+    def step_with_ready_grads(self) -> bool:
         self.optimizer.step()
         self.all_gather_params()
         return True
 
     @torch.no_grad()
-    def step(self):
+    def step(self) -> tuple[bool, float | None, None]:
         self.prepare_grads()
         grad_norm = None
         if self.config.clip_grad > 0.0:
@@ -200,11 +242,11 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         self._found_grads = False
         return success, grad_norm, None
 
-    def get_grad_norm(self):
+    def get_grad_norm(self) -> float:
         """The exact global norm: every element's master gradient lives on exactly one rank."""
         return global_norm(self.get_main_grads_for_grad_norm(), self.device)
 
-    def clip_grad_norm(self, clip_grad):
+    def clip_grad_norm(self, clip_grad: float) -> float:
         grads = self.get_main_grads_for_grad_norm()
         norm = self.get_grad_norm()
         coeff = clip_grad / (norm + 1e-6)
@@ -213,31 +255,32 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                 g.mul_(coeff)
         return norm
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.parts:
             p.master.grad = None
         for rs in self.sets:
             for slot in rs.slots:
                 slot.param.grad = None
 
-    def get_loss_scale(self):
+    def get_loss_scale(self) -> torch.Tensor:
         return torch.ones(1)
 
-    def reload_model_params(self, state_dict=None):
+    def reload_model_params(self, state_dict: dict | None = None) -> None:
         for p in self.parts:
             p.master.copy_(p.param_view().float())
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict) -> None:
         self.optimizer.load_state_dict(state_dict)
 
-    def sharded_state_dict(self, *args, **kwargs):
-        raise RuntimeError("megatron-core dist-checkpointing is not used; see "
-                           "megatron_hexi.checkpoint")
+    def sharded_state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        raise RuntimeError(
+            "megatron-core dist-checkpointing is not used; see megatron_hexi.checkpoint"
+        )
 
-    def state_bytes(self):
+    def state_bytes(self) -> int:
         """Bytes of fp32 master weights and Adam state this rank holds."""
         n = sum(p.master.numel() for p in self.parts)
         return n * 4 * 3

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megatron_hexi.arguments import check_against_plan, parse_args, run_config
 from megatron_hexi.communicator import Boundary, StageCommunicator
-from megatron_hexi.grad_sync import FP32MainGrads, GradientSync, reduced_together
+from megatron_hexi.grad_sync import FP32MainGrads, GradientSync
 from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.model import (
     build_stage_model,
@@ -41,9 +41,9 @@ from megatron_hexi.optimizer import build_optimizer
 from megatron_hexi.process_groups import SingleRank, StagePosition, build_groups
 from megatron_hexi.rank_mapping import check_world_size, map_processes
 from planner.catalog import get_gpu
-from planner.costmodel import model_flops_per_sample
 from planner.errors import SpecError
-from planner.layout import gradient_segments
+from planner.flops import model_flops_per_sample
+from planner.layout import gradient_segments, reduced_together
 from planner.plan import load_plan
 
 if TYPE_CHECKING:

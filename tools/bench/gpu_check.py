@@ -215,7 +215,7 @@ def make_plans(preset, gpu, folder):
     resume and the CPU reference), distopt and recompute. Returns name -> path, name -> the
     planner's estimate, and the model's parameter count."""
     from planner.cluster import load_cluster_dict
-    from planner.costmodel import total_params
+    from planner.layout import total_params
     from planner.models import model_from_dict
     from planner.plan import build_plan, save_plan
     from planner.simulator import simulate
