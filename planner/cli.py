@@ -8,56 +8,19 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, NoReturn, TypeAlias
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
+from planner.cli_args import ArgumentParser, Register, bounded_int, with_seq_length
 from planner.cluster import load_cluster
 from planner.errors import SpecError
 from planner.inputs import read_json
-from planner.limits import MAX_BATCH, MAX_NUMBER_CHARS, MAX_REPORTED_PROBLEMS, MAX_SEQ_LENGTH
-from planner.models import ModelSpec, load_model, model_from_dict
+from planner.limits import MAX_BATCH, MAX_REPORTED_PROBLEMS, MAX_SEQ_LENGTH
+from planner.models import load_model
 from planner.plan import build_plan, load_plan, save_plan
 
 if TYPE_CHECKING:
     from planner.plan import Plan
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one SpecError line (exit 2) instead of usage text."""
-
-    def error(self, message: str) -> NoReturn:
-        raise SpecError(f"{message} (see {self.prog} --help)")
-
-
-# `hexi-plan`'s subcommands, and a function that adds some to them (planner.search_cli's).
-Subparsers: TypeAlias = "argparse._SubParsersAction[ArgumentParser]"
-Register: TypeAlias = Callable[[Subparsers], None]
-
-
-def bounded_int(lo: int, hi: int) -> Callable[[str], int]:
-    """An argparse type: an integer in [lo, hi], refused in one line naming the flag otherwise."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text) if len(text) <= MAX_NUMBER_CHARS else None
-        except ValueError:
-            value = None
-        if value is None or not lo <= value <= hi:
-            kind = "a positive integer" if lo == 1 else f"an integer >= {lo}"
-            raise argparse.ArgumentTypeError(f"must be {kind} up to {hi:,}, got {text[:40]!r}")
-        return value
-
-    parse.__name__ = "integer"
-    return parse
-
-
-def with_seq_length(
-    model: ModelSpec, seq_length: int | None, flag: str = "--seq-length"
-) -> ModelSpec:
-    """The model with another seq_length, validated like any model field."""
-    if seq_length is None:
-        return model
-    return model_from_dict({**model.to_dict(), "seq_length": seq_length}, flag)
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
@@ -203,7 +166,8 @@ def build_parser() -> ArgumentParser:
 
 
 def _extra_commands() -> list[Register]:
-    """Subcommands contributed by the search and the simulator, when present."""
+    """Subcommands contributed by the search and the simulator, when present (the search
+    needs pymetis; validate, manual and show do not)."""
     out: list[Register] = []
     try:
         from planner.search_cli import register_commands

@@ -8,17 +8,24 @@ Notation (Megatron's): b micro-batch size, s sequence length, h hidden size, a a
 g query groups, d head size (kv_channels), f FFN hidden size, V vocabulary, L layers, t the TP
 degree. FLOP formulas live in planner/flops.py, parameter counts in planner/layout.py.
 """
+
+from __future__ import annotations
+
 import os
 from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from planner.catalog import get_gpu
 from planner.errors import SpecError
 from planner.flops import attention_flops, head_flops, mlp_flops
-from planner.flops import model_flops_per_sample  # noqa: F401  (importers outside the planner)
 from planner.layout import stage_params
-from planner.layout import total_params  # noqa: F401  (importers outside the planner)
-from planner.profile import MeasuredCosts, attach, read_profile
+from planner.profile import MeasuredCosts, ProfiledDevice, attach, read_profile
+
+if TYPE_CHECKING:
+    from planner.cluster import ClusterSpec
+    from planner.models import ModelSpec
 
 # ------------------------------------------------------------------------------------- constants
 
@@ -35,7 +42,7 @@ SUSTAINED_FRACTION_OF_PEAK = 0.55
 # Memory per parameter in megatron-core bf16 mixed precision with Adam (Megatron's DDP keeps fp32
 # main grads): bf16 weight 2 + fp32 grad 4 + fp32 master weight 4 + fp32 Adam m and v 8 = 18.
 WEIGHT_BYTES_PER_PARAM = BF16_BYTES
-GRAD_BYTES_PER_PARAM = FP32_BYTES          # gradient buffers are fp32 on GPU, also for the reduce
+GRAD_BYTES_PER_PARAM = FP32_BYTES  # gradient buffers are fp32 on GPU, also for the reduce
 OPTIMIZER_BYTES_PER_PARAM = 3 * FP32_BYTES  # fp32 master + Adam exp_avg + exp_avg_sq
 
 # Bytes of GPU memory traffic per parameter in one Adam step (memory-bound): read fp32 grad (4),
@@ -62,7 +69,7 @@ FLASH_ATTENTION = False
 # token (the gap showed as 25% too little activation memory against the runtime's saved tensors).
 ACT_REPLICATED = 10
 ACT_ATTENTION_SHARDED = 8
-ACT_MLP_BYTES_PER_FFN_COLUMN = {False: 4, True: 8}     # by swiglu
+ACT_MLP_BYTES_PER_FFN_COLUMN = {False: 4, True: 8}  # by swiglu
 ACT_SCORES_PER_AS_OVER_H = 5
 
 # Vocabulary-parallel cross entropy: three small all-reduces of [s, b] fp32 in forward (max,
@@ -70,21 +77,30 @@ ACT_SCORES_PER_AS_OVER_H = 5
 CROSS_ENTROPY_ALLREDUCES = 3
 
 
+# Topology.sig: per rank list, its runs of ranks on one node as (node signature, the node's
+# first-appearance number, ranks in the run).
+Signature: TypeAlias = tuple[tuple[tuple[int | str, int, int], ...], ...]
+# boundary_times: ((transfer, gather) forward, (transfer, gather) backward) seconds.
+BoundaryTimes: TypeAlias = tuple[tuple[float, float], tuple[float, float]]
+
+
 # --------------------------------------------------------------------------------------- devices
+
 
 @dataclass(frozen=True)
 class Device:
     """What the cost model needs of one GPU type: peak and sustained FLOP/s, memory, bandwidth."""
+
     name: str
     peak_flops: float
-    flops: float               # sustained FLOP/s used for compute times
+    flops: float  # sustained FLOP/s used for compute times
     memory_bytes: float
-    mem_bw: float              # bytes/s
+    mem_bw: float  # bytes/s
     source: str
-    profile: object = None     # planner.profile.ProfiledDevice of a detailed (hexi-profile) one
+    profile: ProfiledDevice | None = None  # a detailed (hexi-profile) profile, if any
 
 
-def device_for(gpu_name, profile=None, procs_per_node=1):
+def device_for(gpu_name: str, profile: str | None = None, procs_per_node: int = 1) -> Device:
     """The Device of a catalog GPU, with a measured profile applied when the node group has one.
 
     Profile (JSON): {"device": "RTX-4090", "matmul_tflops": 96.0, "memory_gb": 23.6,
@@ -95,24 +111,32 @@ def device_for(gpu_name, profile=None, procs_per_node=1):
     """
     gpu = get_gpu(gpu_name)
     if not profile:
-        return Device(gpu.name, gpu.peak_flops, gpu.peak_flops * SUSTAINED_FRACTION_OF_PEAK,
-                      gpu.memory_bytes, gpu.mem_bw_gbs * 1e9,
-                      f"catalog peak x {SUSTAINED_FRACTION_OF_PEAK}")
+        return Device(
+            gpu.name,
+            gpu.peak_flops,
+            gpu.peak_flops * SUSTAINED_FRACTION_OF_PEAK,
+            gpu.memory_bytes,
+            gpu.mem_bw_gbs * 1e9,
+            f"catalog peak x {SUSTAINED_FRACTION_OF_PEAK}",
+        )
     data = read_profile(os.path.abspath(profile))
     if data.get("device", gpu.name) != gpu.name:
         raise SpecError(f"profile {profile}: is for {data['device']!r}, node holds {gpu.name}")
     achieved = float(data["matmul_tflops"]) * 1e12
     # a measured GEMM rate above the catalog peak means that peak is not this device's (the CPU
     # row is nominal): MFU is then taken against the measured rate, so it never exceeds 1
-    return Device(gpu.name, max(gpu.peak_flops, achieved), achieved,
-                  float(data.get("memory_gb", gpu.memory_gb)) * 1e9,
-                  _optimizer_mem_bw(data, float(data.get("memory_bandwidth_gbs",
-                                                         gpu.mem_bw_gbs)) * 1e9),
-                  f"profile {profile}",
-                  attach(data, os.path.abspath(profile), procs_per_node))
+    return Device(
+        gpu.name,
+        max(gpu.peak_flops, achieved),
+        achieved,
+        float(data.get("memory_gb", gpu.memory_gb)) * 1e9,
+        _optimizer_mem_bw(data, float(data.get("memory_bandwidth_gbs", gpu.mem_bw_gbs)) * 1e9),
+        f"profile {profile}",
+        attach(data, os.path.abspath(profile), procs_per_node),
+    )
 
 
-def _optimizer_mem_bw(data, default_bw):
+def _optimizer_mem_bw(data: Mapping[str, Any], default_bw: float) -> float:
     """The bandwidth that makes `optimizer_step_time` reproduce a profile's measured step time
     per parameter (ADAM_STEP_BYTES_PER_PARAM / s_per_param)."""
     per = (data.get("optimizer") or {}).get("s_per_param")
@@ -121,14 +145,15 @@ def _optimizer_mem_bw(data, default_bw):
 
 # ----------------------------------------------------------------------------------- collectives
 
-def ring_allreduce_time(nbytes, n, bw, lat):
+
+def ring_allreduce_time(nbytes: float, n: int, bw: float, lat: float) -> float:
     """Ring all-reduce of `nbytes` over n ranks: 2(n-1)/n * bytes / bw + 2(n-1) latency hops."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
 
 
-def ring_allgather_time(nbytes, n, bw, lat):
+def ring_allgather_time(nbytes: float, n: int, bw: float, lat: float) -> float:
     """Ring all-gather rebuilding a `nbytes` tensor from n equal parts: (n-1)/n bytes/bw +
     (n-1) latency hops."""
     if n <= 1 or nbytes <= 0:
@@ -136,7 +161,7 @@ def ring_allgather_time(nbytes, n, bw, lat):
     return (n - 1) / n * nbytes / bw + (n - 1) * lat
 
 
-def ring_reduce_scatter_time(nbytes, n, bw, lat):
+def ring_reduce_scatter_time(nbytes: float, n: int, bw: float, lat: float) -> float:
     """Ring reduce-scatter of `nbytes` over n ranks: same volume as an all-gather."""
     return ring_allgather_time(nbytes, n, bw, lat)
 
@@ -149,43 +174,50 @@ class Topology:
     NIC; concurrent collectives of different groups do not slow each other.
     """
 
-    def __init__(self, cluster):
+    def __init__(self, cluster: ClusterSpec):
         self.cluster = cluster
         self.nodes = cluster.nodes
-        self.node_of = []                 # rank (cluster order) -> node index
-        self.local_of = []
+        self.node_of: list[int] = []  # rank (cluster order) -> node index
+        self.local_of: list[int] = []
         for i, n in enumerate(self.nodes):
             self.node_of.extend([i] * n.gpus_per_node)
             self.local_of.extend(range(n.gpus_per_node))
         self.group_of = [n.group for n in self.nodes]
         self.node_names = {n.name for n in self.nodes}
         group_names = {g.name for g in cluster.groups}
-        self._by_name_override = any(x in self.node_names and x not in group_names
-                                     for lk in cluster.links for x in lk.between)
+        self._by_name_override = any(
+            x in self.node_names and x not in group_names
+            for lk in cluster.links
+            for x in lk.between
+        )
         groups = {g.name: g for g in cluster.groups}
-        self.devices = [device_for(n.gpu, groups[n.group].profile, n.gpus_per_node)
-                        for n in self.nodes]
+        self.devices = [
+            device_for(n.gpu, groups[n.group].profile, n.gpus_per_node) for n in self.nodes
+        ]
         self.nic = [n.nic_bw for n in self.nodes]
-        self._link = {}
-        self._slowest = {}
+        self._link: dict[tuple[Any, ...], tuple[float, float]] = {}
+        self._slowest: dict[tuple[int, ...], tuple[float, float]] = {}
 
-    def device_of(self, rank):
+    def device_of(self, rank: int) -> Device:
         return self.devices[self.node_of[rank]]
 
-    def node_sig(self, n):
+    def node_sig(self, n: int) -> int | str:
         """What the cost model sees of node n: its group (devices, intra link, NIC), or the node
         itself when links name single machines."""
         return n if self._by_name_override else self.group_of[n]
 
-    def sig(self, *rank_lists):
+    def sig(self, *rank_lists: Iterable[int]) -> Signature:
         """Cost signature of one or more rank lists (e.g. a TP group, or both sides of a stage
         boundary): per rank its node's signature and the node's first-appearance number. Rank
         lists with equal signatures have equal costs (devices, links, NICs, shards), so caches
         keyed by it serve identical machines and identical pipelines once."""
-        seen, out = {}, []
+        seen: dict[int, int] = {}
+        out: list[tuple[tuple[int | str, int, int], ...]] = []
         node_of, by_name, group_of = self.node_of, self._by_name_override, self.group_of
         for ranks in rank_lists:
-            run, last, count = [], None, 0
+            run: list[tuple[int | str, int, int]] = []
+            last: int | None = None
+            count = 0
             for r in ranks:
                 n = node_of[r]
                 if n != last:
@@ -200,7 +232,7 @@ class Topology:
             out.append(tuple(run))
         return tuple(out)
 
-    def node_link(self, i, j):
+    def node_link(self, i: int, j: int) -> tuple[float, float]:
         """(bytes/s, s) between GPUs on node indices i and j (i == j: inside the machine)."""
         key = (i, j) if i <= j else (j, i)
         got = self._link.get(key)
@@ -215,19 +247,19 @@ class Topology:
                     self._link[gkey] = got
             else:
                 # inside a machine, without per-node links: depends on the group only
-                gkey = ("i", a.group) if not self._by_name_override else None
-                got = self._link.get(gkey) if gkey else None
+                ikey = ("i", a.group) if not self._by_name_override else None
+                got = self._link.get(ikey) if ikey else None
                 if got is None:
                     got = self.cluster.link(a.name, b.name)
-                    if i == j and self.devices[i].profile is not None \
-                            and self.devices[i].profile.profile.link:   # measured inside the node
-                        got = self.devices[i].profile.profile.link
-                    if gkey:
-                        self._link[gkey] = got
+                    prof = self.devices[i].profile if i == j else None
+                    if prof is not None and prof.profile.link:  # measured inside the node
+                        got = prof.profile.link
+                    if ikey:
+                        self._link[ikey] = got
             self._link[key] = got
         return got
 
-    def slowest(self, ranks):
+    def slowest(self, ranks: Iterable[int]) -> tuple[float, float]:
         """(bandwidth, latency) of the slowest pair in a set of ranks: a ring runs at its pace."""
         key = ranks if isinstance(ranks, tuple) else tuple(ranks)
         got = self._slowest.get(key)
@@ -237,16 +269,18 @@ class Topology:
             got = self._slowest[key] = self._slowest_uncached(key)
         return got
 
-    def _slowest_uncached(self, ranks):
+    def _slowest_uncached(self, ranks: tuple[int, ...]) -> tuple[float, float]:
         nodes = Counter(map(self.node_of.__getitem__, ranks))
         bw, lat = float("inf"), 0.0
         if self._by_name_override:
             items = list(nodes)
             pairs = [(n, n) for n, c in nodes.items() if c > 1]
-            pairs += [(items[x], items[y]) for x in range(len(items))
-                      for y in range(x + 1, len(items))]
-        else:   # links depend on groups only: one or two representative nodes per group
-            rep, multi = {}, {}
+            pairs += [
+                (items[x], items[y]) for x in range(len(items)) for y in range(x + 1, len(items))
+            ]
+        else:  # links depend on groups only: one or two representative nodes per group
+            rep: dict[str, list[int]] = {}
+            multi: dict[str, int] = {}
             for n, c in nodes.items():
                 g = self.group_of[n]
                 rep.setdefault(g, []).append(n)
@@ -255,20 +289,23 @@ class Topology:
             pairs = [(n, n) for n in multi.values()]
             reps = [(v[0], v[1] if len(v) > 1 else None) for v in rep.values()]
             pairs += [(x[0], x[1]) for x in reps if x[1] is not None]
-            pairs += [(reps[x][0], reps[y][0]) for x in range(len(reps))
-                      for y in range(x + 1, len(reps))]
+            pairs += [
+                (reps[x][0], reps[y][0]) for x in range(len(reps)) for y in range(x + 1, len(reps))
+            ]
         for x, y in pairs:
-            b, l = self.node_link(x, y)
+            b, t = self.node_link(x, y)
             if b < bw:
                 bw = b
-            if l > lat:
-                lat = l
+            if t > lat:
+                lat = t
         if bw == float("inf"):
             return float("inf"), 0.0
         return bw, lat
 
 
-def p2p_transfer_time(nbytes, senders, receivers, topo):
+def p2p_transfer_time(
+    nbytes: float, senders: Sequence[int], receivers: Sequence[int], topo: Topology
+) -> float:
     """Time to move a flat buffer from a TP=a stage to a TP=b stage, as the runtime does it.
 
     The buffer is partitioned evenly over the a senders and evenly over the b receivers; every
@@ -277,7 +314,9 @@ def p2p_transfer_time(nbytes, senders, receivers, topo):
     bytes (out of the sending machine or into the receiving one), whichever is larger.
     """
     a, b = len(senders), len(receivers)
-    out_bytes, in_bytes, worst = {}, {}, 0.0
+    out_bytes: dict[int, float] = {}
+    in_bytes: dict[int, float] = {}
+    worst = 0.0
     for i, s in enumerate(senders):
         lo_i, hi_i = nbytes * i / a, nbytes * (i + 1) / a
         j0 = int(lo_i * b // nbytes) if nbytes else 0
@@ -302,7 +341,9 @@ def p2p_transfer_time(nbytes, senders, receivers, topo):
     return worst
 
 
-def boundary_times(m, mbs, senders, receivers, topo):
+def boundary_times(
+    m: ModelSpec, mbs: int, senders: Sequence[int], receivers: Sequence[int], topo: Topology
+) -> BoundaryTimes:
     """(forward, backward) seconds per micro-batch across one stage boundary.
 
     Forward: activation [s, b, h] bf16 split-sent senders -> receivers, then an all-gather inside
@@ -319,6 +360,7 @@ def boundary_times(m, mbs, senders, receivers, topo):
 
 # ------------------------------------------------------------------------------- shards, stages
 
+
 @dataclass(frozen=True)
 class StageCost:
     """Per micro-batch seconds of one stage (TP group) and its parts, for the schedule and reports.
@@ -326,22 +368,25 @@ class StageCost:
     `layer_fwd`/`layer_bwd` are per transformer layer (compute + TP all-reduces); `fwd`/`bwd` are
     for the whole stage incl. embedding / LM head / cross entropy.
     """
+
     layer_compute_fwd: float
     layer_tp_fwd: float
     fwd: float
     bwd: float
-    compute: float             # fwd + bwd compute only (incl. recompute)
-    tp_comm: float             # fwd + bwd TP all-reduce time
+    compute: float  # fwd + bwd compute only (incl. recompute)
+    tp_comm: float  # fwd + bwd TP all-reduce time
 
 
 class AnalyticCosts:
     """Per micro-batch costs of a TP group from FLOPs at each device's sustained rate and ring
     collectives on the group's slowest link."""
 
-    def __init__(self, m, devices, tp_link):
+    def __init__(self, m: ModelSpec, devices: Sequence[Device], tp_link: tuple[float, float]):
         self.m, self.devices, self.tp_link = m, devices, tp_link
 
-    def layer_times(self, mbs, qg, ffn, recompute):
+    def layer_times(
+        self, mbs: int, qg: Sequence[int], ffn: Sequence[int], recompute: bool
+    ) -> tuple[float, float, float, float]:
         """(compute_fwd, tp_comm_fwd, compute_bwd, tp_comm_bwd) of one layer.
 
         Each TP rank computes its share: attention in proportion to its query groups, the MLP
@@ -357,21 +402,24 @@ class AnalyticCosts:
         c_mlp = max(mlp * x / f / dev.flops for x, dev in zip(ffn, devices))
         cf = c_att + c_mlp
         t = len(devices)
-        ar = ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t,
-                                 *self.tp_link)
+        ar = ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t, *self.tp_link)
         tf = 2 * ar
         cb, tb = 2 * cf, 2 * ar
         if recompute:
             cb, tb = cb + cf, tb + tf
         return cf, tf, cb, tb
 
-    def embedding_times(self, mbs):
+    def embedding_times(self, mbs: int) -> tuple[float, float]:
         """(fwd, bwd) of the vocab-parallel embedding: one all-reduce of [s, b, h] in forward."""
         m = self.m
-        return (ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES,
-                                    len(self.devices), *self.tp_link), 0.0)
+        return (
+            ring_allreduce_time(
+                m.seq_length * mbs * m.hidden_size * BF16_BYTES, len(self.devices), *self.tp_link
+            ),
+            0.0,
+        )
 
-    def head_times(self, mbs, vocab):
+    def head_times(self, mbs: int, vocab: Sequence[int]) -> tuple[float, float]:
         """(fwd, bwd) of the LM head + vocab-parallel cross entropy on the last stage.
 
         Compute per rank in proportion to its vocabulary rows (2*b*s*h*V forward, 2x backward);
@@ -386,12 +434,14 @@ class AnalyticCosts:
         big = ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t, *link)
         return c + CROSS_ENTROPY_ALLREDUCES * small, 2 * c + big
 
-    def extra(self, mbs, vocab, first):
+    def extra(self, mbs: int, vocab: Sequence[int], first: bool) -> tuple[float, float]:
         """(fwd, bwd) a stage adds beyond its layers, embedding and head: nothing here."""
         return 0.0, 0.0
 
 
-def group_costs(m, devices, tp_link):
+def group_costs(
+    m: ModelSpec, devices: Sequence[Device], tp_link: tuple[float, float]
+) -> AnalyticCosts | MeasuredCosts:
     """The cost source of one TP group, chosen once: measured times (planner.profile) when a
     device carries a detailed profile, else FLOPs and ring collectives (`AnalyticCosts`). Both
     answer layer_times, embedding_times, head_times and extra."""
@@ -400,7 +450,17 @@ def group_costs(m, devices, tp_link):
     return AnalyticCosts(m, devices, tp_link)
 
 
-def stage_cost(m, mbs, devices, shards, n_layers, first, last, tp_link, recompute):
+def stage_cost(
+    m: ModelSpec,
+    mbs: int,
+    devices: Sequence[Device],
+    shards: Mapping[str, Sequence[int]],
+    n_layers: int,
+    first: bool,
+    last: bool,
+    tp_link: tuple[float, float],
+    recompute: bool,
+) -> StageCost:
     """StageCost of a stage holding `n_layers` layers (+ embedding if first, + head if last)."""
     costs = group_costs(m, devices, tp_link)
     cf, tf, cb, tb = costs.layer_times(mbs, shards["query_groups"], shards["ffn"], recompute)
@@ -412,17 +472,20 @@ def stage_cost(m, mbs, devices, shards, n_layers, first, last, tp_link, recomput
     if last:
         hf, hb = costs.head_times(mbs, shards["vocab"])
         fwd, bwd = fwd + hf, bwd + hb
-        c = max(head_flops(m, mbs) * v / m.vocab_size / dev.flops
-                for v, dev in zip(shards["vocab"], devices))
+        c = max(
+            head_flops(m, mbs) * v / m.vocab_size / dev.flops
+            for v, dev in zip(shards["vocab"], devices)
+        )
         compute, tp = compute + 3 * c, tp + (hf - c) + (hb - 2 * c)
-    xf, xb = costs.extra(mbs, shards["vocab"], first)   # measured: embedding compute, overhead
+    xf, xb = costs.extra(mbs, shards["vocab"], first)  # measured: embedding compute, overhead
     fwd, bwd, compute = fwd + xf, bwd + xb, compute + xf + xb
     return StageCost(cf, tf, fwd, bwd, compute, tp)
 
 
 # ---------------------------------------------------------------------------------------- memory
 
-def layer_activation_bytes(m, mbs, qg, ffn, recompute):
+
+def layer_activation_bytes(m: ModelSpec, mbs: int, qg: int, ffn: int, recompute: bool) -> float:
     """Bytes one layer keeps for backward per in-flight micro-batch on a rank (Korthikanti 2022).
 
     s*b*h*(10 + 8*qg/g) + s*b*ffn*(8 SwiGLU | 4 GeLU) [+ 5*a*s^2*b*qg/g without flash
@@ -442,7 +505,7 @@ def layer_activation_bytes(m, mbs, qg, ffn, recompute):
     return act
 
 
-def in_flight_microbatches(position, num_stages, num_microbatches):
+def in_flight_microbatches(position: int, num_stages: int, num_microbatches: int) -> int:
     """Micro-batches whose activations stage `position` (0-based) holds at once under 1F1B."""
     return min(num_stages - position, num_microbatches)
 
@@ -450,6 +513,7 @@ def in_flight_microbatches(position, num_stages, num_microbatches):
 @dataclass(frozen=True)
 class MemoryUse:
     """Bytes on one GPU, by term; `total` is what must fit in the device's memory."""
+
     weights: float
     grads: float
     optimizer: float
@@ -458,17 +522,42 @@ class MemoryUse:
     reserve: float
 
     @property
-    def total(self):
-        return (self.weights + self.grads + self.optimizer + self.activations + self.logits
-                + self.reserve)
+    def total(self) -> float:
+        return (
+            self.weights
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.logits
+            + self.reserve
+        )
 
-    def terms(self):
-        return {"weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "logits": self.logits, "reserve": self.reserve}
+    def terms(self) -> dict[str, float]:
+        return {
+            "weights": self.weights,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "logits": self.logits,
+            "reserve": self.reserve,
+        }
 
 
-def rank_memory(m, mbs, qg, ffn, vocab, n_layers, first, last, position, num_stages,
-                num_microbatches, recompute, optimizer_fraction=1.0):
+def rank_memory(
+    m: ModelSpec,
+    mbs: int,
+    qg: int,
+    ffn: int,
+    vocab: int,
+    n_layers: int,
+    first: bool,
+    last: bool,
+    position: int,
+    num_stages: int,
+    num_microbatches: int,
+    recompute: bool,
+    optimizer_fraction: float = 1.0,
+) -> MemoryUse:
     """MemoryUse of one rank. `optimizer_fraction` is this rank's share of its fp32 master + Adam
     state (1 without the distributed optimizer).
 
@@ -482,30 +571,62 @@ def rank_memory(m, mbs, qg, ffn, vocab, n_layers, first, last, position, num_sta
     if recompute:
         act += layer_activation_bytes(m, mbs, qg, ffn, False)
     logits = m.seq_length * mbs * vocab * FP32_BYTES if last else 0.0
-    return MemoryUse(params * WEIGHT_BYTES_PER_PARAM, params * GRAD_BYTES_PER_PARAM,
-                     params * OPTIMIZER_BYTES_PER_PARAM * optimizer_fraction, act, logits,
-                     FRAMEWORK_RESERVE_BYTES)
+    return MemoryUse(
+        params * WEIGHT_BYTES_PER_PARAM,
+        params * GRAD_BYTES_PER_PARAM,
+        params * OPTIMIZER_BYTES_PER_PARAM * optimizer_fraction,
+        act,
+        logits,
+        FRAMEWORK_RESERVE_BYTES,
+    )
 
 
-def layers_that_fit(capacity, m, mbs, qg, ffn, vocab, first, last, position, num_stages,
-                    num_microbatches, recompute, optimizer_fraction=1.0):
+def layers_that_fit(
+    capacity: float,
+    m: ModelSpec,
+    mbs: int,
+    qg: int,
+    ffn: int,
+    vocab: int,
+    first: bool,
+    last: bool,
+    position: int,
+    num_stages: int,
+    num_microbatches: int,
+    recompute: bool,
+    optimizer_fraction: float = 1.0,
+) -> int:
     """The most layers a rank of a stage can hold within `capacity` bytes by `rank_memory`
     (0 when not even the stage's embedding / head fits). The search's memory limit per stage."""
-    def total(n):
-        return rank_memory(m, mbs, qg, ffn, vocab, n, first, last, position, num_stages,
-                           num_microbatches, recompute, optimizer_fraction).total
+
+    def total(n: int) -> float:
+        return rank_memory(
+            m,
+            mbs,
+            qg,
+            ffn,
+            vocab,
+            n,
+            first,
+            last,
+            position,
+            num_stages,
+            num_microbatches,
+            recompute,
+            optimizer_fraction,
+        ).total
 
     empty = total(0)
     if empty > capacity:
         return 0
-    n = int((capacity - empty) // (total(1) - empty))     # memory is linear in the layers
-    while n > 0 and total(n) > capacity:                   # rounding: settle on rank_memory
+    n = int((capacity - empty) // (total(1) - empty))  # memory is linear in the layers
+    while n > 0 and total(n) > capacity:  # rounding: settle on rank_memory
         n -= 1
     while total(n + 1) <= capacity:
         n += 1
     return n
 
 
-def optimizer_step_time(params, mem_bw):
+def optimizer_step_time(params: float, mem_bw: float) -> float:
     """Adam step of `params` parameters: memory-bound, ADAM_STEP_BYTES_PER_PARAM bytes each."""
     return params * ADAM_STEP_BYTES_PER_PARAM / mem_bw

@@ -16,22 +16,31 @@ per-rank and total parameter counts (closed forms that `param_shards` agrees wit
 (even, proportional, weighted), which segments are reduced together, and how the distributed
 optimizer shares each segment's state among its holders.
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from planner.catalog import get_gpu
 from planner.errors import SpecError
 
+if TYPE_CHECKING:
+    from planner.models import ModelSpec
+    from planner.plan import Plan, RankView
+
 
 # ---------------------------------------------------------------------------------------- splits
 
-def even_split(total, parts):
+
+def even_split(total: int, parts: int) -> list[int]:
     """Split `total` into `parts` positive sizes differing by at most one, larger ones first."""
     base, extra = divmod(total, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def weighted_split(length, weights):
+def weighted_split(length: int, weights: Sequence[float]) -> list[int]:
     """Cut `length` into len(weights) parts (zero allowed) in proportion to `weights`.
 
     Largest remainders, ties to the lower index; equal weights give `even_split`. This is how
@@ -43,12 +52,12 @@ def weighted_split(length, weights):
     raw = [length * w / total for w in weights]
     parts = [int(x) for x in raw]
     order = sorted(range(len(raw)), key=lambda i: raw[i] - parts[i], reverse=True)
-    for i in order[:length - sum(parts)]:
+    for i in order[: length - sum(parts)]:
         parts[i] += 1
     return parts
 
 
-def proportional_split(total, weights):
+def proportional_split(total: int, weights: Sequence[float]) -> list[int]:
     """Integers >= 1 summing to `total`, proportional to `weights`: one each, and the rest by
     `weighted_split` (same largest remainders).
 
@@ -74,17 +83,18 @@ class Piece:
 @dataclass(frozen=True)
 class ParamShard:
     """One local parameter: its canonical name and shape, and the pieces it holds."""
-    local_name: str                 # name inside this rank's stage model
-    name: str                       # canonical name in the one-device model
-    shape: tuple                    # canonical shape
-    dim: int                        # dimension the pieces run along
-    pieces: tuple
-    tp_replicated: bool             # identical on every rank of the stage (norms, row biases)
-    init: str                       # "normal", "scaled_normal" (output projections), "ones",
-                                    # "zeros"
+
+    local_name: str  # name inside this rank's stage model
+    name: str  # canonical name in the one-device model
+    shape: tuple[int, ...]  # canonical shape
+    dim: int  # dimension the pieces run along
+    pieces: tuple[Piece, ...]
+    tp_replicated: bool  # identical on every rank of the stage (norms, row biases)
+    init: str  # "normal", "scaled_normal" (output projections), "ones",
+    # "zeros"
 
     @property
-    def local_shape(self):
+    def local_shape(self) -> tuple[int, ...]:
         shape = list(self.shape)
         shape[self.dim] = sum(p.length for p in self.pieces)
         return tuple(shape)
@@ -93,94 +103,183 @@ class ParamShard:
 @dataclass(frozen=True)
 class Segment:
     """An atomic range [start, end) along `dim` of parameter `name`, held by `members`."""
+
     name: str
     dim: int
     start: int
     end: int
-    members: tuple                  # ((rank, local_start), ...) sorted by rank
-    contributors: frozenset         # ranks whose gradient is summed (one per TP-replicated stage)
-    owner: int                      # the rank that counts this segment in the gradient norm
+    members: tuple[tuple[int, int], ...]  # ((rank, local_start), ...) sorted by rank
+    contributors: frozenset[int]  # ranks whose gradient is summed (one per TP-replicated stage)
+    owner: int  # the rank that counts this segment in the gradient norm
 
     @property
-    def ranks(self):
+    def ranks(self) -> tuple[int, ...]:
         return tuple(r for r, _ in self.members)
 
     @property
-    def needs_reduce(self):
+    def needs_reduce(self) -> bool:
         """Only one contributor: every holder already has the full sum (TP replicas of one
         stage hold identical gradients), so no collective is needed."""
         return len(self.contributors) > 1
 
 
-def _full(local_name, name, shape, init, replicated=True):
+def _full(
+    local_name: str, name: str, shape: tuple[int, ...], init: str, replicated: bool = True
+) -> ParamShard:
     return ParamShard(local_name, name, tuple(shape), 0, (Piece(0, 0, shape[0]),), replicated, init)
 
 
-def rank_param_shards(plan, rank):
+def rank_param_shards(plan: Plan, rank: int) -> list[ParamShard]:
     """The ParamShards of `rank`'s stage model, in the model's own parameter order."""
     return param_shards(plan.model, plan.rank_view(rank))
 
 
-def param_shards(m, v):
+def param_shards(m: ModelSpec, v: RankView | StageView) -> list[ParamShard]:
     """ParamShards of a stage model of spec `m` for a RankView-like `v`."""
     d, hpg = m.head_dim, m.heads_per_group
     h, F, V = m.hidden_size, m.ffn_hidden_size, m.vocab_size
     qkv_rows_per_group = (hpg + 2) * d
     norm_params = ["weight"] + (["bias"] if m.normalization == "LayerNorm" else [])
-    out = []
+    out: list[ParamShard] = []
     if v.holds_embedding:
+        assert v.vocab is not None  # a RankView holding the embedding has vocabulary rows
         emb = "embedding.word_embeddings.weight"
-        out.append(ParamShard(emb, emb, (V, h), 0, (Piece(0, v.vocab[1], v.vocab[0]),), False,
-                              "normal"))
+        out.append(
+            ParamShard(emb, emb, (V, h), 0, (Piece(0, v.vocab[1], v.vocab[0]),), False, "normal")
+        )
     qg_n, qg_off = v.query_groups
     heads_n, heads_off = v.heads
     f_n, f_off = v.ffn
     for j, layer in enumerate(range(*v.layers)):
         lp, gp = f"decoder.layers.{j}.", f"decoder.layers.{layer}."
         for p in norm_params:
-            out.append(_full(f"{lp}input_layernorm.{p}", f"{gp}input_layernorm.{p}", (h,),
-                             "ones" if p == "weight" else "zeros"))
+            out.append(
+                _full(
+                    f"{lp}input_layernorm.{p}",
+                    f"{gp}input_layernorm.{p}",
+                    (h,),
+                    "ones" if p == "weight" else "zeros",
+                )
+            )
         qkv = Piece(0, qg_off * qkv_rows_per_group, qg_n * qkv_rows_per_group)
         qkv_shape = (m.num_query_groups * qkv_rows_per_group, h)
-        out.append(ParamShard(f"{lp}self_attention.linear_qkv.weight",
-                              f"{gp}self_attention.linear_qkv.weight", qkv_shape, 0, (qkv,), False,
-                              "normal"))
+        out.append(
+            ParamShard(
+                f"{lp}self_attention.linear_qkv.weight",
+                f"{gp}self_attention.linear_qkv.weight",
+                qkv_shape,
+                0,
+                (qkv,),
+                False,
+                "normal",
+            )
+        )
         if m.add_bias_linear:
-            out.append(ParamShard(f"{lp}self_attention.linear_qkv.bias",
-                                  f"{gp}self_attention.linear_qkv.bias", qkv_shape[:1], 0, (qkv,),
-                                  False, "zeros"))
-        out.append(ParamShard(f"{lp}self_attention.linear_proj.weight",
-                              f"{gp}self_attention.linear_proj.weight",
-                              (h, m.num_attention_heads * d), 1,
-                              (Piece(0, heads_off * d, heads_n * d),), False, "scaled_normal"))
+            out.append(
+                ParamShard(
+                    f"{lp}self_attention.linear_qkv.bias",
+                    f"{gp}self_attention.linear_qkv.bias",
+                    qkv_shape[:1],
+                    0,
+                    (qkv,),
+                    False,
+                    "zeros",
+                )
+            )
+        out.append(
+            ParamShard(
+                f"{lp}self_attention.linear_proj.weight",
+                f"{gp}self_attention.linear_proj.weight",
+                (h, m.num_attention_heads * d),
+                1,
+                (Piece(0, heads_off * d, heads_n * d),),
+                False,
+                "scaled_normal",
+            )
+        )
         if m.add_bias_linear:
-            out.append(_full(f"{lp}self_attention.linear_proj.bias",
-                             f"{gp}self_attention.linear_proj.bias", (h,), "zeros"))
+            out.append(
+                _full(
+                    f"{lp}self_attention.linear_proj.bias",
+                    f"{gp}self_attention.linear_proj.bias",
+                    (h,),
+                    "zeros",
+                )
+            )
         for p in norm_params:
-            out.append(_full(f"{lp}pre_mlp_layernorm.{p}", f"{gp}pre_mlp_layernorm.{p}", (h,),
-                             "ones" if p == "weight" else "zeros"))
+            out.append(
+                _full(
+                    f"{lp}pre_mlp_layernorm.{p}",
+                    f"{gp}pre_mlp_layernorm.{p}",
+                    (h,),
+                    "ones" if p == "weight" else "zeros",
+                )
+            )
         if m.swiglu:
-            fc1_pieces = (Piece(0, f_off, f_n), Piece(f_n, F + f_off, f_n))
+            fc1_pieces: tuple[Piece, ...] = (Piece(0, f_off, f_n), Piece(f_n, F + f_off, f_n))
         else:
             fc1_pieces = (Piece(0, f_off, f_n),)
-        out.append(ParamShard(f"{lp}mlp.linear_fc1.weight", f"{gp}mlp.linear_fc1.weight",
-                              (m.ffn_width, h), 0, fc1_pieces, False, "normal"))
+        out.append(
+            ParamShard(
+                f"{lp}mlp.linear_fc1.weight",
+                f"{gp}mlp.linear_fc1.weight",
+                (m.ffn_width, h),
+                0,
+                fc1_pieces,
+                False,
+                "normal",
+            )
+        )
         if m.add_bias_linear:
-            out.append(ParamShard(f"{lp}mlp.linear_fc1.bias", f"{gp}mlp.linear_fc1.bias",
-                                  (m.ffn_width,), 0, fc1_pieces, False, "zeros"))
-        out.append(ParamShard(f"{lp}mlp.linear_fc2.weight", f"{gp}mlp.linear_fc2.weight", (h, F),
-                              1, (Piece(0, f_off, f_n),), False, "scaled_normal"))
+            out.append(
+                ParamShard(
+                    f"{lp}mlp.linear_fc1.bias",
+                    f"{gp}mlp.linear_fc1.bias",
+                    (m.ffn_width,),
+                    0,
+                    fc1_pieces,
+                    False,
+                    "zeros",
+                )
+            )
+        out.append(
+            ParamShard(
+                f"{lp}mlp.linear_fc2.weight",
+                f"{gp}mlp.linear_fc2.weight",
+                (h, F),
+                1,
+                (Piece(0, f_off, f_n),),
+                False,
+                "scaled_normal",
+            )
+        )
         if m.add_bias_linear:
             out.append(_full(f"{lp}mlp.linear_fc2.bias", f"{gp}mlp.linear_fc2.bias", (h,), "zeros"))
     if v.holds_output:
         for p in norm_params:
-            out.append(_full(f"decoder.final_layernorm.{p}", f"decoder.final_layernorm.{p}", (h,),
-                             "ones" if p == "weight" else "zeros"))
+            out.append(
+                _full(
+                    f"decoder.final_layernorm.{p}",
+                    f"decoder.final_layernorm.{p}",
+                    (h,),
+                    "ones" if p == "weight" else "zeros",
+                )
+            )
         tied = not m.untie_embeddings_and_output_weights
-        if not (tied and v.holds_embedding):   # tied on one stage: one tensor serves both uses
+        if not (tied and v.holds_embedding):  # tied on one stage: one tensor serves both uses
+            assert v.vocab is not None  # as is one holding the output layer
             name = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
-            out.append(ParamShard("output_layer.weight", name, (V, h), 0,
-                                  (Piece(0, v.vocab[1], v.vocab[0]),), False, "normal"))
+            out.append(
+                ParamShard(
+                    "output_layer.weight",
+                    name,
+                    (V, h),
+                    0,
+                    (Piece(0, v.vocab[1], v.vocab[0]),),
+                    False,
+                    "normal",
+                )
+            )
     return out
 
 
@@ -189,27 +288,37 @@ class StageView:
     """What `param_shards` reads of a rank (a plan's RankView has the same fields): its layers
     and its (count, offset) of query groups, heads, FFN columns and vocabulary rows in the full
     model."""
-    layers: tuple
-    query_groups: tuple
-    heads: tuple
-    ffn: tuple
-    vocab: tuple
+
+    layers: tuple[int, int]
+    query_groups: tuple[int, int]
+    heads: tuple[int, int]
+    ffn: tuple[int, int]
+    vocab: tuple[int, int]
     holds_embedding: bool = True
     holds_output: bool = True
 
 
-def canonical_shards(m):
+def canonical_shards(m: ModelSpec) -> list[ParamShard]:
     """ParamShards of the one-device model of spec `m`: canonical names, shapes and order."""
-    return param_shards(m, StageView((0, m.num_layers), (m.num_query_groups, 0),
-                                     (m.num_attention_heads, 0), (m.ffn_hidden_size, 0),
-                                     (m.vocab_size, 0)))
+    return param_shards(
+        m,
+        StageView(
+            (0, m.num_layers),
+            (m.num_query_groups, 0),
+            (m.num_attention_heads, 0),
+            (m.ffn_hidden_size, 0),
+            (m.vocab_size, 0),
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------ parameter counts
 
+
 class TensorCut(NamedTuple):
     """One tensor (or one fused piece of it) as a split axis cuts it: `rows` along its split
     dimension per unit of the axis, `inner` elements per row."""
+
     rows: int
     inner: int
 
@@ -223,31 +332,37 @@ class UnitTensors(NamedTuple):
     bias, the row-parallel biases of the output projection and fc2). Once: `vocab_row` (one row
     of the embedding or of the output layer), `final_norm` (whole tensors, last stage).
     """
-    query_group: tuple
-    ffn_column: tuple
-    layer_replicated: tuple
-    vocab_row: tuple
-    final_norm: tuple
+
+    query_group: tuple[TensorCut, ...]
+    ffn_column: tuple[TensorCut, ...]
+    layer_replicated: tuple[TensorCut, ...]
+    vocab_row: tuple[TensorCut, ...]
+    final_norm: tuple[TensorCut, ...]
 
 
-def unit_tensors(m):
+def unit_tensors(m: ModelSpec) -> UnitTensors:
     """UnitTensors of model spec `m` (LayerNorm has a bias beside its weight; RMSNorm none)."""
     h, d, hpg = m.hidden_size, m.head_dim, m.heads_per_group
     bias = m.add_bias_linear
     norm = [TensorCut(h, 1)] * (2 if m.normalization == "LayerNorm" else 1)
     fc1 = [TensorCut(1, h)] * (2 if m.swiglu else 1)
     return UnitTensors(
-        query_group=tuple([TensorCut((hpg + 2) * d, h)] + [TensorCut((hpg + 2) * d, 1)] * bias
-                          + [TensorCut(hpg * d, h)]),
+        query_group=tuple(
+            [TensorCut((hpg + 2) * d, h)]
+            + [TensorCut((hpg + 2) * d, 1)] * bias
+            + [TensorCut(hpg * d, h)]
+        ),
         ffn_column=tuple(fc1 + [TensorCut(1, 1)] * len(fc1) * bias + [TensorCut(1, h)]),
         layer_replicated=tuple(2 * norm + [TensorCut(h, 1)] * 2 * bias),
         vocab_row=(TensorCut(1, h),),
-        final_norm=tuple(norm))
+        final_norm=tuple(norm),
+    )
 
 
 class UnitParams(NamedTuple):
     """Parameters per unit of each axis of UnitTensors: a rank holding q query groups and f FFN
     columns has q * query_group + f * ffn_column + layer_replicated parameters per layer."""
+
     query_group: int
     ffn_column: int
     layer_replicated: int
@@ -255,28 +370,35 @@ class UnitParams(NamedTuple):
     final_norm: int
 
 
-def unit_params(m):
+def unit_params(m: ModelSpec) -> UnitParams:
     """UnitParams of model spec `m`: the elements of its UnitTensors, in closed form (the
     search counts parameters often; tests/planner/test_geometry_owner.py pins the two)."""
     h, d, hpg = m.hidden_size, m.head_dim, m.heads_per_group
     bias = 1 if m.add_bias_linear else 0
     norm = h * (2 if m.normalization == "LayerNorm" else 1)
     fc1_rows = 2 if m.swiglu else 1
-    return UnitParams((hpg + 2) * d * (h + bias) + hpg * d * h, fc1_rows * (h + bias) + h,
-                      2 * norm + 2 * h * bias, h, norm)
+    return UnitParams(
+        (hpg + 2) * d * (h + bias) + hpg * d * h,
+        fc1_rows * (h + bias) + h,
+        2 * norm + 2 * h * bias,
+        h,
+        norm,
+    )
 
 
-def layer_params(m, query_groups, ffn):
+def layer_params(m: ModelSpec, query_groups: int, ffn: int) -> int:
     """Parameters of one layer on a rank holding `query_groups` query groups and `ffn` FFN
     columns (norms and row-parallel biases counted on every TP rank)."""
     return _layer_params(unit_params(m), query_groups, ffn)
 
 
-def _layer_params(u, query_groups, ffn):
+def _layer_params(u: UnitParams, query_groups: int, ffn: int) -> int:
     return query_groups * u.query_group + ffn * u.ffn_column + u.layer_replicated
 
 
-def stage_params(m, query_groups, ffn, vocab, n_layers, first, last):
+def stage_params(
+    m: ModelSpec, query_groups: int, ffn: int, vocab: int, n_layers: int, first: bool, last: bool
+) -> int:
     """Parameters on one rank of a stage: its layers' shards, embedding rows (first stage),
     final norm and output rows (last stage).
 
@@ -295,46 +417,56 @@ def stage_params(m, query_groups, ffn, vocab, n_layers, first, last):
     return p
 
 
-def view_params(m, v):
+def view_params(m: ModelSpec, v: RankView | StageView) -> int:
     """Parameters of the stage model of a rank seen through `v` (a RankView or StageView)."""
-    return stage_params(m, v.query_groups[0], v.ffn[0], v.vocab[0] if v.vocab else 0,
-                        v.layers[1] - v.layers[0], v.holds_embedding, v.holds_output)
+    return stage_params(
+        m,
+        v.query_groups[0],
+        v.ffn[0],
+        v.vocab[0] if v.vocab else 0,
+        v.layers[1] - v.layers[0],
+        v.holds_embedding,
+        v.holds_output,
+    )
 
 
-def rank_params(plan, rank):
+def rank_params(plan: Plan, rank: int) -> int:
     """Parameters `rank` holds under `plan`."""
     return view_params(plan.model, plan.rank_view(rank))
 
 
-def total_params(m):
+def total_params(m: ModelSpec) -> int:
     """Parameters of the one-device model (untied: embedding and output layer both counted)."""
-    return stage_params(m, m.num_query_groups, m.ffn_hidden_size, m.vocab_size, m.num_layers,
-                        True, True)
+    return stage_params(
+        m, m.num_query_groups, m.ffn_hidden_size, m.vocab_size, m.num_layers, True, True
+    )
 
 
 # -------------------------------------------------------------------------------------- segments
 
-def gradient_segments(plan):
+
+def gradient_segments(plan: Plan) -> list[Segment]:
     """Every atomic gradient segment of the model, in one global order (parameter, start).
 
     All ranks compute the same list from the plan, so they can issue collectives in one order.
     """
     order = {sh.name: i for i, sh in enumerate(canonical_shards(plan.model))}
-    holders = {}
+    holders: dict[str, list[tuple[int, RankView, ParamShard]]] = {}
     for rank in range(plan.world_size):
         v = plan.rank_view(rank)
         for shard in rank_param_shards(plan, rank):
             holders.setdefault(shard.name, []).append((rank, v, shard))
-    segments = []
+    segments: list[Segment] = []
     for name in sorted(holders, key=order.__getitem__):
         entries = holders[name]
-        bounds = set()
+        bounds: set[int] = set()
         for _, _, shard in entries:
             for p in shard.pieces:
                 bounds.update((p.global_start, p.global_start + p.length))
-        bounds = sorted(bounds)
-        for start, end in zip(bounds, bounds[1:]):
-            members, contributors = [], set()
+        cuts = sorted(bounds)
+        for start, end in zip(cuts, cuts[1:]):
+            members: list[tuple[int, int]] = []
+            contributors: set[int] = set()
             for rank, v, shard in entries:
                 for p in shard.pieces:
                     if p.global_start <= start and end <= p.global_start + p.length:
@@ -343,17 +475,26 @@ def gradient_segments(plan):
                             contributors.add(rank)
             if members:
                 members.sort()
-                segments.append(Segment(name, entries[0][2].dim, start, end, tuple(members),
-                                        frozenset(contributors), members[0][0]))
+                segments.append(
+                    Segment(
+                        name,
+                        entries[0][2].dim,
+                        start,
+                        end,
+                        tuple(members),
+                        frozenset(contributors),
+                        members[0][0],
+                    )
+                )
     return segments
 
 
-def segment_numel(shape, seg):
+def segment_numel(shape: Sequence[int], seg: Segment) -> int:
     """Elements of one segment of a parameter of canonical `shape`."""
     return (seg.end - seg.start) * _row_numel(shape, seg.dim)
 
 
-def _row_numel(shape, dim):
+def _row_numel(shape: Sequence[int], dim: int) -> int:
     """Elements of one index along `dim` of a tensor of `shape`."""
     n = 1
     for i, size in enumerate(shape):
@@ -362,7 +503,7 @@ def _row_numel(shape, dim):
     return n
 
 
-def reduced_together(seg, shard_optimizer_state):
+def reduced_together(seg: Segment, shard_optimizer_state: bool) -> bool:
     """Whether a segment takes part in a collective over its holders.
 
     Only a segment with several contributors needs one for the gradient sum; with the optimizer
@@ -373,7 +514,8 @@ def reduced_together(seg, shard_optimizer_state):
 
 # ----------------------------------------------------------------------- distributed optimizer
 
-def optimizer_weight(gpu, optimizer_shard):
+
+def optimizer_weight(gpu: str, optimizer_shard: str) -> float:
     """A holder's weight when a segment's fp32 master and Adam state is cut among its holders.
 
     `optimizer_shard` "memory": the catalog memory of the rank's GPU (`gpu` is the plan's
@@ -383,13 +525,15 @@ def optimizer_weight(gpu, optimizer_shard):
     return get_gpu(gpu).memory_gb if optimizer_shard == "memory" else 1.0
 
 
-def optimizer_split(seg, weight_of):
+def optimizer_split(seg: Segment, weight_of: Callable[[int], float]) -> list[int]:
     """Rows along `seg.dim` of segment `seg` that each holder (in `seg.ranks` order) owns the
     optimizer state of: `weighted_split` of its length by `weight_of(rank)`."""
     return weighted_split(seg.end - seg.start, [weight_of(r) for r in seg.ranks])
 
 
-def optimizer_elements(model, segments, weight_of):
+def optimizer_elements(
+    model: ModelSpec, segments: Iterable[Segment], weight_of: Callable[[int], float]
+) -> dict[int, int]:
     """{rank: elements of fp32 master + Adam state it owns} under the distributed optimizer.
 
     Every segment (with the state sharded, each is its own holders' collective, see
@@ -397,7 +541,7 @@ def optimizer_elements(model, segments, weight_of):
     per row. The runtime (megatron_hexi.distributed_optimizer) cuts with the same functions.
     """
     per_row = {sh.name: _row_numel(sh.shape, sh.dim) for sh in canonical_shards(model)}
-    owned = {}
+    owned: dict[int, int] = {}
     for seg in segments:
         inner = per_row[seg.name]
         for r, rows in zip(seg.ranks, optimizer_split(seg, weight_of)):
@@ -405,8 +549,9 @@ def optimizer_elements(model, segments, weight_of):
     return owned
 
 
-def plan_optimizer_elements(plan):
+def plan_optimizer_elements(plan: Plan) -> dict[int, int]:
     """`optimizer_elements` of a plan under its own `training.optimizer_shard`."""
     mode = plan.training.optimizer_shard
-    return optimizer_elements(plan.model, gradient_segments(plan),
-                              lambda r: optimizer_weight(plan.ranks[r].gpu, mode))
+    return optimizer_elements(
+        plan.model, gradient_segments(plan), lambda r: optimizer_weight(plan.ranks[r].gpu, mode)
+    )

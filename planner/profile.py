@@ -28,37 +28,58 @@ A TP group with a profiled device takes all its costs from `MeasuredCosts`
 
 Pure Python (no torch): the planner must not import torch.
 """
-from bisect import bisect_left
-from functools import lru_cache
-from typing import NamedTuple
+
+from __future__ import annotations
+
 import math
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from planner.errors import SpecError
 from planner.flops import attention_flops, attention_fraction, head_flops, mlp_flops
 from planner.inputs import is_number, read_json
 
+if TYPE_CHECKING:
+    from planner.costmodel import Device, Topology
+    from planner.models import ModelSpec
+
 FORMAT = "hexi-device-profile/1"
-_MODEL_KEYS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-               "vocab_size", "seq_length", "swiglu", "normalization", "kv_channels",
-               "untie_embeddings_and_output_weights")
+_MODEL_KEYS = (
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "vocab_size",
+    "seq_length",
+    "swiglu",
+    "normalization",
+    "kv_channels",
+    "untie_embeddings_and_output_weights",
+)
 
 
 @lru_cache(maxsize=None)
-def read_profile(path):
+def read_profile(path: str) -> dict[str, Any]:
     """The JSON of a profile file (plain or detailed), checked for `matmul_tflops`."""
-    data = read_json(path, "profile")      # size, UTF-8, nesting, finite numbers
-    if not isinstance(data, dict) or not is_number(data.get("matmul_tflops")) \
-            or data["matmul_tflops"] <= 0:
+    data = read_json(path, "profile")  # size, UTF-8, nesting, finite numbers
+    if (
+        not isinstance(data, dict)
+        or not is_number(data.get("matmul_tflops"))
+        or data["matmul_tflops"] <= 0
+    ):
         raise SpecError(f"profile {path}: needs a positive number `matmul_tflops`")
     return data
 
 
-def is_detailed(data):
+def is_detailed(data: object) -> bool:
     return isinstance(data, dict) and data.get("format") == FORMAT and bool(data.get("layer"))
 
 
 class _ProfiledModel(NamedTuple):
     """The model a profile was measured with, as the FLOP formulas read it (from its JSON)."""
+
     seq_length: int
     hidden_size: int
     num_attention_heads: int
@@ -68,13 +89,20 @@ class _ProfiledModel(NamedTuple):
     swiglu: bool
 
     @classmethod
-    def of(cls, m):
+    def of(cls, m: Mapping[str, Any]) -> _ProfiledModel:
         h, a = m["hidden_size"], m["num_attention_heads"]
-        return cls(m["seq_length"], h, a, m["num_query_groups"], m.get("kv_channels") or h // a,
-                   m["ffn_hidden_size"], m.get("swiglu", True))
+        return cls(
+            m["seq_length"],
+            h,
+            a,
+            m["num_query_groups"],
+            m.get("kv_channels") or h // a,
+            m["ffn_hidden_size"],
+            m.get("swiglu", True),
+        )
 
 
-def _interp(xs, ys, x):
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise-linear through (xs, ys) (sorted, distinct); outside the measured range (or
     with a single point) proportional to the nearest end point (time ~ work)."""
     if x >= xs[-1] or len(xs) == 1:
@@ -88,7 +116,7 @@ def _interp(xs, ys, x):
     return max(y, 0.0)
 
 
-def _loglog(points, x):
+def _loglog(points: Sequence[tuple[float, float]], x: float) -> float:
     """Interpolate a measured (bytes, seconds) curve in log-log; linear in bytes beyond it."""
     xs = [p[0] for p in points]
     if x <= xs[0]:
@@ -107,17 +135,22 @@ class _Grid:
     """Times on a (share, micro-batch) grid: interpolate in share per micro-batch size, then in
     micro-batch size."""
 
-    def __init__(self, rows, share_of, fields):
-        by_mbs = {}
+    def __init__(
+        self,
+        rows: Iterable[Mapping[str, Any]],
+        share_of: Callable[[Mapping[str, Any]], float],
+        fields: Iterable[str],
+    ):
+        by_mbs: dict[int, dict[float, Mapping[str, Any]]] = {}
         for r in rows:
             by_mbs.setdefault(r["mbs"], {})[share_of(r)] = r
         self.mbs = sorted(by_mbs)
-        self.cols = []
+        self.cols: list[tuple[list[float], dict[str, list[float]]]] = []
         for b in self.mbs:
             shares = sorted(by_mbs[b])
             self.cols.append((shares, {f: [by_mbs[b][s][f] for s in shares] for f in fields}))
 
-    def __call__(self, field, share, mbs):
+    def __call__(self, field: str, share: float, mbs: float) -> float:
         ys = []
         for shares, vals in self.cols:
             ys.append(_interp(shares, vals[field], share))
@@ -127,7 +160,7 @@ class _Grid:
 class DeviceProfile:
     """A detailed profile, ready for the cost model."""
 
-    def __init__(self, data, path):
+    def __init__(self, data: dict[str, Any], path: str):
         self.path, self.data = path, data
         self.model = data.get("model", {})
         m = self.model
@@ -137,49 +170,63 @@ class DeviceProfile:
         self.act_bytes = 4 if data.get("dtype") == "float32" else 2
         self._att_frac = attention_fraction(_ProfiledModel.of(m))
         g, f, v = m["num_query_groups"], m["ffn_hidden_size"], m["vocab_size"]
-        self.layer = _Grid(data["layer"], lambda r: self.share(r["query_groups"] / g,
-                                                                r["ffn"] / f),
-                           ("fwd_s", "bwd_s", "bwd_recompute_s"))
-        self.embedding = _Grid(data["embedding"], lambda r: r["vocab"] / v, ("fwd_s", "bwd_s")) \
-            if data.get("embedding") else None
-        self.head = _Grid(data["head"], lambda r: r["vocab"] / v, ("fwd_s", "bwd_s")) \
-            if data.get("head") else None
+        self.layer = _Grid(
+            data["layer"],
+            lambda r: self.share(r["query_groups"] / g, r["ffn"] / f),
+            ("fwd_s", "bwd_s", "bwd_recompute_s"),
+        )
+        self.embedding = (
+            _Grid(data["embedding"], lambda r: r["vocab"] / v, ("fwd_s", "bwd_s"))
+            if data.get("embedding")
+            else None
+        )
+        self.head = (
+            _Grid(data["head"], lambda r: r["vocab"] / v, ("fwd_s", "bwd_s"))
+            if data.get("head")
+            else None
+        )
         rt = data.get("runtime") or {}
         self.per_microbatch_s = float(rt.get("per_microbatch_s", 0.0))
         self.per_step_s = float(rt.get("per_step_s", 0.0))
         opt = data.get("optimizer") or {}
         self.opt_fixed_s = float(opt.get("fixed_s", 0.0))
-        self.opt_s_per_param = opt.get("s_per_param")
+        self.opt_s_per_param: float | None = opt.get("s_per_param")
         comm = data.get("comm") or {}
-        self.comm_procs = comm.get("procs")
-        self.curves = {k: [(p["bytes"], p["s"]) for p in comm.get(k, [])]
-                       for k in ("allreduce", "allgather", "p2p")}
+        self.comm_procs: int | None = comm.get("procs")
+        self.curves: dict[str, list[tuple[float, float]]] = {
+            k: [(p["bytes"], p["s"]) for p in comm.get(k, [])]
+            for k in ("allreduce", "allgather", "p2p")
+        }
         fit = (comm.get("fit") or {}).get("allreduce")
-        self.link = ((fit["bandwidth_gbs"] * 1e9, fit["latency_us"] * 1e-6) if fit else None)
+        self.link: tuple[float, float] | None = (
+            (fit["bandwidth_gbs"] * 1e9, fit["latency_us"] * 1e-6) if fit else None
+        )
         cont = data.get("contention") or {}
-        self.contention_procs = cont.get("procs")
+        self.contention_procs: int | None = cont.get("procs")
         self.contention_slowdown = float(cont.get("slowdown", 1.0))
         rows = sorted(data.get("tp_layer") or [], key=lambda r: r["mbs"])
-        self.tp_procs = rows[0]["tp"] if rows else None
-        self.tp_mbs = [r["mbs"] for r in rows]
+        self.tp_procs: int | None = rows[0]["tp"] if rows else None
+        self.tp_mbs: list[int] = [r["mbs"] for r in rows]
         # TP comm = the in-situ layer time beyond this model's own compute estimate for the shard
         # (grid time x contention), so that compute + comm gives back the measured TP layer
-        slow = self.contention(self.tp_procs) if rows else 1.0
-        self.tp_comm_rows = {k: [max(r[k] - self.layer(k, 1.0 / r["tp"], r["mbs"]) * slow, 0.0)
-                                 for r in rows] for k in ("fwd_s", "bwd_s", "bwd_recompute_s")}
+        slow = self.contention(rows[0]["tp"]) if rows else 1.0
+        self.tp_comm_rows = {
+            k: [max(r[k] - self.layer(k, 1.0 / r["tp"], r["mbs"]) * slow, 0.0) for r in rows]
+            for k in ("fwd_s", "bwd_s", "bwd_recompute_s")
+        }
 
-    def share(self, qf, ff):
+    def share(self, qf: float, ff: float) -> float:
         """FLOP-weighted share of a layer held by a rank with these query-group / FFN fractions."""
         return self._att_frac * qf + (1 - self._att_frac) * ff
 
-    def matches(self, m):
+    def matches(self, m: ModelSpec) -> bool:
         mine = self.model
         for k in _MODEL_KEYS:
             if k in mine and getattr(m, k, None) != mine[k]:
                 return False
         return True
 
-    def contention(self, procs):
+    def contention(self, procs: float) -> float:
         """Compute slowdown with `procs` processes on the node (1.0 on GPUs)."""
         if not self.is_cpu or procs <= 1:
             return 1.0
@@ -193,18 +240,18 @@ class DeviceProfile:
             at *= procs / fit_cores
         return at
 
-    def in_situ_tp(self, m, n, link):
+    def in_situ_tp(self, m: ModelSpec, n: int, link: tuple[float, ...]) -> bool:
         """Whether TP comm of model m on an n-way group over `link` comes from the in-situ TP
         layer runs (measured for this model, this width, inside the profiled node)."""
         return bool(self.tp_mbs) and n == self.tp_procs and link == self.link and self.matches(m)
 
-    def tp_comm(self, field, mbs):
+    def tp_comm(self, field: str, mbs: float) -> float:
         """Per-layer seconds the TP all-reduces add to a layer pass ("fwd_s", "bwd_s",
         "bwd_recompute_s"), measured in situ: the layer over a real group minus the compute this
         model predicts for its even shard."""
         return _interp(self.tp_mbs, self.tp_comm_rows[field], mbs)
 
-    def allreduce(self, nbytes, n, link):
+    def allreduce(self, nbytes: float, n: int, link: tuple[float, ...]) -> float:
         """Seconds of an all-reduce of nbytes over n ranks: measured curve inside the node."""
         if n <= 1 or nbytes <= 0:
             return 0.0
@@ -216,18 +263,19 @@ class DeviceProfile:
 
 class ProfiledDevice:
     """What a Device carries: the profile and the contention of its node."""
+
     __slots__ = ("profile", "slowdown")
 
-    def __init__(self, profile, slowdown):
+    def __init__(self, profile: DeviceProfile, slowdown: float):
         self.profile, self.slowdown = profile, slowdown
 
 
 @lru_cache(maxsize=None)
-def _profile_of(path):
+def _profile_of(path: str) -> DeviceProfile:
     return DeviceProfile(read_profile(path), path)
 
 
-def attach(data, path, procs_per_node):
+def attach(data: dict[str, Any], path: str, procs_per_node: int) -> ProfiledDevice | None:
     """ProfiledDevice for a detailed profile, else None."""
     if not is_detailed(data):
         return None
@@ -236,6 +284,7 @@ def attach(data, path, procs_per_node):
 
 
 # ------------------------------------------------------------------------- cost-model hooks
+
 
 class MeasuredCosts:
     """Per micro-batch costs of a TP group in which a device carries a detailed profile.
@@ -246,13 +295,17 @@ class MeasuredCosts:
     measurements (in-situ TP runs, the all-reduce curve or its fit).
     """
 
-    def __init__(self, m, devices, tp_link):
+    def __init__(self, m: ModelSpec, devices: Sequence[Device], tp_link: Sequence[float]):
         self.m, self.devices, self.tp_link = m, devices, tuple(tp_link)
-        self.measured = [d.profile if d.profile is not None and d.profile.profile.matches(m)
-                         else None for d in devices]
+        self.measured = [
+            d.profile if d.profile is not None and d.profile.profile.matches(m) else None
+            for d in devices
+        ]
         self.comm = next(d.profile.profile for d in devices if d.profile is not None)
 
-    def layer_times(self, mbs, qg, ffn, recompute):
+    def layer_times(
+        self, mbs: int, qg: Sequence[int], ffn: Sequence[int], recompute: bool
+    ) -> tuple[float, float, float, float]:
         """(compute_fwd, tp_comm_fwd, compute_bwd, tp_comm_bwd) of one layer."""
         m = self.m
         g, f = m.num_query_groups, m.ffn_hidden_size
@@ -261,8 +314,10 @@ class MeasuredCosts:
             if pd is not None:
                 s = pd.profile.share(q / g, x / f)
                 fw = pd.profile.layer("fwd_s", s, mbs) * pd.slowdown
-                bw = pd.profile.layer("bwd_recompute_s" if recompute else "bwd_s", s, mbs) \
+                bw = (
+                    pd.profile.layer("bwd_recompute_s" if recompute else "bwd_s", s, mbs)
                     * pd.slowdown
+                )
             else:
                 fw = (attention_flops(m, mbs) * q / g + mlp_flops(m, mbs) * x / f) / dev.flops
                 bw = fw * (3 if recompute else 2)
@@ -274,12 +329,12 @@ class MeasuredCosts:
         ar = tp_allreduce(prof, m, mbs, t, self.tp_link)
         return cf, 2 * ar, cb, (4 if recompute else 2) * ar
 
-    def embedding_times(self, mbs):
+    def embedding_times(self, mbs: int) -> tuple[float, float]:
         """(fwd, bwd) of the vocab-parallel embedding's communication: the forward all-reduce
         of [s, b, h] (its compute is in `extra`)."""
         return tp_allreduce(self.comm, self.m, mbs, len(self.devices), self.tp_link), 0.0
 
-    def head_times(self, mbs, vocab):
+    def head_times(self, mbs: int, vocab: Sequence[int]) -> tuple[float, float]:
         """(fwd, bwd) of the LM head + loss: measured by vocabulary share where profiled."""
         m = self.m
         cf = cb = 0.0
@@ -296,7 +351,7 @@ class MeasuredCosts:
         small = prof.allreduce(m.seq_length * mbs * 4, t, self.tp_link)
         return cf + 3 * small, cb + tp_allreduce(prof, m, mbs, t, self.tp_link)
 
-    def extra(self, mbs, vocab, first):
+    def extra(self, mbs: int, vocab: Sequence[int], first: bool) -> tuple[float, float]:
         """(fwd, bwd) seconds the stage adds per micro-batch: the embedding's measured compute
         (first stage) and the runtime's measured per-micro-batch overhead."""
         ef = eb = over = 0.0
@@ -311,13 +366,23 @@ class MeasuredCosts:
         return ef + over, eb
 
 
-def layer_times(m, mbs, devices, qg, ffn, tp_link, recompute):
+def layer_times(
+    m: ModelSpec,
+    mbs: int,
+    devices: Sequence[Device],
+    qg: Sequence[int],
+    ffn: Sequence[int],
+    tp_link: Sequence[float],
+    recompute: bool,
+) -> tuple[float, float, float, float]:
     """(compute_fwd, tp_comm_fwd, compute_bwd, tp_comm_bwd) of one layer on a TP group with a
     profiled device (`MeasuredCosts.layer_times`)."""
     return MeasuredCosts(m, devices, tp_link).layer_times(mbs, qg, ffn, recompute)
 
 
-def tp_allreduce(prof, m, mbs, t, tp_link):
+def tp_allreduce(
+    prof: DeviceProfile, m: ModelSpec, mbs: int, t: int, tp_link: Sequence[float]
+) -> float:
     """Seconds of one TP all-reduce of an activation [s, b, h]: half a layer's in-situ forward
     comm (two all-reduces) where measured for this group, else the all-reduce curve / fit."""
     if t <= 1:
@@ -327,7 +392,7 @@ def tp_allreduce(prof, m, mbs, t, tp_link):
     return prof.allreduce(m.seq_length * mbs * m.hidden_size * prof.act_bytes, t, tuple(tp_link))
 
 
-def step_overhead(device):
+def step_overhead(device: Device) -> float:
     """Seconds per iteration the runtime adds on a profiled device (beyond per-parameter Adam)."""
     pd = device.profile
     if pd is None:
@@ -337,9 +402,10 @@ def step_overhead(device):
 
 # ------------------------------------------------------------------------------- reporting
 
-def cost_sources(topo, model):
+
+def cost_sources(topo: Topology, model: ModelSpec) -> dict[str, str]:
     """{node group: one line saying which figures the cost model used for that device}."""
-    out = {}
+    out: dict[str, str] = {}
     for node, dev in zip(topo.nodes, topo.devices):
         if node.group in out:
             continue
@@ -348,17 +414,21 @@ def cost_sources(topo, model):
             if pd.profile.matches(model):
                 parts = ["measured per-layer/head/embedding times"]
                 if pd.profile.curves["allreduce"]:
-                    parts.append(f"measured {pd.profile.comm_procs}-process comm curves inside "
-                                 "the node")
+                    parts.append(
+                        f"measured {pd.profile.comm_procs}-process comm curves inside the node"
+                    )
                 if pd.profile.tp_mbs:
                     parts.append(f"in-situ {pd.profile.tp_procs}-way TP layer comm")
                 if pd.slowdown != 1.0:
-                    parts.append(f"contention x{pd.slowdown:.2f} for {node.gpus_per_node} "
-                                 "processes")
+                    parts.append(
+                        f"contention x{pd.slowdown:.2f} for {node.gpus_per_node} processes"
+                    )
                 out[node.group] = f"{dev.name}: profile {pd.profile.path} ({', '.join(parts)})"
             else:
-                out[node.group] = (f"{dev.name}: profile {pd.profile.path} measured for another "
-                                   f"model: matmul_tflops only ({dev.flops / 1e12:.4g} TFLOP/s)")
+                out[node.group] = (
+                    f"{dev.name}: profile {pd.profile.path} measured for another "
+                    f"model: matmul_tflops only ({dev.flops / 1e12:.4g} TFLOP/s)"
+                )
         elif dev.source.startswith("profile"):
             out[node.group] = f"{dev.name}: {dev.source} (matmul_tflops {dev.flops / 1e12:.4g})"
         else:

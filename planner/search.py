@@ -11,48 +11,73 @@ Strategies (all scored by the same simulator):
   hexi's search space; refused above a size limit.
 The outer loop covers micro-batch size and recompute. Deterministic for a seed.
 """
+
+from __future__ import annotations
+
 import gc
 import heapq
 import itertools
 import math
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from planner import costmodel as cm
 from planner.errors import SpecError
 from planner.gradsync import StageLayout, rank_sets, sync_time
 from planner.layout import even_split, total_params
 from planner.plan import build_plan
-from planner.search_partition import (greedy_partition, make_units, metis_partition, refine,
-                                      striped_partition)
-from planner.search_pipeline import (Context, best_pipeline, build_pipeline, draft_to_stages,
-                                     unit_options)
-from planner.simulator import SimulationCache, simulate, simulate_layout
+from planner.search_partition import (
+    Evaluation,
+    greedy_partition,
+    make_units,
+    metis_partition,
+    refine,
+    striped_partition,
+)
+from planner.search_pipeline import (
+    Context,
+    Fits,
+    PipelineDraft,
+    Unit,
+    best_pipeline,
+    build_pipeline,
+    draft_to_stages,
+    unit_options,
+)
+from planner.simulator import Estimate, SimulationCache, simulate, simulate_layout
+
+if TYPE_CHECKING:
+    from planner.cluster import ClusterSpec
+    from planner.models import ModelSpec
+    from planner.plan import Plan
+
+_T = TypeVar("_T")
 
 STRATEGIES = ("hexi", "uniform", "exhaustive")
-MICRO_BATCH_CANDIDATES = (1, 2, 4)          # searched when --micro-batch-size is not given
+MICRO_BATCH_CANDIDATES = (1, 2, 4)  # searched when --micro-batch-size is not given
 EXHAUSTIVE_MAX_UNITS = 8
-EXHAUSTIVE_MAX_LAYOUTS = 50_000             # pipeline layouts exhaustive may evaluate
-FINALISTS = 6                               # candidates scored exactly by the simulator per knob
-SMALL_UNIT_GRAPH = 64                       # below this, every K and partition seed is tried
+EXHAUSTIVE_MAX_LAYOUTS = 50_000  # pipeline layouts exhaustive may evaluate
+FINALISTS = 6  # candidates scored exactly by the simulator per knob
+SMALL_UNIT_GRAPH = 64  # below this, every K and partition seed is tried
 
 
 class _Progress:
     """Progress lines on stderr, only once a search has run for a while."""
 
-    def __init__(self, enabled):
+    def __init__(self, enabled: bool):
         self.enabled, self.start, self.last = enabled, time.time(), time.time()
 
-    def __call__(self, msg):
+    def __call__(self, msg: str) -> None:
         now = time.time()
         if self.enabled and now - self.start > 2 and now - self.last > 1:
             print(f"hexi-plan: {now - self.start:.0f} s: {msg}", file=sys.stderr, flush=True)
             self.last = now
 
 
-def _k_grid(n, cap):
+def _k_grid(n: int, cap: int) -> list[int]:
     """Numbers of pipelines to try: all up to 16 (up to 4 on big graphs), then x1.5 steps."""
     small = 16 if n <= SMALL_UNIT_GRAPH else 4
     ks = set(range(1, min(n, cap, small) + 1))
@@ -64,7 +89,7 @@ def _k_grid(n, cap):
     return sorted(ks)
 
 
-def allocate(drafts, total):
+def allocate(drafts: Sequence[PipelineDraft], total: int) -> list[int] | None:
     """Micro-batch counts (>= 1 each, summing to `total`) that equalise the pipelines' finish.
 
     Water-filling on each pipeline's linear time fixed + m * rate (exact for the 1F1B periodic
@@ -77,7 +102,7 @@ def allocate(drafts, total):
     T = (total + sum(d.fixed / d.rate for d in drafts)) / inv
     ms = [max(1, int((T - d.fixed) / d.rate)) for d in drafts]
     excess = sum(ms) - total
-    if excess > 0:      # take from the latest finishers (ties: lowest index), heap: O(K log K)
+    if excess > 0:  # take from the latest finishers (ties: lowest index), heap: O(K log K)
         heap = [(-(d.fixed + d.rate * m), i) for i, (d, m) in enumerate(zip(drafts, ms)) if m > 1]
         heapq.heapify(heap)
         while excess > 0:
@@ -86,7 +111,7 @@ def allocate(drafts, total):
             excess -= 1
             if ms[i] > 1:
                 heapq.heappush(heap, (-(drafts[i].fixed + drafts[i].rate * ms[i]), i))
-    elif excess < 0:    # give to the earliest finishers after one more
+    elif excess < 0:  # give to the earliest finishers after one more
         heap = [(d.fixed + d.rate * (m + 1), i) for i, (d, m) in enumerate(zip(drafts, ms))]
         heapq.heapify(heap)
         while excess < 0:
@@ -97,11 +122,13 @@ def allocate(drafts, total):
     return ms
 
 
-def rebalance(drafts, ms, max_moves=None):
+def rebalance(
+    drafts: Sequence[PipelineDraft], ms: Sequence[int], max_moves: int | None = None
+) -> tuple[list[int], float]:
     """Move single micro-batches from the slowest pipeline (exact 1F1B time) while it helps."""
-    cache = {}
+    cache: dict[tuple[int, int], float] = {}
 
-    def t(i, m):
+    def t(i: int, m: int) -> float:
         key = (id(drafts[i]), m)
         if key not in cache:
             cache[key] = drafts[i].time(m)
@@ -130,40 +157,62 @@ def rebalance(drafts, ms, max_moves=None):
 @dataclass(eq=False)
 class _Candidate:
     """A laid-out partition with its micro-batch counts, and what the search learns of it."""
-    drafts: list                   # PipelineDraft per pipeline
-    ms: list                       # micro-batches per pipeline
+
+    drafts: list[PipelineDraft]  # PipelineDraft per pipeline
+    ms: list[int]  # micro-batches per pipeline
     mbs: int
     recompute: bool
-    pipe_time: float               # slowest pipeline by the drafts' linear fits
-    ctx: Context = None            # the context, partition and pipeline cache it came from,
-    parts: list = None             # so that it can be refined and polished
-    cache: dict = None
-    sync: float = None             # serial gradient sync seconds (`Searcher.proxy`)
-    estimate: object = None        # the simulator's Estimate (`Searcher.score`)
+    pipe_time: float  # slowest pipeline by the drafts' linear fits
+    ctx: Context  # the context, partition and pipeline cache it came from,
+    parts: list[list[Unit]]  # so that it can be refined and polished
+    cache: dict[tuple[Any, ...], _Solution | None]
+    sync: float | None = None  # serial gradient sync seconds (`Searcher.proxy`)
+    estimate: Estimate | None = None  # the simulator's Estimate (`Searcher.score`)
 
-    def layouts(self, model):
+    def layouts(self, model: ModelSpec) -> list[list[StageLayout]]:
         out = []
         for d in self.drafts:
             stages, first = [], 0
             for s in d.stages:
-                stages.append(StageLayout(s.ranks, (first, first + s.layers),
-                                          tuple(s.shards["query_groups"]), tuple(s.shards["ffn"]),
-                                          tuple(s.shards["vocab"])))
+                stages.append(
+                    StageLayout(
+                        s.ranks,
+                        (first, first + s.layers),
+                        tuple(s.shards["query_groups"]),
+                        tuple(s.shards["ffn"]),
+                        tuple(s.shards["vocab"]),
+                    )
+                )
                 first += s.layers
             out.append(stages)
         return out
 
-    def pipelines(self, model):
+    def pipelines(self, model: ModelSpec) -> list[dict[str, Any]]:
         order = sorted(range(len(self.drafts)), key=lambda i: min(self.drafts[i].stages[0].ranks))
-        return [{"micro_batch_size": self.mbs, "num_microbatches": self.ms[i],
-                 "stages": draft_to_stages(self.drafts[i], model.num_layers)} for i in order]
+        return [
+            {
+                "micro_batch_size": self.mbs,
+                "num_microbatches": self.ms[i],
+                "stages": draft_to_stages(self.drafts[i], model.num_layers),
+            }
+            for i in order
+        ]
 
 
 class Searcher:
     """One search: inputs, caches, and the candidates it found."""
 
-    def __init__(self, cluster, model, global_batch_size, micro_batch_size=None,
-                 recompute="auto", seed=0, use_distributed_optimizer=False, progress=False):
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        model: ModelSpec,
+        global_batch_size: int,
+        micro_batch_size: int | None = None,
+        recompute: str = "auto",
+        seed: int = 0,
+        use_distributed_optimizer: bool = False,
+        progress: bool = False,
+    ):
         if recompute not in ("auto", "on", "off"):
             raise SpecError(f"--recompute: must be auto, on or off, got {recompute!r}")
         if global_batch_size < 1:
@@ -174,8 +223,10 @@ class Searcher:
         self.progress = _Progress(progress)
         if micro_batch_size is not None:
             if micro_batch_size < 1 or global_batch_size % micro_batch_size:
-                raise SpecError(f"--micro-batch-size: {micro_batch_size} must be positive and "
-                                f"divide --global-batch-size {global_batch_size}")
+                raise SpecError(
+                    f"--micro-batch-size: {micro_batch_size} must be positive and "
+                    f"divide --global-batch-size {global_batch_size}"
+                )
             self.mbs_list = [micro_batch_size]
         else:
             self.mbs_list = [b for b in MICRO_BATCH_CANDIDATES if global_batch_size % b == 0]
@@ -183,12 +234,12 @@ class Searcher:
         self.by_name = self.topo._by_name_override
         self.max_chunks = max(n.gpus_per_node for n in self.topo.nodes)
         # caches of this search
-        self._contexts = {}
-        self._fits = {}                     # schedule fits by stage times
+        self._contexts: dict[tuple[int, bool, float], Context] = {}
+        self._fits: Fits = {}  # schedule fits by stage times
         self.simulations = SimulationCache()
 
     # -------------------------------------------------------------------------------- helpers
-    def context(self, mbs, rc, K):
+    def context(self, mbs: int, rc: bool, K: int) -> Context:
         """Shared per (micro-batch, recompute, optimizer share) so caches carry across K."""
         fraction = 1 / K if self.dist_opt else 1.0
         key = (mbs, rc, fraction)
@@ -196,32 +247,50 @@ class Searcher:
             self._contexts[key] = Context(self.model, self.topo, mbs, rc, fraction, self._fits)
         return self._contexts[key]
 
-    def chunk_levels(self):
+    def chunk_levels(self) -> list[int]:
         out, c = [], 1
         while c <= self.max_chunks:
             out.append(c)
             c *= 2
         return out
 
-    def _pipeline(self, ctx, part, m_est, exhaustive, cache, polish=False):
+    def _pipeline(
+        self,
+        ctx: Context,
+        part: Sequence[Unit],
+        m_est: int,
+        exhaustive: bool,
+        cache: dict[tuple[Any, ...], _Solution | None],
+        polish: bool = False,
+    ) -> PipelineDraft | None:
         """Best draft for a part; solved once per interchangeable signature, then re-mapped."""
-        if len(part) > self.model.num_layers:      # every unit hosts at least one stage
+        if len(part) > self.model.num_layers:  # every unit hosts at least one stage
             return None
         key = (tuple(sorted(u.key for u in part)), m_est, exhaustive, polish)
         if key in cache:
             sol = cache[key]
             if sol is None:
                 return None
-            pool = {}
+            pool: dict[tuple[str, int], list[Unit]] = {}
             for u in sorted(part, key=lambda u: u.ranks):
                 pool.setdefault(u.key, []).append(u)
             units = [pool[k].pop(0) for k in sol.unit_keys]
-            return build_pipeline(ctx, units, sol.ks, m_est).fit(ctx.fits)
+            draft = build_pipeline(ctx, units, sol.ks, m_est)
+            assert draft is not None  # laid out for another part of the same kinds
+            return draft.fit(ctx.fits)
         d = best_pipeline(ctx, part, m_est, exhaustive, polish)
         cache[key] = None if d is None else _Solution(tuple(u.key for u in d.units), d.ks)
         return d
 
-    def evaluate(self, ctx, parts, mbs, exhaustive, cache, polish=False):
+    def evaluate(
+        self,
+        ctx: Context,
+        parts: list[list[Unit]],
+        mbs: int,
+        exhaustive: bool,
+        cache: dict[tuple[Any, ...], _Solution | None],
+        polish: bool = False,
+    ) -> _Candidate | None:
         """Candidate for a partition (pipelines laid out, micro-batches allocated) or None."""
         U = self.gbs // mbs
         K = len(parts)
@@ -239,29 +308,47 @@ class Searcher:
         ms = allocate(drafts, U)
         if ms is None:
             return None
-        return _Candidate(drafts, ms, mbs, ctx.recompute,
-                          max(d.fixed + d.rate * m for d, m in zip(drafts, ms)), ctx, parts,
-                          cache)
+        return _Candidate(
+            drafts,
+            ms,
+            mbs,
+            ctx.recompute,
+            max(d.fixed + d.rate * m for d, m in zip(drafts, ms)),
+            ctx,
+            parts,
+            cache,
+        )
 
-    def proxy(self, cand):
+    def proxy(self, cand: _Candidate) -> float:
         """Pipelines' time + serial gradient sync: ranks candidates before the exact score."""
         if cand.sync is None:
-            cand.sync = sync_time(rank_sets(self.model, cand.layouts(self.model), self.dist_opt),
-                                  self.topo, self.dist_opt)[0]
+            cand.sync = sync_time(
+                rank_sets(self.model, cand.layouts(self.model), self.dist_opt),
+                self.topo,
+                self.dist_opt,
+            )[0]
         return cand.pipe_time + cand.sync
 
-    def score(self, cand):
+    def score(self, cand: _Candidate) -> tuple[bool, float]:
         """(does not fit, iteration seconds) from the simulator, after exact rebalancing."""
         if cand.estimate is None:
             cand.ms, _ = rebalance(cand.drafts, cand.ms)
-            cand.estimate = simulate_layout(self.model, self.cluster, cand.layouts(self.model),
-                                            [(cand.mbs, m) for m in cand.ms], cand.recompute,
-                                            self.dist_opt, "even", self.topo, self.simulations)
+            cand.estimate = simulate_layout(
+                self.model,
+                self.cluster,
+                cand.layouts(self.model),
+                [(cand.mbs, m) for m in cand.ms],
+                cand.recompute,
+                self.dist_opt,
+                "even",
+                self.topo,
+                self.simulations,
+            )
         e = cand.estimate
         return (not e.fits_memory, e.iteration_time_s)
 
     # ----------------------------------------------------------------------------- strategies
-    def hexi(self):
+    def hexi(self) -> _Candidate | None:
         best = None
         for rc in self.rc_list:
             for mbs in self.mbs_list:
@@ -273,13 +360,13 @@ class Searcher:
                     for K in _k_grid(n, U):
                         if c > 1 and n > SMALL_UNIT_GRAPH and K != c:
                             continue
-                        if K * self.model.num_layers < n:   # a pipeline would get > L units
+                        if K * self.model.num_layers < n:  # a pipeline would get > L units
                             continue
                         ctx = self.context(mbs, rc, K)
                         cache = ctx.pipelines
                         seeds = [striped_partition(units, K)] if K == c and c > 1 else []
                         seeds.append(greedy_partition(self.topo, units, K))
-                        if 2 * K <= n:      # METIS needs room to balance; greedy covers the rest
+                        if 2 * K <= n:  # METIS needs room to balance; greedy covers the rest
                             seeds.append(metis_partition(self.topo, units, K, self.seed))
                         seen = set()
                         for parts in seeds:
@@ -292,21 +379,23 @@ class Searcher:
                             cand = self.evaluate(ctx, parts, mbs, False, cache)
                             if cand is not None:
                                 cands.append(cand)
-                        self.progress(f"recompute={rc} micro-batch {mbs}: {n} units, K={K}, "
-                                      f"{len(cands)} candidates")
+                        self.progress(
+                            f"recompute={rc} micro-batch {mbs}: {n} units, K={K}, "
+                            f"{len(cands)} candidates"
+                        )
                 # cheap first cut per K (pipelines only), then rank with the gradient sync
-                per_k = {}
+                per_k: dict[int, list[_Candidate]] = {}
                 for cand in sorted(cands, key=lambda c: c.pipe_time):
                     per_k.setdefault(len(cand.drafts), []).append(cand)
                 big = bool(cands) and sum(len(u) for u in cands[0].parts) > SMALL_UNIT_GRAPH
                 keep = 3 if big else None
                 cands = sorted((c for v in per_k.values() for c in v[:keep]), key=self.proxy)
                 finals = cands[:FINALISTS]
-                for cand in finals[:2]:         # refine the two best with the cost model
+                for cand in finals[:2]:  # refine the two best with the cost model
                     refined = self._refine(cand)
                     if refined is not None:
                         finals.append(refined)
-                for cand in list(finals):       # polish the finalists' pipelines
+                for cand in list(finals):  # polish the finalists' pipelines
                     polished = self.evaluate(cand.ctx, cand.parts, mbs, False, cand.cache, True)
                     if polished is not None:
                         finals.append(polished)
@@ -315,10 +404,10 @@ class Searcher:
                         best = cand
         return best
 
-    def _refine(self, cand):
+    def _refine(self, cand: _Candidate) -> _Candidate | None:
         ctx, mbs, cache = cand.ctx, cand.mbs, cand.cache
 
-        def evaluate(parts):
+        def evaluate(parts: list[list[Unit]]) -> Evaluation | None:
             got = self.evaluate(ctx, parts, mbs, False, cache)
             if got is None:
                 return None
@@ -328,13 +417,14 @@ class Searcher:
             return self.proxy(got), order, got
 
         big = sum(len(p) for p in cand.parts) > SMALL_UNIT_GRAPH
-        parts, res = refine(cand.parts, evaluate, max_rounds=2 if big else 4,
-                            max_trials=16 if big else 64)
+        parts, res = refine(
+            cand.parts, evaluate, max_rounds=2 if big else 4, max_trials=16 if big else 64
+        )
         if res is None or parts is cand.parts:
             return None
-        return res[2]          # the _Candidate of `evaluate` above
+        return res[2]  # the _Candidate of `evaluate` above
 
-    def exhaustive(self):
+    def exhaustive(self) -> _Candidate | None:
         levels = []
         for c in self.chunk_levels():
             units = make_units(self.topo, c, self.by_name)
@@ -343,21 +433,24 @@ class Searcher:
         levels = [u for u in levels if self._exhaustive_size(u) <= EXHAUSTIVE_MAX_LAYOUTS]
         if not levels:
             n = len(make_units(self.topo, 1, self.by_name))
-            raise SpecError(f"--strategy exhaustive: cluster {self.cluster.name!r} ({n} machines, "
-                            f"{self.topo.cluster.num_gpus} GPUs) is too large to enumerate "
-                            f"(limit {EXHAUSTIVE_MAX_UNITS} units / {EXHAUSTIVE_MAX_LAYOUTS} "
-                            f"pipeline layouts); use --strategy hexi")
+            raise SpecError(
+                f"--strategy exhaustive: cluster {self.cluster.name!r} ({n} machines, "
+                f"{self.topo.cluster.num_gpus} GPUs) is too large to enumerate "
+                f"(limit {EXHAUSTIVE_MAX_UNITS} units / {EXHAUSTIVE_MAX_LAYOUTS} "
+                f"pipeline layouts); use --strategy hexi"
+            )
         best = None
         for rc in self.rc_list:
             for mbs in self.mbs_list:
                 cands = []
                 for units in levels:
-                    caches, seen = {}, set()
+                    caches: dict[int, dict[tuple[Any, ...], _Solution | None]] = {}
+                    seen = set()
                     for parts in _set_partitions(units):
                         K = len(parts)
                         sig = tuple(sorted(tuple(sorted(u.key for u in p)) for p in parts))
                         if sig in seen and not self.by_name:
-                            continue        # same machines' kinds per pipeline: same plan cost
+                            continue  # same machines' kinds per pipeline: same plan cost
                         seen.add(sig)
                         if K > self.gbs // mbs:
                             continue
@@ -373,10 +466,10 @@ class Searcher:
                         best = cand
         return best
 
-    def _exhaustive_size(self, units):
+    def _exhaustive_size(self, units: Sequence[Unit]) -> int:
         """Distinct pipeline layouts exhaustive evaluates: every sub-multiset of units (by kind),
         each distinct order and every per-unit stage count."""
-        kinds = {}
+        kinds: dict[tuple[Any, ...], list[Unit]] = {}
         for u in units:
             kinds.setdefault(u.key if not self.by_name else u.ranks, []).append(u)
         groups = [(len(v), len(unit_options(len(v[0].ranks), self.model))) for v in kinds.values()]
@@ -390,19 +483,22 @@ class Searcher:
                 perms //= math.factorial(c)
             opts = 1
             for c, (_, o) in zip(counts, groups):
-                opts *= o ** c
+                opts *= o**c
             total += perms * opts
         return total
 
-    def uniform(self):
+    def uniform(self) -> _Uniform | None:
         """Best fitting Megatron-style layout: TP t, PP p, DP d with t*p*d = all GPUs."""
         N, L, m = self.topo.cluster.num_gpus, self.model.num_layers, self.model
         best = None
         for t in _divisors(N):
             if t > m.num_query_groups:
                 continue
-            shards = (tuple(even_split(m.num_query_groups, t)),
-                      tuple(even_split(m.ffn_hidden_size, t)), tuple(even_split(m.vocab_size, t)))
+            shards = (
+                tuple(even_split(m.num_query_groups, t)),
+                tuple(even_split(m.ffn_hidden_size, t)),
+                tuple(even_split(m.vocab_size, t)),
+            )
             for p in _divisors(N // t):
                 d = N // (t * p)
                 if p > L or self.gbs % d:
@@ -413,20 +509,43 @@ class Searcher:
                         if per % mbs:
                             continue
                         layers = even_split(L, p)
-                        pipes = []
+                        pipes: list[dict[str, Any]] = []
                         for dp in range(d):
                             stages, first = [], 0
                             for pp in range(p):
                                 base = t * (dp + d * pp)
-                                stages.append({"ranks": list(range(base, base + t)),
-                                               "layers": [first, first + layers[pp]]})
+                                stages.append(
+                                    {
+                                        "ranks": list(range(base, base + t)),
+                                        "layers": [first, first + layers[pp]],
+                                    }
+                                )
                                 first += layers[pp]
-                            pipes.append({"micro_batch_size": mbs,
-                                          "num_microbatches": per // mbs, "stages": stages})
-                        lay = [[StageLayout(tuple(s["ranks"]), tuple(s["layers"]), *shards)
-                                for s in pp_["stages"]] for pp_ in pipes]
-                        e = simulate_layout(m, self.cluster, lay, [(mbs, per // mbs)] * d, rc,
-                                            self.dist_opt, "even", self.topo, self.simulations)
+                            pipes.append(
+                                {
+                                    "micro_batch_size": mbs,
+                                    "num_microbatches": per // mbs,
+                                    "stages": stages,
+                                }
+                            )
+                        lay = [
+                            [
+                                StageLayout(tuple(s["ranks"]), tuple(s["layers"]), *shards)
+                                for s in pp_["stages"]
+                            ]
+                            for pp_ in pipes
+                        ]
+                        e = simulate_layout(
+                            m,
+                            self.cluster,
+                            lay,
+                            [(mbs, per // mbs)] * d,
+                            rc,
+                            self.dist_opt,
+                            "even",
+                            self.topo,
+                            self.simulations,
+                        )
                         key = (not e.fits_memory, e.iteration_time_s)
                         if best is None or key < best.key:
                             best = _Uniform(key, pipes, rc)
@@ -434,30 +553,45 @@ class Searcher:
         return best
 
     # ---------------------------------------------------------------------------------- entry
-    def run(self, strategy):
+    def run(self, strategy: str) -> Plan:
         if strategy not in STRATEGIES:
             raise SpecError(f"--strategy: must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
         uni = self.uniform() if strategy in ("uniform", "hexi") else None
-        uni_fits = uni is not None and not uni.key[0]
+        fitting_uni = uni if uni is not None and not uni.key[0] else None
         cand = {"hexi": self.hexi, "exhaustive": self.exhaustive}.get(strategy, lambda: None)()
-        if cand is not None and not self.score(cand)[0] and (
-                not uni_fits or self.score(cand)[1] <= uni.key[1]):
-            plan = build_plan(self.cluster, self.model, self.gbs, cand.pipelines(self.model),
-                              recompute=cand.recompute, use_distributed_optimizer=self.dist_opt)
-        elif uni_fits:
+        if (
+            cand is not None
+            and not self.score(cand)[0]
+            and (fitting_uni is None or self.score(cand)[1] <= fitting_uni.key[1])
+        ):
+            plan = build_plan(
+                self.cluster,
+                self.model,
+                self.gbs,
+                cand.pipelines(self.model),
+                recompute=cand.recompute,
+                use_distributed_optimizer=self.dist_opt,
+            )
+        elif fitting_uni is not None:
             # hexi keeps the uniform layout as one of its seeds: it never does worse
-            plan = build_plan(self.cluster, self.model, self.gbs, uni.pipelines,
-                              recompute=uni.recompute, use_distributed_optimizer=self.dist_opt)
+            plan = build_plan(
+                self.cluster,
+                self.model,
+                self.gbs,
+                fitting_uni.pipelines,
+                recompute=fitting_uni.recompute,
+                use_distributed_optimizer=self.dist_opt,
+            )
         else:
             raise SpecError(self.explain_infeasible(strategy))
         est = simulate(plan, self.topo, self.simulations)
-        if not est.fits_memory:     # the search scores with the same model: a bug if reached
+        if not est.fits_memory:  # the search scores with the same model: a bug if reached
             raise SpecError(f"internal: the {strategy} plan does not fit: {est.bottleneck}")
         plan.estimate = est.to_dict()
         plan.estimate["strategy"] = strategy
         return plan
 
-    def explain_infeasible(self, strategy):
+    def explain_infeasible(self, strategy: str) -> str:
         """One line: which memory term does not fit, by how much, and what would."""
         m, topo = self.model, self.topo
         P = total_params(m)
@@ -465,24 +599,31 @@ class Searcher:
         devs = [topo.device_of(r) for r in range(N)]
         room = sum(d.memory_bytes - cm.FRAMEWORK_RESERVE_BYTES for d in devs)
         K_max = N if self.dist_opt else 1
-        state = P * (cm.WEIGHT_BYTES_PER_PARAM + cm.GRAD_BYTES_PER_PARAM
-                     + cm.OPTIMIZER_BYTES_PER_PARAM / K_max)
+        state = P * (
+            cm.WEIGHT_BYTES_PER_PARAM
+            + cm.GRAD_BYTES_PER_PARAM
+            + cm.OPTIMIZER_BYTES_PER_PARAM / K_max
+        )
         name = m.name or "the model"
         if state > room:
             hints = []
             if not self.dist_opt:
                 ds = P * (cm.WEIGHT_BYTES_PER_PARAM + cm.GRAD_BYTES_PER_PARAM)
                 if ds < room:
-                    hints.append("--use-distributed-optimizer (shards the 12 B/param fp32 master "
-                                 "and Adam state over pipelines)")
+                    hints.append(
+                        "--use-distributed-optimizer (shards the 12 B/param fp32 master "
+                        "and Adam state over pipelines)"
+                    )
             big = max(devs, key=lambda d: d.memory_bytes)
             more = math.ceil((state - room) / (big.memory_bytes - cm.FRAMEWORK_RESERVE_BYTES))
             hints.append(f"about {more} more {big.name} GPUs")
-            return (f"no plan fits: {name} ({P / 1e9:.2f} B parameters) needs {state / 1e9:.1f} GB "
-                    f"for weights, grads and optimizer state, but the {N} GPUs offer "
-                    f"{room / 1e9:.1f} GB after a {cm.FRAMEWORK_RESERVE_BYTES / 1e9:g} GB reserve "
-                    f"each ({(state - room) / 1e9:.1f} GB missing); would fit with: "
-                    + " or ".join(hints))
+            return (
+                f"no plan fits: {name} ({P / 1e9:.2f} B parameters) needs {state / 1e9:.1f} GB "
+                f"for weights, grads and optimizer state, but the {N} GPUs offer "
+                f"{room / 1e9:.1f} GB after a {cm.FRAMEWORK_RESERVE_BYTES / 1e9:g} GB reserve "
+                f"each ({(state - room) / 1e9:.1f} GB missing); would fit with: "
+                + " or ".join(hints)
+            )
         mbs = min(self.mbs_list)
         rc = max(self.rc_list)
         act = cm.layer_activation_bytes(m, mbs, m.num_query_groups, m.ffn_hidden_size, rc)
@@ -494,40 +635,44 @@ class Searcher:
         hints.append("more GPUs")
         if not self.dist_opt:
             hints.append("--use-distributed-optimizer")
-        return (f"no {strategy} plan fits: model state needs {state / 1e9:.1f} GB of "
-                f"{room / 1e9:.1f} GB, and activations of the in-flight micro-batches "
-                f"({act / 1e9:.2f} GB per layer per micro-batch of {mbs}"
-                f"{' with recompute' if rc else ''}) or a stage's embedding / LM head do not fit "
-                f"in what is left on the GPUs; try " + ", ".join(hints))
+        return (
+            f"no {strategy} plan fits: model state needs {state / 1e9:.1f} GB of "
+            f"{room / 1e9:.1f} GB, and activations of the in-flight micro-batches "
+            f"({act / 1e9:.2f} GB per layer per micro-batch of {mbs}"
+            f"{' with recompute' if rc else ''}) or a stage's embedding / LM head do not fit "
+            f"in what is left on the GPUs; try " + ", ".join(hints)
+        )
 
 
 class _Solution(NamedTuple):
     """A part's best pipeline, by unit kinds: re-mapped onto any part of the same kinds."""
-    unit_keys: tuple               # unit kinds in stage order
-    ks: tuple                      # stages each unit hosts
+
+    unit_keys: tuple[tuple[str, int], ...]  # unit kinds in stage order
+    ks: tuple[int, ...]  # stages each unit hosts
 
 
 class _Uniform(NamedTuple):
     """The best uniform layout found: its sort key, plan pipelines and recompute."""
-    key: tuple                     # (does not fit, iteration seconds)
-    pipelines: list
+
+    key: tuple[bool, float]  # (does not fit, iteration seconds)
+    pipelines: list[dict[str, Any]]
     recompute: bool
 
 
-def _divisors(n):
+def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _set_partitions(items):
+def _set_partitions(items: Sequence[_T]) -> Iterator[list[list[_T]]]:
     """Every partition of a list into non-empty blocks (restricted growth strings)."""
     n = len(items)
     if n == 0:
         return
     a = [0] * n
 
-    def rec(i, k):
+    def rec(i: int, k: int) -> Iterator[list[list[_T]]]:
         if i == n:
-            blocks = [[] for _ in range(k)]
+            blocks: list[list[_T]] = [[] for _ in range(k)]
             for x, b in zip(items, a):
                 blocks[b].append(x)
             yield blocks
@@ -539,11 +684,28 @@ def _set_partitions(items):
     yield from rec(0, 0)
 
 
-def search_plan(cluster, model, global_batch_size, strategy="hexi", micro_batch_size=None,
-                recompute="auto", seed=0, use_distributed_optimizer=False, progress=False):
+def search_plan(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    global_batch_size: int,
+    strategy: str = "hexi",
+    micro_batch_size: int | None = None,
+    recompute: str = "auto",
+    seed: int = 0,
+    use_distributed_optimizer: bool = False,
+    progress: bool = False,
+) -> Plan:
     """The best plan under `strategy`, validated and with `estimate` filled; SpecError if none."""
-    s = Searcher(cluster, model, global_batch_size, micro_batch_size, recompute, seed,
-                 use_distributed_optimizer, progress)
+    s = Searcher(
+        cluster,
+        model,
+        global_batch_size,
+        micro_batch_size,
+        recompute,
+        seed,
+        use_distributed_optimizer,
+        progress,
+    )
     # The search allocates millions of small tuples and no reference cycles to speak of: the
     # cyclic collector's generation scans would cost up to a fifth of the time on large clusters.
     enabled = gc.isenabled()

@@ -6,15 +6,17 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
+from planner.cli_args import Subparsers, bounded_int, with_seq_length
 from planner.cluster import load_cluster
+from planner.costmodel import Topology
 from planner.limits import MAX_BATCH, MAX_SEED, MAX_SEQ_LENGTH
 from planner.models import load_model
 from planner.plan import load_plan, save_plan
+from planner.profile import cost_sources
 from planner.search import STRATEGIES, search_plan
 from planner.simulator import simulate
 
 if TYPE_CHECKING:
-    from planner.cli import Subparsers
     from planner.plan import Plan
     from planner.simulator import Estimate
 
@@ -40,9 +42,6 @@ def format_estimate(plan: Plan, est: Estimate) -> str:
 def cmd_simulate(args: argparse.Namespace) -> None:
     plan = load_plan(args.plan)
     est = simulate(plan)
-    from planner.costmodel import Topology
-    from planner.profile import cost_sources
-
     sources = cost_sources(Topology(plan.cluster), plan.model)
     if args.json:
         print(json.dumps({**est.to_dict(), "cost_source": sources}, indent=1))
@@ -54,8 +53,6 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     cluster = load_cluster(args.cluster)
-    from planner.cli import with_seq_length
-
     model = with_seq_length(load_model(args.model), args.seq_length)
     plan = search_plan(
         cluster,
@@ -70,6 +67,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     )
     save_plan(plan, args.output)
     e = plan.estimate
+    assert e is not None  # search_plan fills it
     print(
         f"wrote {args.output}: {plan.world_size} ranks, {len(plan.pipelines)} pipelines, "
         f"{e['iteration_time_s']:.4g} s/iteration, {e['tokens_per_s']:.4g} tokens/s, "
@@ -78,8 +76,6 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def register_commands(sub: Subparsers) -> None:
-    from planner.cli import bounded_int
-
     p = sub.add_parser("plan", help="search the fastest plan that fits (writes PLAN.json)")
     p.add_argument("--cluster", required=True, help="cluster YAML")
     p.add_argument("--model", required=True, help="catalog model name or model YAML")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pymetis
 
-from planner.plan import even_split
+from planner.layout import even_split
 from planner.search_pipeline import Unit
 
 if TYPE_CHECKING:

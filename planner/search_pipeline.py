@@ -6,14 +6,25 @@ ordered with a top-tau greedy search that favours fast links between consecutive
 go to stages by a dynamic programme that minimises the pipeline's 1F1B time under every stage's
 memory limit. All times and bytes come from planner.costmodel, shard sizes from planner.layout.
 """
+
+from __future__ import annotations
+
 import heapq
 import itertools
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 from planner import costmodel as cm
 from planner.layout import proportional_split
 from planner.schedule import linear_fit, pipeline_time, steady_period
+
+if TYPE_CHECKING:
+    from planner.models import ModelSpec
+
+# Schedule fits (`linear_fit`: fixed seconds, seconds per micro-batch) by a pipeline's stage
+# times (fwd, bwd, xf, xb), shared by a search's contexts.
+Fits: TypeAlias = dict[tuple[tuple[float, ...], ...], tuple[float, float]]
 
 # Pipelines of at most this many units also get a per-unit pass over stage counts.
 PER_UNIT_REFINE_MAX_UNITS = 16
@@ -30,12 +41,13 @@ BLOCK_ORDERS_REFINED = 2
 @dataclass(frozen=True)
 class Unit:
     """GPUs of one machine that go to the same pipeline."""
-    node: int                  # node index in cluster order
-    ranks: tuple               # global ranks (cluster order)
-    key: tuple                 # interchangeability signature (group or node, size)
+
+    node: int  # node index in cluster order
+    ranks: tuple[int, ...]  # global ranks (cluster order)
+    key: tuple[str, int]  # interchangeability signature (group or node name, size)
 
 
-def unit_options(n, model):
+def unit_options(n: int, model: ModelSpec) -> list[int]:
     """Stage counts a unit of n GPUs may host: k stages of n/k GPUs (k divides n)."""
     out = []
     for k in range(1, n + 1):
@@ -47,36 +59,39 @@ def unit_options(n, model):
 
 @dataclass
 class StageDraft:
-    ranks: tuple
-    shards: dict               # query_groups, ffn, vocab: per-rank sizes
-    cf: float                  # per layer forward seconds (compute + TP all-reduces)
-    cb: float                  # per layer backward seconds
-    ef: float                  # extra forward seconds (embedding / head / received all-gather)
+    ranks: tuple[int, ...]
+    shards: dict[str, tuple[int, ...]]  # query_groups, ffn, vocab: per-rank sizes
+    cf: float  # per layer forward seconds (compute + TP all-reduces)
+    cb: float  # per layer backward seconds
+    ef: float  # extra forward seconds (embedding / head / received all-gather)
     eb: float
-    nmax: int                  # most layers that fit in memory at this position
+    nmax: int  # most layers that fit in memory at this position
     layers: int = 0
 
 
 @dataclass
 class PipelineDraft:
     """A laid-out pipeline: stages with layer counts, and its schedule inputs."""
-    stages: list
-    xf: list
-    xb: list
-    fixed: float = 0.0         # time(m) ~ fixed + m * rate
+
+    stages: list[StageDraft]
+    xf: list[float]
+    xb: list[float]
+    fixed: float = 0.0  # time(m) ~ fixed + m * rate
     rate: float = 0.0
-    units: tuple = ()          # the units in stage order and the stages each hosts
-    ks: tuple = ()
+    units: tuple[Unit, ...] = ()  # the units in stage order and the stages each hosts
+    ks: tuple[int, ...] = ()
 
-    def fwd_bwd(self):
-        return ([s.layers * s.cf + s.ef for s in self.stages],
-                [s.layers * s.cb + s.eb for s in self.stages])
+    def fwd_bwd(self) -> tuple[list[float], list[float]]:
+        return (
+            [s.layers * s.cf + s.ef for s in self.stages],
+            [s.layers * s.cb + s.eb for s in self.stages],
+        )
 
-    def time(self, m):
+    def time(self, m: int) -> float:
         f, b = self.fwd_bwd()
         return pipeline_time(f, b, self.xf, self.xb, m)
 
-    def fit(self, memo):
+    def fit(self, memo: Fits) -> PipelineDraft:
         """Set `fixed` and `rate` from the schedule (`memo`: fits by stage times, so that
         identical pipelines are simulated once)."""
         f, b = self.fwd_bwd()
@@ -96,18 +111,30 @@ class Context:
     stages are laid out (1, or 1/K for the distributed optimizer over K pipelines); the
     simulator then checks the exact shares."""
 
-    def __init__(self, model, topo, mbs, recompute, optimizer_fraction, fits):
+    def __init__(
+        self,
+        model: ModelSpec,
+        topo: cm.Topology,
+        mbs: int,
+        recompute: bool,
+        optimizer_fraction: float,
+        fits: Fits,
+    ):
         self.model, self.topo, self.mbs, self.recompute = model, topo, mbs, recompute
         self.optimizer_fraction = optimizer_fraction
         self.fits = fits
-        self.pipelines = {}        # best pipeline per part signature (planner.search)
-        self._stage = {}
-        self._boundary = {}
-        self._unit_stage = {}
-        self._unit_boundary = {}
-        self._pipes = {}           # build_pipeline templates by (unit kinds, node pattern, ks, m)
+        # best pipeline per part signature (planner.search keeps its own entries)
+        self.pipelines: dict[tuple[Any, ...], Any] = {}
+        self._stage: dict[tuple[Any, ...], StageDraft] = {}
+        self._boundary: dict[cm.Signature, cm.BoundaryTimes] = {}
+        self._unit_stage: dict[tuple[Any, ...], StageDraft] = {}
+        self._unit_boundary: dict[tuple[Any, ...], cm.BoundaryTimes] = {}
+        # build_pipeline templates by (unit kinds, node pattern, ks, m)
+        self._pipes: dict[tuple[Any, ...], _Template | None] = {}
 
-    def stage(self, ranks, first, last, position, num_stages):
+    def stage(
+        self, ranks: Sequence[int], first: bool, last: bool, position: int, num_stages: int
+    ) -> StageDraft:
         """StageDraft for a TP group at a position (costs, extras before boundaries, nmax)."""
         m, topo = self.model, self.topo
         # keyed by the cost signature: identical machines (same group) share one computation
@@ -117,12 +144,15 @@ class Context:
             return StageDraft(tuple(ranks), got.shards, got.cf, got.cb, got.ef, got.eb, got.nmax)
         devs = [topo.device_of(r) for r in ranks]
         speeds = [d.flops for d in devs]
-        shards = {"query_groups": tuple(proportional_split(m.num_query_groups, speeds)),
-                  "ffn": tuple(proportional_split(m.ffn_hidden_size, speeds)),
-                  "vocab": tuple(proportional_split(m.vocab_size, speeds))}
+        shards = {
+            "query_groups": tuple(proportional_split(m.num_query_groups, speeds)),
+            "ffn": tuple(proportional_split(m.ffn_hidden_size, speeds)),
+            "vocab": tuple(proportional_split(m.vocab_size, speeds)),
+        }
         costs = cm.group_costs(m, devs, topo.slowest(ranks))
-        cf, tf, cb, tb = costs.layer_times(self.mbs, shards["query_groups"], shards["ffn"],
-                                           self.recompute)
+        cf, tf, cb, tb = costs.layer_times(
+            self.mbs, shards["query_groups"], shards["ffn"], self.recompute
+        )
         ef = eb = 0.0
         if first:
             a, b = costs.embedding_times(self.mbs)
@@ -131,16 +161,37 @@ class Context:
             a, b = costs.head_times(self.mbs, shards["vocab"])
             ef, eb = ef + a, eb + b
         # memory: 1F1B keeps at most num_stages - position micro-batches in flight
-        nmax = min(cm.layers_that_fit(dev.memory_bytes, m, self.mbs, qg, ff, vv, first, last,
-                                      position, num_stages, num_stages - position,
-                                      self.recompute, self.optimizer_fraction)
-                   for dev, qg, ff, vv in zip(devs, shards["query_groups"], shards["ffn"],
-                                              shards["vocab"]))
+        nmax = min(
+            cm.layers_that_fit(
+                dev.memory_bytes,
+                m,
+                self.mbs,
+                qg,
+                ff,
+                vv,
+                first,
+                last,
+                position,
+                num_stages,
+                num_stages - position,
+                self.recompute,
+                self.optimizer_fraction,
+            )
+            for dev, qg, ff, vv in zip(devs, shards["query_groups"], shards["ffn"], shards["vocab"])
+        )
         st = StageDraft(tuple(ranks), shards, cf + tf, cb + tb, ef, eb, nmax)
         self._stage[key] = st
         return StageDraft(st.ranks, st.shards, st.cf, st.cb, st.ef, st.eb, st.nmax)
 
-    def unit_stage(self, unit, ranks, first, last, position, num_stages):
+    def unit_stage(
+        self,
+        unit: Unit,
+        ranks: tuple[int, ...],
+        first: bool,
+        last: bool,
+        position: int,
+        num_stages: int,
+    ) -> StageDraft:
         """`stage` for a TP group inside one unit: keyed by the unit's kind (one machine type
         and size), so the cost signature need not be recomputed from the ranks."""
         key = (unit.key, len(ranks), first, last, num_stages - position)
@@ -149,7 +200,9 @@ class Context:
             got = self._unit_stage[key] = self.stage(ranks, first, last, position, num_stages)
         return StageDraft(ranks, got.shards, got.cf, got.cb, got.ef, got.eb, got.nmax)
 
-    def unit_boundary(self, ua, a, ub, b):
+    def unit_boundary(
+        self, ua: Unit, a: Sequence[int], ub: Unit, b: Sequence[int]
+    ) -> cm.BoundaryTimes:
         """`boundary` between TP groups inside units ua and ub (same machine or not)."""
         key = (ua.key, len(a), ub.key, len(b), ua.node == ub.node)
         got = self._unit_boundary.get(key)
@@ -157,7 +210,7 @@ class Context:
             got = self._unit_boundary[key] = self.boundary(a, b)
         return got
 
-    def boundary(self, a, b):
+    def boundary(self, a: Sequence[int], b: Sequence[int]) -> cm.BoundaryTimes:
         key = self.topo.sig(a, b)
         got = self._boundary.get(key)
         if got is None:
@@ -165,13 +218,15 @@ class Context:
             self._boundary[key] = got
         return got
 
-    def link_cost(self, u, v):
+    def link_cost(self, u: Unit, v: Unit) -> float:
         """Seconds to move one activation between two units (the ordering's edge weight)."""
         bw, lat = self.topo.node_link(u.node, v.node)
         return self.model.seq_length * self.mbs * self.model.hidden_size * cm.BF16_BYTES / bw + lat
 
 
-def assign_layers(L, c, e, nmax, m):
+def assign_layers(
+    L: int, c: Sequence[float], e: Sequence[float], nmax: Sequence[int], m: int
+) -> list[int] | None:
     """Layer counts n_k minimising (m-1) * max_k t_k + sum_k t_k with t_k = n_k c_k + e_k.
 
     Subject to 1 <= n_k <= nmax_k and sum n_k = L. For a bound B on every t_k, the least sum
@@ -188,9 +243,9 @@ def assign_layers(L, c, e, nmax, m):
     nmax = [min(int(x), hi) for x in nmax]
     if min(nmax) < 1 or sum(nmax) < L:
         return None
-    order = sorted(range(p), key=c.__getitem__)          # cheapest first (stable)
+    order = sorted(range(p), key=c.__getitem__)  # cheapest first (stable)
 
-    def fill(cp):
+    def fill(cp: Sequence[int]) -> tuple[list[int], float, float]:
         left, n, T, S = L - p, [1] * p, 0.0, 0.0
         for k in order:
             x = cp[k] - 1
@@ -213,7 +268,7 @@ def assign_layers(L, c, e, nmax, m):
     heapq.heapify(heap)
     total = sum(caps)
 
-    def advance(v):            # raise the bound to v: every stage whose next value is <= v
+    def advance(v: float) -> None:  # raise the bound to v: every stage whose next value is <= v
         nonlocal total
         lim = v + abs(v) * 1e-12 + 1e-15
         while heap and heap[0][0] <= lim:
@@ -224,7 +279,7 @@ def assign_layers(L, c, e, nmax, m):
                 heapq.heappush(heap, ((caps[k] + 1) * c[k] + e[k], k))
 
     advance(lo)
-    while total < L:                                      # smallest feasible bound
+    while total < L:  # smallest feasible bound
         if not heap:
             return None
         advance(heap[0][0])
@@ -241,10 +296,12 @@ def assign_layers(L, c, e, nmax, m):
     return best_n
 
 
-_MISSING = object()
+_MISSING: Any = object()  # a sentinel: the cached template may be None
 
 
-def build_pipeline(ctx, units, ks, m_est):
+def build_pipeline(
+    ctx: Context, units: Sequence[Unit], ks: Sequence[int], m_est: int
+) -> PipelineDraft | None:
     """PipelineDraft for units in this order hosting ks[i] stages each, or None if it cannot fit.
 
     Solved once per (unit kinds in order, which units share a machine, stage counts, m): pipelines
@@ -254,8 +311,10 @@ def build_pipeline(ctx, units, ks, m_est):
     if tpl is None:
         return None
     groups = _tp_groups(units, ks)
-    stages = [StageDraft(g, r.shards, r.cf, r.cb, r.ef, r.eb, r.nmax, x)
-              for g, r, x in zip(groups, tpl.rows, tpl.layers)]
+    stages = [
+        StageDraft(g, r.shards, r.cf, r.cb, r.ef, r.eb, r.nmax, x)
+        for g, r, x in zip(groups, tpl.rows, tpl.layers)
+    ]
     return PipelineDraft(stages, tpl.xf, tpl.xb, units=tuple(units), ks=tuple(ks))
 
 
@@ -263,7 +322,8 @@ def build_pipeline(ctx, units, ks, m_est):
 class _StageRow:
     """One stage of a template: shards, per-layer seconds, extras (including the boundary
     all-gathers around it) and the most layers that fit."""
-    shards: dict
+
+    shards: dict[str, tuple[int, ...]]
     cf: float
     cb: float
     ef: float
@@ -274,17 +334,27 @@ class _StageRow:
 class _Template:
     """A laid-out pipeline without ranks: a _StageRow per stage, the layer counts, the boundary
     transfers and phase 2's objective."""
+
     __slots__ = ("rows", "layers", "xf", "xb", "obj")
 
-    def __init__(self, rows, layers, xf, xb, obj):
+    def __init__(
+        self,
+        rows: list[_StageRow],
+        layers: list[int],
+        xf: list[float],
+        xb: list[float],
+        obj: float,
+    ):
         self.rows, self.layers, self.xf, self.xb, self.obj = rows, layers, xf, xb, obj
 
 
-def _template(ctx, units, ks, m_est):
+def _template(
+    ctx: Context, units: Sequence[Unit], ks: Sequence[int], m_est: int
+) -> _Template | None:
     """The memoised PipelineDraft (ranks of whichever units built it first; `obj` set) or None."""
     if sum(ks) > ctx.model.num_layers:
         return None
-    seen = {}
+    seen: dict[int, int] = {}
     pattern = tuple(seen.setdefault(u.node, len(seen)) for u in units)
     key = (tuple(u.key for u in units), pattern, tuple(ks), m_est)
     tpl = ctx._pipes.get(key, _MISSING)
@@ -295,56 +365,65 @@ def _template(ctx, units, ks, m_est):
 
 class _Choice:
     """A scored (order, stage counts) pair; the draft is re-mapped only for the winner."""
+
     __slots__ = ("units", "ks")
 
-    def __init__(self, units, ks):
+    def __init__(self, units: Iterable[Unit], ks: Iterable[int]):
         self.units, self.ks = tuple(units), tuple(ks)
 
 
 class _Scored(NamedTuple):
     """What the search compares: phase 2's objective of a choice (lower is better)."""
+
     obj: float
     choice: _Choice
 
 
-def _score(ctx, order, ks, m_est):
+def _score(ctx: Context, order: Sequence[Unit], ks: Sequence[int], m_est: int) -> _Scored | None:
     """_Scored or None: what the search compares, without building the draft."""
     tpl = _template(ctx, order, ks, m_est)
     return None if tpl is None else _Scored(tpl.obj, _Choice(order, ks))
 
 
-def _tp_groups(units, ks):
-    out = []
+def _tp_groups(units: Sequence[Unit], ks: Sequence[int]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = []
     for u, k in zip(units, ks):
         t = len(u.ranks) // k
-        out.extend(u.ranks[i * t:(i + 1) * t] for i in range(k))
+        out.extend(u.ranks[i * t : (i + 1) * t] for i in range(k))
     return out
 
 
-def _build_pipeline(ctx, units, ks, m_est):
+def _build_pipeline(
+    ctx: Context, units: Sequence[Unit], ks: Sequence[int], m_est: int
+) -> _Template | None:
     """_Template for units in this order hosting ks[i] stages each, or None."""
     p = sum(ks)
     L = ctx.model.num_layers
     if p > L:
         return None
     stage_cache, boundary_cache = ctx._unit_stage, ctx._unit_boundary
-    rows, xf, xb = [], [], []
+    rows: list[_StageRow] = []
+    xf: list[float] = []
+    xb: list[float] = []
     i = 0
-    prev = None                    # (unit, TP size, index in unit) of the previous stage
+    prev: tuple[Unit, int, int] | None = (
+        None  # (unit, TP size, index in unit) of the previous stage
+    )
     for u, k in zip(units, ks):
         t = len(u.ranks) // k
         for j in range(k):
             first, last = i == 0, i == p - 1
             st = stage_cache.get((u.key, t, first, last, p - i))
             if st is None:
-                st = ctx.unit_stage(u, u.ranks[j * t:(j + 1) * t], first, last, i, p)
+                st = ctx.unit_stage(u, u.ranks[j * t : (j + 1) * t], first, last, i, p)
             row = _StageRow(st.shards, st.cf, st.cb, st.ef, st.eb, st.nmax)
             if prev is not None:
                 pu, pt, pj = prev
                 bd = boundary_cache.get((pu.key, pt, u.key, t, pu.node == u.node))
                 if bd is None:
-                    bd = ctx.unit_boundary(pu, pu.ranks[pj * pt:(pj + 1) * pt], u,
-                                           u.ranks[j * t:(j + 1) * t])
+                    bd = ctx.unit_boundary(
+                        pu, pu.ranks[pj * pt : (pj + 1) * pt], u, u.ranks[j * t : (j + 1) * t]
+                    )
                 (tf, gf), (tb, gb) = bd
                 xf.append(tf)
                 xb.append(tb)
@@ -353,8 +432,9 @@ def _build_pipeline(ctx, units, ks, m_est):
             rows.append(row)
             prev = (u, t, j)
             i += 1
-    n = assign_layers(L, [r.cf + r.cb for r in rows], [r.ef + r.eb for r in rows],
-                      [r.nmax for r in rows], m_est)
+    n = assign_layers(
+        L, [r.cf + r.cb for r in rows], [r.ef + r.eb for r in rows], [r.nmax for r in rows], m_est
+    )
     if n is None:
         return None
     f = [x * r.cf + r.ef for x, r in zip(n, rows)]
@@ -362,23 +442,25 @@ def _build_pipeline(ctx, units, ks, m_est):
     return _Template(rows, n, xf, xb, _objective_times(f, b, xf, xb, m_est))
 
 
-def _objective_times(f, b, xf, xb, m_est):
+def _objective_times(
+    f: Sequence[float], b: Sequence[float], xf: Sequence[float], xb: Sequence[float], m_est: int
+) -> float:
     """Phase 2's estimate of the 1F1B time of m_est micro-batches: the first micro-batch through
     every stage and link, then m_est - 1 periods of the steady state (which slow links lengthen,
     `steady_period`)."""
     return (m_est - 1) * steady_period(f, b, xf, xb) + sum(f) + sum(b) + sum(xf) + sum(xb)
 
 
-def order_units(ctx, units, tau=TOP_TAU):
+def order_units(ctx: Context, units: Sequence[Unit], tau: int = TOP_TAU) -> list[list[Unit]]:
     """Top-tau greedy orders of the units: keep the tau partial orders with the smallest sum of
     boundary transfer times, extend each by every unused unit, repeat; returns the final orders.
 
     Interchangeable units (same key) are tried once per step.
     """
-    beam = [((), 0.0)]
+    beam: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
     n = len(units)
     for _ in range(n):
-        nxt = {}
+        nxt: dict[tuple[tuple[str, int], ...], tuple[tuple[int, ...], float]] = {}
         for path, score in beam:
             used = set(path)
             seen = set()
@@ -395,7 +477,13 @@ def order_units(ctx, units, tau=TOP_TAU):
     return [[units[i] for i in path] for path, _ in beam]
 
 
-def best_pipeline(ctx, units, m_est, exhaustive=False, polish=False):
+def best_pipeline(
+    ctx: Context,
+    units: Sequence[Unit],
+    m_est: int,
+    exhaustive: bool = False,
+    polish: bool = False,
+) -> PipelineDraft | None:
     """The best PipelineDraft for these units (None if nothing fits), fitted for the schedule.
 
     Heuristic: candidate orders = top-tau orders, their reverses, and units by memory (largest
@@ -413,8 +501,16 @@ def best_pipeline(ctx, units, m_est, exhaustive=False, polish=False):
     else:
         orders = order_units(ctx, units)
         orders += [list(reversed(o)) for o in orders]
-        orders.append(sorted(units, key=lambda u: (-ctx.topo.device_of(u.ranks[0]).memory_bytes,
-                                                   -ctx.topo.device_of(u.ranks[0]).flops, u.node)))
+        orders.append(
+            sorted(
+                units,
+                key=lambda u: (
+                    -ctx.topo.device_of(u.ranks[0]).memory_bytes,
+                    -ctx.topo.device_of(u.ranks[0]).flops,
+                    u.node,
+                ),
+            )
+        )
     uniq, seen = [], set()
     for o in orders:
         sig = tuple(u.key for u in o)
@@ -430,9 +526,9 @@ def best_pipeline(ctx, units, m_est, exhaustive=False, polish=False):
                 if got is not None and (best is None or got.obj < best.obj):
                     best = got
             continue
-        if n_order == 0 or n_order == len(uniq) - 1:     # best top-tau order, memory order
+        if n_order == 0 or n_order == len(uniq) - 1:  # best top-tau order, memory order
             got = _coordinate_descent(ctx, order, opts, m_est)
-        elif best is not None:                           # other orders: the chosen stage counts
+        elif best is not None:  # other orders: the chosen stage counts
             sel = {u.key: k for u, k in zip(best.choice.units, best.choice.ks)}
             got = _score(ctx, order, tuple(sel[u.key] for u in order), m_est)
         else:
@@ -443,17 +539,25 @@ def best_pipeline(ctx, units, m_est, exhaustive=False, polish=False):
         best = _block_orders(ctx, units, m_est, best, seen)
     if best is None:
         return None
-    return build_pipeline(ctx, best.choice.units, best.choice.ks, m_est).fit(ctx.fits)
+    draft = build_pipeline(ctx, best.choice.units, best.choice.ks, m_est)
+    assert draft is not None  # its template was scored above
+    return draft.fit(ctx.fits)
 
 
-def _block_orders(ctx, units, m_est, best, tried):
+def _block_orders(
+    ctx: Context,
+    units: Sequence[Unit],
+    m_est: int,
+    best: _Scored,
+    tried: set[tuple[tuple[str, int], ...]],
+) -> _Scored:
     """Every order of whole machines (a machine's units kept together), when there are at most
     BLOCK_ORDERS_MAX distinct ones: each scored with the chosen stage counts per unit kind, the
     BLOCK_ORDERS_REFINED best then re-tuned by coordinate descent."""
-    blocks = {}
+    by_node: dict[int, list[Unit]] = {}
     for u in sorted(units, key=lambda u: u.ranks):
-        blocks.setdefault(u.node, []).append(u)
-    blocks = list(blocks.values())
+        by_node.setdefault(u.node, []).append(u)
+    blocks = list(by_node.values())
     if len(blocks) < 2:
         return best
     kinds = [tuple(u.key for u in b) for b in blocks]
@@ -472,14 +576,19 @@ def _block_orders(ctx, units, m_est, best, tried):
         if len(perms) > BLOCK_ORDERS_MAX:
             return best
     # each order scored with the stage counts chosen so far and with the fewest stages per unit
-    sels = [{u.key: k for u, k in zip(best.choice.units, best.choice.ks)},
-            {u.key: unit_options(len(u.ranks), ctx.model)[0] for u in units}]
+    sels = [
+        {u.key: k for u, k in zip(best.choice.units, best.choice.ks)},
+        {u.key: unit_options(len(u.ranks), ctx.model)[0] for u in units},
+    ]
     scored = []
     for i, order in enumerate(perms):
         if tuple(u.key for u in order) in tried:
             continue
-        objs = [got.obj for got in (_score(ctx, order, tuple(sel[u.key] for u in order), m_est)
-                                   for sel in sels) if got is not None]
+        objs = [
+            got.obj
+            for got in (_score(ctx, order, tuple(sel[u.key] for u in order), m_est) for sel in sels)
+            if got is not None
+        ]
         if objs:
             scored.append((min(objs), i, order))
     scored.sort(key=lambda x: (x[0], x[1]))
@@ -491,7 +600,9 @@ def _block_orders(ctx, units, m_est, best, tried):
     return best
 
 
-def _coordinate_descent(ctx, order, opts, m_est):
+def _coordinate_descent(
+    ctx: Context, order: Sequence[Unit], opts: Sequence[Sequence[int]], m_est: int
+) -> _Scored | None:
     """Choose one stage count per unit key (GPU type) by coordinate descent from two starts."""
     keys = sorted({u.key for u in order})
     choices = {k: opts[[u.key for u in order].index(k)] for k in keys}
@@ -501,13 +612,17 @@ def _coordinate_descent(ctx, order, opts, m_est):
     # start 2: as many stages as memory may need, without exceeding the layers
     most = {k: choices[k][-1] for k in keys}
     if sum(most[u.key] for u in order) > L:
-        most = {k: max([x for x in choices[k]
-                        if x * sum(1 for u in order if u.key == k) <= L] or [choices[k][0]])
-                for k in keys}
+        most = {
+            k: max(
+                [x for x in choices[k] if x * sum(1 for u in order if u.key == k) <= L]
+                or [choices[k][0]]
+            )
+            for k in keys
+        }
     starts.append(most)
-    cache = {}
+    cache: dict[tuple[int, ...], _Scored | None] = {}
 
-    def score(sel):
+    def score(sel: Mapping[tuple[str, int], int]) -> _Scored | None:
         ks = tuple(sel[u.key] for u in order)
         if ks not in cache:
             cache[ks] = _score(ctx, order, ks, m_est)
@@ -534,35 +649,35 @@ def _coordinate_descent(ctx, order, opts, m_est):
                 for x in opts[i]:
                     if x == ks[i]:
                         continue
-                    trial = tuple(ks[:i] + [x] + ks[i + 1:])
-                    if trial not in cache:
-                        cache[trial] = _score(ctx, order, trial, m_est)
-                    got = cache[trial]
+                    cand = tuple(ks[:i] + [x] + ks[i + 1 :])
+                    if cand not in cache:
+                        cache[cand] = _score(ctx, order, cand, m_est)
+                    got = cache[cand]
                     if got is not None and got.obj < cur.obj - 1e-12:
-                        cur, ks = got, list(trial)
+                        cur, ks = got, list(cand)
             # and swaps: which machine of a type hosts more stages (a two-coordinate move)
             for i in range(len(order)):
                 for j in range(i + 1, len(order)):
                     if order[i].key != order[j].key or ks[i] == ks[j]:
                         continue
-                    trial = list(ks)
-                    trial[i], trial[j] = ks[j], ks[i]
-                    trial = tuple(trial)
-                    if trial not in cache:
-                        cache[trial] = _score(ctx, order, trial, m_est)
-                    got = cache[trial]
+                    swapped = list(ks)
+                    swapped[i], swapped[j] = ks[j], ks[i]
+                    cand = tuple(swapped)
+                    if cand not in cache:
+                        cache[cand] = _score(ctx, order, cand, m_est)
+                    got = cache[cand]
                     if got is not None and got.obj < cur.obj - 1e-12:
-                        cur, ks = got, list(trial)
+                        cur, ks = got, list(cand)
         if cur is not None and (best is None or cur.obj < best.obj):
             best = cur
     return best
 
 
-def draft_to_stages(draft, num_layers):
+def draft_to_stages(draft: PipelineDraft, num_layers: int) -> list[dict[str, Any]]:
     """Plan `stages` dicts (layers assigned in order, explicit shards) from a PipelineDraft."""
     out, first = [], 0
     for s in draft.stages:
-        d = {"ranks": list(s.ranks), "layers": [first, first + s.layers]}
+        d: dict[str, Any] = {"ranks": list(s.ranks), "layers": [first, first + s.layers]}
         first += s.layers
         kinds = ["query_groups", "ffn"]
         if d["layers"][0] == 0 or d["layers"][1] == num_layers:

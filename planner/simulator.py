@@ -14,37 +14,51 @@ Distributed optimizer: each rank holds the fp32 master and Adam state of the ele
 planner.layout.optimizer_elements gives it (the runtime's own split; counted here by its fast
 mirror planner.gradsync.optimizer_elements).
 """
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from planner import costmodel as cm
 from planner.flops import model_flops_per_sample
-from planner.gradsync import StageLayout, optimizer_elements, rank_sets, sync_time
+from planner.gradsync import Layout, StageLayout, optimizer_elements, rank_sets, sync_time
 from planner.layout import optimizer_weight
 from planner.profile import step_overhead
 from planner.schedule import pipeline_time
+
+if TYPE_CHECKING:
+    from planner.cluster import ClusterSpec
+    from planner.models import ModelSpec
+    from planner.plan import Plan
+
+# One pipeline's evaluation: (1F1B seconds, per stage (fwd, bwd, compute, tp_comm, p2p_in), per
+# rank MemoryUse without optimizer state, ranks in stage order).
+PipelineEval: TypeAlias = tuple[float, list[tuple[float, ...]], list[cm.MemoryUse]]
 
 
 class SimulationCache:
     """Memo of one search (or any run of many simulations of one model on one topology):
     identical pipelines are evaluated once, and a layout's optimizer shares are cut once."""
 
-    MAX_ENTRIES = 20_000       # per memo: cleared beyond, so that memory stays bounded
+    MAX_ENTRIES = 20_000  # per memo: cleared beyond, so that memory stays bounded
 
-    def __init__(self):
-        self.pipelines = {}
-        self.optimizer = {}
+    def __init__(self) -> None:
+        self.pipelines: dict[tuple[Any, ...], PipelineEval] = {}
+        self.optimizer: dict[tuple[Any, ...], dict[int, int]] = {}
 
 
 @dataclass
 class StageReport:
     pipeline: int
     stage: int
-    ranks: tuple
-    fwd: float                # per micro-batch, incl. the all-gather of received activations
+    ranks: tuple[int, ...]
+    fwd: float  # per micro-batch, incl. the all-gather of received activations
     bwd: float
     compute: float
     tp_comm: float
-    p2p_in: float             # transfer + gather, fwd + bwd, of the boundary before this stage
+    p2p_in: float  # transfer + gather, fwd + bwd, of the boundary before this stage
 
 
 @dataclass
@@ -52,55 +66,86 @@ class Estimate:
     iteration_time_s: float
     tokens_per_s: float
     mfu: float
-    peak_memory_gb: list
-    memory_capacity_gb: list
-    memory_terms_gb: list     # per rank {term: GB}
-    pipeline_time_s: list
+    peak_memory_gb: list[float]
+    memory_capacity_gb: list[float]
+    memory_terms_gb: list[dict[str, float]]  # per rank {term: GB}
+    pipeline_time_s: list[float]
     grad_sync_time_s: float
     optimizer_step_time_s: float
     bottleneck: str
     fits_memory: bool
-    stages: list = field(default_factory=list)
+    stages: list[StageReport] = field(default_factory=list)
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         """The plan's `estimate` object (JSON keys are a contract)."""
-        return {"iteration_time_s": self.iteration_time_s, "tokens_per_s": self.tokens_per_s,
-                "mfu": self.mfu, "peak_memory_gb": self.peak_memory_gb,
-                "memory_capacity_gb": self.memory_capacity_gb, "fits_memory": self.fits_memory,
-                "pipeline_time_s": self.pipeline_time_s,
-                "grad_sync_time_s": self.grad_sync_time_s,
-                "optimizer_step_time_s": self.optimizer_step_time_s,
-                "bottleneck": self.bottleneck}
+        return {
+            "iteration_time_s": self.iteration_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "peak_memory_gb": self.peak_memory_gb,
+            "memory_capacity_gb": self.memory_capacity_gb,
+            "fits_memory": self.fits_memory,
+            "pipeline_time_s": self.pipeline_time_s,
+            "grad_sync_time_s": self.grad_sync_time_s,
+            "optimizer_step_time_s": self.optimizer_step_time_s,
+            "bottleneck": self.bottleneck,
+        }
 
 
-def layouts_of(plan):
+def layouts_of(plan: Plan) -> list[list[StageLayout]]:
     """Plan -> list (pipelines) of lists (stages) of StageLayout, shards resolved."""
     out = []
     for pipe in plan.pipelines:
-        out.append([StageLayout(tuple(s.ranks), tuple(s.layers),
-                                tuple(plan.shard_sizes(s, "query_groups")),
-                                tuple(plan.shard_sizes(s, "ffn")),
-                                tuple(plan.shard_sizes(s, "vocab"))) for s in pipe.stages])
+        out.append(
+            [
+                StageLayout(
+                    tuple(s.ranks),
+                    tuple(s.layers),
+                    tuple(plan.shard_sizes(s, "query_groups")),
+                    tuple(plan.shard_sizes(s, "ffn")),
+                    tuple(plan.shard_sizes(s, "vocab")),
+                )
+                for s in pipe.stages
+            ]
+        )
     return out
 
 
-def simulate(plan, topo=None, cache=None):
+def simulate(
+    plan: Plan, topo: cm.Topology | None = None, cache: SimulationCache | None = None
+) -> Estimate:
     """Estimate of a validated Plan."""
-    return simulate_layout(plan.model, plan.cluster, layouts_of(plan),
-                           [(p.micro_batch_size, p.num_microbatches) for p in plan.pipelines],
-                           plan.training.recompute, plan.training.use_distributed_optimizer,
-                           plan.training.optimizer_shard, topo, cache)
+    return simulate_layout(
+        plan.model,
+        plan.cluster,
+        layouts_of(plan),
+        [(p.micro_batch_size, p.num_microbatches) for p in plan.pipelines],
+        plan.training.recompute,
+        plan.training.use_distributed_optimizer,
+        plan.training.optimizer_shard,
+        topo,
+        cache,
+    )
 
 
-def _gpu_label(topo, ranks):
+def _gpu_label(topo: cm.Topology, ranks: Sequence[int]) -> str:
     nodes = sorted({topo.node_of[r] for r in ranks})
     dev = topo.devices[nodes[0]].name
     where = ",".join(topo.nodes[n].name for n in nodes[:3]) + ("..." if len(nodes) > 3 else "")
     return f"{len(ranks)}x{dev}@{where}"
 
 
-def simulate_layout(model, cluster, layouts, batches, recompute, distributed_optimizer=False,
-                    optimizer_shard="even", topo=None, cache=None):
+def simulate_layout(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    layouts: Layout,
+    batches: Sequence[tuple[int, int]],
+    recompute: bool,
+    distributed_optimizer: bool = False,
+    optimizer_shard: str = "even",
+    topo: cm.Topology | None = None,
+    cache: SimulationCache | None = None,
+) -> Estimate:
     """Estimate of a layout: `layouts` as from layouts_of, `batches` [(mbs, num_microbatches)].
 
     `cache`: a SimulationCache shared by the calls of one search (None: a fresh one)."""
@@ -112,19 +157,20 @@ def simulate_layout(model, cluster, layouts, batches, recompute, distributed_opt
     ptimes, reports, ranks_all, mems_all = _pipelines(m, topo, layouts, batches, recompute, cache)
     slow = _shared_node_slowdowns(topo, reports, batches, max(ptimes) + sync)
     if slow:
-        ptimes, reports, ranks_all, mems_all = _pipelines(m, topo, layouts, batches, recompute,
-                                                          cache, slow)
-    nonopt = dict(zip(ranks_all, mems_all))          # rank -> MemoryUse without optimizer state
+        ptimes, reports, ranks_all, mems_all = _pipelines(
+            m, topo, layouts, batches, recompute, cache, slow
+        )
+    nonopt = dict(zip(ranks_all, mems_all))  # rank -> MemoryUse without optimizer state
     node_of, devices = topo.node_of, topo.devices
 
-    owned = None                                     # rank -> optimizer-state elements it owns
+    owned = None  # rank -> optimizer-state elements it owns
     if distributed_optimizer:
         owned = _optimizer_elements(m, topo, layouts, optimizer_shard, cache)
     opt_time, peak, cap, terms = 0.0, [], [], []
     fits, worst_mem, used_peak = True, None, 0.0
     # ranks with the same memory, optimizer share and machine kind are computed once (and share
     # their memory_terms_gb dict)
-    seen = {}
+    seen: dict[tuple[Any, ...], tuple[float, float, dict[str, float], float, float]] = {}
     node_sig = [topo.node_sig(n) for n in range(len(topo.nodes))]
     for r in sorted(nonopt):
         base, n = nonopt[r], node_of[r]
@@ -157,13 +203,28 @@ def simulate_layout(model, cluster, layouts, batches, recompute, distributed_opt
     samples = sum(mbs * nmb for mbs, nmb in batches)
     tokens = samples * m.seq_length
     mfu = samples * model_flops_per_sample(m) / (iteration * used_peak)
-    bottleneck = _bottleneck(topo, reports, ptimes, batches, sync, worst_sync, opt_time,
-                             iteration, worst_mem)
-    return Estimate(iteration, tokens / iteration, mfu, peak, cap, terms, ptimes, sync, opt_time,
-                    bottleneck, fits, reports)
+    bottleneck = _bottleneck(
+        topo, reports, ptimes, batches, sync, worst_sync, opt_time, iteration, worst_mem
+    )
+    return Estimate(
+        iteration,
+        tokens / iteration,
+        mfu,
+        peak,
+        cap,
+        terms,
+        ptimes,
+        sync,
+        opt_time,
+        bottleneck,
+        fits,
+        reports,
+    )
 
 
-def _optimizer_elements(m, topo, layouts, optimizer_shard, cache):
+def _optimizer_elements(
+    m: ModelSpec, topo: cm.Topology, layouts: Layout, optimizer_shard: str, cache: SimulationCache
+) -> dict[int, int]:
     """{rank: elements of optimizer state it owns}, weighted (optimizer_shard "memory") by the
     catalog GPU of each rank's node, as the plan names it."""
     key = (optimizer_shard, tuple(tuple(pipe) for pipe in layouts))
@@ -173,24 +234,41 @@ def _optimizer_elements(m, topo, layouts, optimizer_shard, cache):
             cache.optimizer.clear()
         nodes, node_of = topo.nodes, topo.node_of
         got = cache.optimizer[key] = optimizer_elements(
-            m, layouts, lambda r: optimizer_weight(nodes[node_of[r]].gpu, optimizer_shard))
+            m, layouts, lambda r: optimizer_weight(nodes[node_of[r]].gpu, optimizer_shard)
+        )
     return got
 
 
-def _pipelines(m, topo, layouts, batches, recompute, sim_cache, slow=None):
+def _pipelines(
+    m: ModelSpec,
+    topo: cm.Topology,
+    layouts: Layout,
+    batches: Sequence[tuple[int, int]],
+    recompute: bool,
+    sim_cache: SimulationCache,
+    slow: Mapping[int, float] | None = None,
+) -> tuple[list[float], list[StageReport], list[int], list[cm.MemoryUse]]:
     """(1F1B time per pipeline, StageReports, ranks in stage order, their MemoryUse); `slow`:
     {rank: compute slowdown} replacing the node's full contention for those ranks."""
     cache = sim_cache.pipelines
     if len(cache) > sim_cache.MAX_ENTRIES:
         cache.clear()
-    ptimes, reports, ranks_all, mems_all = [], [], [], []
+    ptimes: list[float] = []
+    reports: list[StageReport] = []
+    ranks_all: list[int] = []
+    mems_all: list[cm.MemoryUse] = []
     for pi, (stages, (mbs, nmb)) in enumerate(zip(layouts, batches)):
         ranks = [r for st in stages for r in st.ranks]
         mine = tuple(slow.get(r) for r in ranks) if slow else ()
         # identical pipelines (same machine kinds, layers and shards) are evaluated once
-        key = (topo.sig(*[st.ranks for st in stages]),
-               tuple((st.layers, st.query_groups, st.ffn, st.vocab) for st in stages),
-               mbs, nmb, recompute, mine)
+        key = (
+            topo.sig(*[st.ranks for st in stages]),
+            tuple((st.layers, st.query_groups, st.ffn, st.vocab) for st in stages),
+            mbs,
+            nmb,
+            recompute,
+            mine,
+        )
         got = cache.get(key)
         if got is None:
             got = cache[key] = _pipeline_eval(m, topo, stages, mbs, nmb, recompute, slow)
@@ -203,10 +281,16 @@ def _pipelines(m, topo, layouts, batches, recompute, sim_cache, slow=None):
     return ptimes, reports, ranks_all, mems_all
 
 
-def _shared_node_slowdowns(topo, reports, batches, period):
+def _shared_node_slowdowns(
+    topo: cm.Topology,
+    reports: Sequence[StageReport],
+    batches: Sequence[tuple[int, int]],
+    period: float,
+) -> dict[int, float]:
     """{rank: slowdown} on profiled CPU nodes where the node's other processes compute for only
     part of the `period` (module docstring); {} when no rank is affected."""
-    busy, on_node = {}, {}
+    busy: dict[int, float] = {}
+    on_node: dict[int, list[int]] = {}
     for rep in reports:
         share = min((rep.fwd + rep.bwd) * batches[rep.pipeline][1] / period, 1.0)
         for r in rep.ranks:
@@ -225,16 +309,25 @@ def _shared_node_slowdowns(topo, reports, batches, period):
     return out
 
 
-def _device(topo, rank, slow):
+def _device(topo: cm.Topology, rank: int, slow: Mapping[int, float] | None) -> cm.Device:
     """The rank's Device, with its own contention when `slow` gives one."""
     dev = topo.device_of(rank)
     s = slow.get(rank) if slow else None
     if s is None:
         return dev
+    assert dev.profile is not None  # `slow` names ranks of profiled nodes only
     return replace(dev, profile=type(dev.profile)(dev.profile.profile, s))
 
 
-def _pipeline_eval(m, topo, stages, mbs, nmb, recompute, slow=None):
+def _pipeline_eval(
+    m: ModelSpec,
+    topo: cm.Topology,
+    stages: Sequence[StageLayout],
+    mbs: int,
+    nmb: int,
+    recompute: bool,
+    slow: Mapping[int, float] | None = None,
+) -> PipelineEval:
     """(1F1B seconds, per stage (fwd, bwd, compute, tp_comm, p2p_in), per rank MemoryUse
     without optimizer state, ranks in stage order) of one pipeline."""
     p = len(stages)
@@ -243,9 +336,17 @@ def _pipeline_eval(m, topo, stages, mbs, nmb, recompute, slow=None):
         devs = [_device(topo, r, slow) for r in st.ranks]
         first, last = st.layers[0] == 0, st.layers[1] == m.num_layers
         link = topo.slowest(st.ranks)
-        c = cm.stage_cost(m, mbs, devs, {"query_groups": st.query_groups, "ffn": st.ffn,
-                                         "vocab": st.vocab},
-                          st.layers[1] - st.layers[0], first, last, link, recompute)
+        c = cm.stage_cost(
+            m,
+            mbs,
+            devs,
+            {"query_groups": st.query_groups, "ffn": st.ffn, "vocab": st.vocab},
+            st.layers[1] - st.layers[0],
+            first,
+            last,
+            link,
+            recompute,
+        )
         fwd.append(c.fwd)
         bwd.append(c.bwd)
         rows.append([c.fwd, c.bwd, c.compute, c.tp_comm, 0.0])
@@ -253,8 +354,19 @@ def _pipeline_eval(m, topo, stages, mbs, nmb, recompute, slow=None):
         for i in range(len(st.ranks)):
             args = (st.query_groups[i], st.ffn[i], st.vocab[i])
             if args not in seen:
-                seen[args] = cm.rank_memory(m, mbs, *args, st.layers[1] - st.layers[0], first,
-                                            last, k, p, nmb, recompute, optimizer_fraction=0.0)
+                seen[args] = cm.rank_memory(
+                    m,
+                    mbs,
+                    *args,
+                    st.layers[1] - st.layers[0],
+                    first,
+                    last,
+                    k,
+                    p,
+                    nmb,
+                    recompute,
+                    optimizer_fraction=0.0,
+                )
             mems.append(seen[args])
     for k in range(p - 1):
         (tf, gf), (tb, gb) = cm.boundary_times(m, mbs, stages[k].ranks, stages[k + 1].ranks, topo)
@@ -268,24 +380,40 @@ def _pipeline_eval(m, topo, stages, mbs, nmb, recompute, slow=None):
     return pipeline_time(fwd, bwd, xf, xb, nmb), [tuple(r) for r in rows], mems
 
 
-def _bottleneck(topo, reports, ptimes, batches, sync, worst_sync, opt_time, iteration, worst_mem):
+def _bottleneck(
+    topo: cm.Topology,
+    reports: Sequence[StageReport],
+    ptimes: Sequence[float],
+    batches: Sequence[tuple[int, int]],
+    sync: float,
+    worst_sync: tuple[float, tuple[int, ...]],
+    opt_time: float,
+    iteration: float,
+    worst_mem: tuple[float, int, dict[str, float]] | None,
+) -> str:
     """One line naming what limits the plan: memory, a stage (and why), or a link."""
     if worst_mem is not None:
         over, r, t = worst_mem
         term = max((k for k in t if k != "reserve"), key=lambda k: t[k])
-        return (f"memory: rank {r} ({topo.device_of(r).name}) needs {sum(t.values()):.2f} GB, "
-                f"{over / 1e9:.2f} GB over capacity (largest term: {term} {t[term]:.2f} GB)")
+        return (
+            f"memory: rank {r} ({topo.device_of(r).name}) needs {sum(t.values()):.2f} GB, "
+            f"{over / 1e9:.2f} GB over capacity (largest term: {term} {t[term]:.2f} GB)"
+        )
     slow = max(range(len(ptimes)), key=lambda i: ptimes[i])
     if sync > 0.5 * (iteration - opt_time) or sync >= ptimes[slow]:
-        t, ranks = worst_sync
+        _, ranks = worst_sync
         bw, _ = topo.slowest(ranks)
-        return (f"gradient sync: {sync:.3g} s of {iteration:.3g} s; largest all-reduce over "
-                f"{len(ranks)} ranks ({_gpu_label(topo, ranks)}) at {bw / 1e9:.3g} GB/s")
+        return (
+            f"gradient sync: {sync:.3g} s of {iteration:.3g} s; largest all-reduce over "
+            f"{len(ranks)} ranks ({_gpu_label(topo, ranks)}) at {bw / 1e9:.3g} GB/s"
+        )
     stages = [r for r in reports if r.pipeline == slow]
     st = max(stages, key=lambda r: r.fwd + r.bwd)
     per = st.fwd + st.bwd
     parts = {"compute": st.compute, "TP all-reduce": st.tp_comm, "stage-boundary p2p": st.p2p_in}
-    why = max(parts, key=parts.get)
-    return (f"pipeline {slow} stage {st.stage} ({_gpu_label(topo, st.ranks)}): {per * 1e3:.3g} ms "
-            f"per micro-batch, mostly {why} ({parts[why] / per:.0%}); pipeline "
-            f"{ptimes[slow]:.3g} s of iteration {iteration:.3g} s")
+    why = max(parts, key=parts.__getitem__)
+    return (
+        f"pipeline {slow} stage {st.stage} ({_gpu_label(topo, st.ranks)}): {per * 1e3:.3g} ms "
+        f"per micro-batch, mostly {why} ({parts[why] / per:.0%}); pipeline "
+        f"{ptimes[slow]:.3g} s of iteration {iteration:.3g} s"
+    )

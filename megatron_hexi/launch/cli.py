@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from megatron_hexi.launch.common import comment
-from planner.cli import ArgumentParser, bounded_int
+from planner.cli_args import ArgumentParser, bounded_int
 from planner.errors import SpecError
 
 # Bounds of the numeric flags, so that no value reaches a script where the tool reading it would

@@ -1,17 +1,17 @@
 """Cost-model formulas against hand-computed numbers."""
+
 import json
 
 import pytest
 
 from planner import costmodel as cm
-from planner import flops
-from planner import layout
+from planner import flops, layout
 from planner.cluster import load_cluster_dict
 from planner.models import load_model
 from planner.schedule import pipeline_time, simulate_1f1b
 
-TINY = load_model("tiny")          # h 64, a 4, g 4, d 16, f 256, V 128, s 32
-GQA = load_model("tiny-gqa")       # h 64, a 8, g 4, d 8, f 192, V 120, s 32
+TINY = load_model("tiny")  # h 64, a 4, g 4, d 16, f 256, V 128, s 32
+GQA = load_model("tiny-gqa")  # h 64, a 8, g 4, d 8, f 192, V 120, s 32
 L7 = load_model("llama2-7b")
 
 
@@ -31,7 +31,7 @@ def test_mlp_head_and_model_flops():
 
 def test_llama2_7b_layer_flops_match_closed_form():
     b, s, h, f = 1, 4096, 4096, 11008
-    closed = 8 * b * s * h * h + 4 * b * s * s * h + 6 * b * s * h * f   # MHA, causal not halved
+    closed = 8 * b * s * h * h + 4 * b * s * s * h + 6 * b * s * h * f  # MHA, causal not halved
     assert flops.layer_flops(L7, b) == closed
     assert closed == pytest.approx(1.9327e12, rel=1e-4)
 
@@ -43,11 +43,29 @@ def test_ring_collectives():
 
 
 def _cluster():
-    return load_cluster_dict({"name": "t", "nodes": [
-        {"name": "a", "gpu": "A100-SXM-80GB", "gpus_per_node": 4, "intra_node": "100 GB/s",
-         "nic": "8 GB/s", "nic_latency": "10 us"},
-        {"name": "b", "gpu": "RTX-4090", "gpus_per_node": 4, "intra_node": "10 GB/s",
-         "nic": "8 GB/s", "nic_latency": "10 us"}]})
+    return load_cluster_dict(
+        {
+            "name": "t",
+            "nodes": [
+                {
+                    "name": "a",
+                    "gpu": "A100-SXM-80GB",
+                    "gpus_per_node": 4,
+                    "intra_node": "100 GB/s",
+                    "nic": "8 GB/s",
+                    "nic_latency": "10 us",
+                },
+                {
+                    "name": "b",
+                    "gpu": "RTX-4090",
+                    "gpus_per_node": 4,
+                    "intra_node": "10 GB/s",
+                    "nic": "8 GB/s",
+                    "nic_latency": "10 us",
+                },
+            ],
+        }
+    )
 
 
 def test_p2p_split_transfer_and_nic_limit():
@@ -67,7 +85,7 @@ def test_boundary_includes_allgather():
     (tf, gf), (tb, gb) = cm.boundary_times(TINY, 1, [0], [4, 5], topo)
     nbytes = 32 * 64 * 2
     assert gf == pytest.approx(cm.ring_allgather_time(nbytes, 2, 10e9, 5e-6))
-    assert gb == 0.0                                           # one sender: nothing to gather
+    assert gb == 0.0  # one sender: nothing to gather
     assert tf == pytest.approx(max(nbytes / 2 / 8e9 + 10e-6, nbytes / 8e9))
 
 
@@ -88,8 +106,9 @@ def test_uneven_tp_shards_cost_in_proportion():
     costs = cm.group_costs(TINY, [dev, dev], (1e9, 0.0))
     assert isinstance(costs, cm.AnalyticCosts)
     cf, tf, cb, tb = costs.layer_times(1, [3, 1], [192, 64], False)
-    expect = (flops.attention_flops(TINY, 1) * 3 / 4
-              + flops.mlp_flops(TINY, 1) * 192 / 256) / dev.flops
+    expect = (
+        flops.attention_flops(TINY, 1) * 3 / 4 + flops.mlp_flops(TINY, 1) * 192 / 256
+    ) / dev.flops
     assert cf == pytest.approx(expect)
     assert tf == pytest.approx(2 * cm.ring_allreduce_time(32 * 64 * 2, 2, 1e9, 0.0))
     assert cb == pytest.approx(2 * cf) and tb == pytest.approx(tf)
@@ -116,7 +135,7 @@ def test_params_and_memory():
     # TP 2: 10 + 8/2 + 160/2, and half the FFN columns
     assert cm.layer_activation_bytes(L7, 1, 16, 5504, False) == (14 + 80) * sbh + 4 * sbf
     assert cm.layer_activation_bytes(L7, 1, 16, 5504, True) == 2 * sbh
-    assert mem.activations == 1 * 32 * ((18 + 160) * sbh + 8 * sbf)   # one stage: 1 in flight
+    assert mem.activations == 1 * 32 * ((18 + 160) * sbh + 8 * sbf)  # one stage: 1 in flight
     assert mem.logits == 4096 * 32000 * 4
     # stage 0 of 4 keeps 4 micro-batches, stage 3 one; fewer if fewer micro-batches
     assert cm.in_flight_microbatches(0, 4, 8) == 4
@@ -156,6 +175,7 @@ def test_1f1b_transfers_and_slow_stage():
 
 def test_extrapolation_matches_simulation():
     import random
+
     rng = random.Random(1)
     for _ in range(10):
         p = rng.randint(1, 6)
@@ -164,13 +184,16 @@ def test_extrapolation_matches_simulation():
         xf = [rng.uniform(0, 0.3) for _ in range(p - 1)]
         xb = [rng.uniform(0, 0.3) for _ in range(p - 1)]
         m = rng.randint(60, 200)
-        assert pipeline_time(f, b, xf, xb, m) == pytest.approx(simulate_1f1b(f, b, xf, xb, m),
-                                                               rel=1e-3)
+        assert pipeline_time(f, b, xf, xb, m) == pytest.approx(
+            simulate_1f1b(f, b, xf, xb, m), rel=1e-3
+        )
 
 
 def test_compiled_1f1b_equals_sweep_simulation():
     import random
+
     from planner.schedule import simulate_1f1b_sweep
+
     rng = random.Random(5)
     for _ in range(200):
         p, m = rng.randint(1, 9), rng.randint(1, 40)
@@ -183,7 +206,9 @@ def test_compiled_1f1b_equals_sweep_simulation():
 
 def test_steady_period_is_the_growth_rate_with_slow_links():
     import random
+
     from planner.schedule import steady_period
+
     # two stages, slow link: the cycle f0+b0+f1+b1+xf+xb spans two micro-batches
     assert steady_period([1.0, 1.0], [2.0, 2.0], [2.0], [2.0]) == pytest.approx(5.0)
     rng = random.Random(3)
@@ -198,5 +223,6 @@ def test_steady_period_is_the_growth_rate_with_slow_links():
         assert steady_period(f, b, xf, xb) == pytest.approx(rate, rel=2e-3)
         # extrapolation beyond the simulated count, with slow links
         m2 = rng.randint(100, 300)
-        assert pipeline_time(f, b, xf, xb, m2) == pytest.approx(simulate_1f1b(f, b, xf, xb, m2),
-                                                                rel=1e-2)
+        assert pipeline_time(f, b, xf, xb, m2) == pytest.approx(
+            simulate_1f1b(f, b, xf, xb, m2), rel=1e-2
+        )

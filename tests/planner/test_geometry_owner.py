@@ -11,6 +11,7 @@
 - The search's memory limit per stage is `rank_memory`'s; the splits keep their documented
   rounding; planner imports form a tree.
 """
+
 import ast
 import dataclasses
 import glob
@@ -28,23 +29,28 @@ from planner.plan import build_plan, load_plan, plan_from_dict
 from planner.simulator import simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WEIGHT_BYTES, OPTIMIZER_BYTES = 2, 12        # bf16 weight; fp32 master + two Adam moments
+WEIGHT_BYTES, OPTIMIZER_BYTES = 2, 12  # bf16 weight; fp32 master + two Adam moments
 
 
 def _models():
     tiny = load_model("tiny")
-    layernorm = dataclasses.replace(tiny, normalization="LayerNorm", add_bias_linear=True,
-                                    swiglu=False)
+    layernorm = dataclasses.replace(
+        tiny, normalization="LayerNorm", add_bias_linear=True, swiglu=False
+    )
     return {
         "tiny": tiny,
         "tiny-gqa": load_model("tiny-gqa"),
         "tiny-tied": load_model("tiny-tied"),
         "layernorm-bias": layernorm,
         "layernorm-bias-swiglu-tied": dataclasses.replace(
-            layernorm, swiglu=True, untie_embeddings_and_output_weights=False),
+            layernorm, swiglu=True, untie_embeddings_and_output_weights=False
+        ),
         "gqa-layernorm-bias-tied": dataclasses.replace(
-            load_model("tiny-gqa"), normalization="LayerNorm", add_bias_linear=True,
-            untie_embeddings_and_output_weights=False),
+            load_model("tiny-gqa"),
+            normalization="LayerNorm",
+            add_bias_linear=True,
+            untie_embeddings_and_output_weights=False,
+        ),
         "head-dim-24": dataclasses.replace(tiny, kv_channels=24),
     }
 
@@ -53,9 +59,21 @@ MODELS = _models()
 
 
 def _cluster(gpus, kinds=("A100-SXM-80GB",)):
-    return load_cluster_dict({"name": "t", "nodes": [
-        {"name": f"n{i}", "gpu": kind, "gpus_per_node": gpus, "intra_node": "nvlink",
-         "nic": "100 Gbit/s"} for i, kind in enumerate(kinds)]})
+    return load_cluster_dict(
+        {
+            "name": "t",
+            "nodes": [
+                {
+                    "name": f"n{i}",
+                    "gpu": kind,
+                    "gpus_per_node": gpus,
+                    "intra_node": "nvlink",
+                    "nic": "100 Gbit/s",
+                }
+                for i, kind in enumerate(kinds)
+            ],
+        }
+    )
 
 
 def _pipelines(m):
@@ -63,17 +81,41 @@ def _pipelines(m):
     embedding stage of TP 2, a middle stage, a TP-3 last stage); two even TP-2 stages."""
     g, f, v, L = m.num_query_groups, m.ffn_hidden_size, m.vocab_size, m.num_layers
     return [
-        {"micro_batch_size": 1, "num_microbatches": 2,
-         "stages": [{"ranks": [0], "layers": [0, L]}]},
-        {"micro_batch_size": 1, "num_microbatches": 1, "stages": [
-            {"ranks": [1, 2], "layers": [0, 1], "shards": {
-                "query_groups": [g - 1, 1], "ffn": [f - 56, 56], "vocab": [v - 28, 28]}},
-            {"ranks": [3], "layers": [1, 3]},
-            {"ranks": [4, 5, 6], "layers": [3, L], "shards": {
-                "query_groups": [2, 1, g - 3], "ffn": [30, 70, f - 100],
-                "vocab": [10, 20, v - 30]}}]},
-        {"micro_batch_size": 1, "num_microbatches": 1, "stages": [
-            {"ranks": [7, 8], "layers": [0, 2]}, {"ranks": [9, 10], "layers": [2, L]}]},
+        {
+            "micro_batch_size": 1,
+            "num_microbatches": 2,
+            "stages": [{"ranks": [0], "layers": [0, L]}],
+        },
+        {
+            "micro_batch_size": 1,
+            "num_microbatches": 1,
+            "stages": [
+                {
+                    "ranks": [1, 2],
+                    "layers": [0, 1],
+                    "shards": {
+                        "query_groups": [g - 1, 1],
+                        "ffn": [f - 56, 56],
+                        "vocab": [v - 28, 28],
+                    },
+                },
+                {"ranks": [3], "layers": [1, 3]},
+                {
+                    "ranks": [4, 5, 6],
+                    "layers": [3, L],
+                    "shards": {
+                        "query_groups": [2, 1, g - 3],
+                        "ffn": [30, 70, f - 100],
+                        "vocab": [10, 20, v - 30],
+                    },
+                },
+            ],
+        },
+        {
+            "micro_batch_size": 1,
+            "num_microbatches": 1,
+            "stages": [{"ranks": [7, 8], "layers": [0, 2]}, {"ranks": [9, 10], "layers": [2, L]}],
+        },
     ]
 
 
@@ -88,6 +130,7 @@ def _held(shards):
 
 # ------------------------------------------------------------------------- (a) closed forms
 
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_closed_form_counts_equal_param_shards(name):
     m = MODELS[name]
@@ -99,9 +142,19 @@ def test_closed_form_counts_equal_param_shards(name):
         v = plan.rank_view(r)
         n_layers = v.layers[1] - v.layers[0]
         per_layer = layout.layer_params(m, v.query_groups[0], v.ffn[0])
-        assert layout.stage_params(m, v.query_groups[0], v.ffn[0],
-                                   v.vocab[0] if v.vocab else 0, 0, v.holds_embedding,
-                                   v.holds_output) + n_layers * per_layer == held
+        assert (
+            layout.stage_params(
+                m,
+                v.query_groups[0],
+                v.ffn[0],
+                v.vocab[0] if v.vocab else 0,
+                0,
+                v.holds_embedding,
+                v.holds_output,
+            )
+            + n_layers * per_layer
+            == held
+        )
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -113,14 +166,20 @@ def test_unit_params_are_the_unit_tensors(name):
     assert tuple(units) == tuple(sum(t.rows * t.inner for t in c) for c in cuts)
     assert layout.layer_params(m, 1, 0) - layout.layer_params(m, 0, 0) == units.query_group
     assert layout.layer_params(m, 0, 1) - layout.layer_params(m, 0, 0) == units.ffn_column
-    shards = layout.param_shards(m, layout.StageView((0, 1), (1, 0), (m.heads_per_group, 0),
-                                                      (1, 0), (1, 0)))
-    assert _held(shards) == (units.query_group + units.ffn_column + units.layer_replicated
-                             + (2 if m.untie_embeddings_and_output_weights else 1)
-                             * units.vocab_row + units.final_norm)
+    shards = layout.param_shards(
+        m, layout.StageView((0, 1), (1, 0), (m.heads_per_group, 0), (1, 0), (1, 0))
+    )
+    assert _held(shards) == (
+        units.query_group
+        + units.ffn_column
+        + units.layer_replicated
+        + (2 if m.untie_embeddings_and_output_weights else 1) * units.vocab_row
+        + units.final_norm
+    )
 
 
 # ------------------------------------------------------- (b) planner bytes = runtime bytes
+
 
 def runtime_optimizer_elements(plan):
     """Elements of fp32 master + Adam state per rank as the runtime builds them: each rank's
@@ -128,8 +187,9 @@ def runtime_optimizer_elements(plan):
     `reduced_together`, else a bucket of this rank alone), and HeteroDistributedOptimizer's
     cut of every slot in a bucket by `weighted_split` with the bucket's `optimizer_weight`s."""
     mode = plan.training.optimizer_shard
-    per_row = {s.name: math.prod(s.shape) // s.shape[s.dim]
-               for s in layout.canonical_shards(plan.model)}
+    per_row = {
+        s.name: math.prod(s.shape) // s.shape[s.dim] for s in layout.canonical_shards(plan.model)
+    }
     segments = layout.gradient_segments(plan)
     out = {}
     for rank in range(plan.world_size):
@@ -158,13 +218,30 @@ def _cases():
     out = []
     for path in sorted(glob.glob(os.path.join(ROOT, "examples/plans/*.json"))):
         out.append((os.path.basename(path), load_plan(path)))
-    out.append(("layernorm-bias", _plan(MODELS["layernorm-bias"],
-                                         ("A100-SXM-80GB", "RTX-3090", "RTX-4090"))))
-    out.append(("gqa-layernorm-bias-tied", _plan(MODELS["gqa-layernorm-bias-tied"],
-                                                  ("RTX-4090", "A100-SXM-80GB"))))
-    return [(f"{name}-{mode}", _with_training(plan, use_distributed_optimizer=mode != "plain",
-                                              optimizer_shard=mode if mode != "plain" else "even"))
-            for name, plan in out for mode in ("plain", "even", "memory")]
+    out.append(
+        (
+            "layernorm-bias",
+            _plan(MODELS["layernorm-bias"], ("A100-SXM-80GB", "RTX-3090", "RTX-4090")),
+        )
+    )
+    out.append(
+        (
+            "gqa-layernorm-bias-tied",
+            _plan(MODELS["gqa-layernorm-bias-tied"], ("RTX-4090", "A100-SXM-80GB")),
+        )
+    )
+    return [
+        (
+            f"{name}-{mode}",
+            _with_training(
+                plan,
+                use_distributed_optimizer=mode != "plain",
+                optimizer_shard=mode if mode != "plain" else "even",
+            ),
+        )
+        for name, plan in out
+        for mode in ("plain", "even", "memory")
+    ]
 
 
 @pytest.mark.parametrize("name, plan", _cases(), ids=[n for n, _ in _cases()])
@@ -183,15 +260,22 @@ def test_planner_bytes_per_rank_equal_runtime(name, plan):
 
 def test_memory_shares_follow_gpu_memory():
     """optimizer_shard memory: a segment's state is cut by the holders' catalog memory."""
-    plan = _with_training(load_plan(os.path.join(ROOT, "examples/plans/mixed-lab-manual.json")),
-                          use_distributed_optimizer=True, optimizer_shard="memory")
+    plan = _with_training(
+        load_plan(os.path.join(ROOT, "examples/plans/mixed-lab-manual.json")),
+        use_distributed_optimizer=True,
+        optimizer_shard="memory",
+    )
     owned = layout.plan_optimizer_elements(plan)
     assert sum(owned.values()) == layout.total_params(plan.model)
     gpu = {r: plan.ranks[r].gpu for r in range(plan.world_size)}
     cuts = 0
     for seg in layout.gradient_segments(plan):
-        rows = dict(zip(seg.ranks, layout.optimizer_split(
-            seg, lambda r: layout.optimizer_weight(gpu[r], "memory"))))
+        rows = dict(
+            zip(
+                seg.ranks,
+                layout.optimizer_split(seg, lambda r: layout.optimizer_weight(gpu[r], "memory")),
+            )
+        )
         a100 = [n for r, n in rows.items() if gpu[r] == "A100-SXM-80GB"]
         rtx3090 = [n for r, n in rows.items() if gpu[r] == "RTX-3090"]
         if a100 and rtx3090:
@@ -204,6 +288,7 @@ def test_memory_shares_follow_gpu_memory():
 
 
 # ---------------------------------------------------------------- the search's memory limit
+
 
 def test_layers_that_fit_is_rank_memorys_limit():
     rng = random.Random(7)
@@ -220,15 +305,21 @@ def test_layers_that_fit_is_rank_memorys_limit():
         mbs, rc = rng.choice([1, 2, 4]), rng.random() < 0.5
         frac = rng.choice([1.0, 0.5, 1 / 3])
         cap = rng.uniform(1e9, 90e9) if m.num_layers > 4 else rng.uniform(1.5e9, 1.6e9)
-        n = layers_that_fit(cap, m, mbs, qg, ffn, vocab, first, last, pos, stages,
-                            stages - pos, rc, frac)
-        total = [rank_memory(m, mbs, qg, ffn, vocab, k, first, last, pos, stages, stages - pos,
-                             rc, frac).total for k in (n, n + 1)]
+        n = layers_that_fit(
+            cap, m, mbs, qg, ffn, vocab, first, last, pos, stages, stages - pos, rc, frac
+        )
+        total = [
+            rank_memory(
+                m, mbs, qg, ffn, vocab, k, first, last, pos, stages, stages - pos, rc, frac
+            ).total
+            for k in (n, n + 1)
+        ]
         assert total[1] > cap
         assert n == 0 or total[0] <= cap
 
 
 # ---------------------------------------------------------------------------------- splits
+
 
 def test_splits():
     assert layout.even_split(10, 3) == [4, 3, 3]
@@ -236,7 +327,7 @@ def test_splits():
     assert layout.weighted_split(10, [1, 1, 2]) == [3, 2, 5]
     assert layout.weighted_split(3, [2.0, 2.0, 1.0]) == [1, 1, 1]
     assert layout.weighted_split(0, [3, 1]) == [0, 0]
-    assert layout.weighted_split(1, [1, 9, 1]) == [0, 1, 0]          # parts may be empty
+    assert layout.weighted_split(1, [1, 9, 1]) == [0, 1, 0]  # parts may be empty
     assert layout.weighted_split(7, [5.0, 5.0]) == layout.even_split(7, 2)
     # proportional: every part >= 1, the rest by the weighted split
     assert layout.proportional_split(3, [1, 100, 1]) == [1, 1, 1]
@@ -258,6 +349,7 @@ def test_splits():
 
 # ------------------------------------------------------------------------------- imports
 
+
 def _planner_imports():
     """{planner module: planner modules it imports anywhere (functions included), except
     imports for type checking only}."""
@@ -266,8 +358,12 @@ def _planner_imports():
     graph = {}
     for mod in mods:
         tree = ast.parse(open(os.path.join(folder, mod + ".py")).read())
-        skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                and "TYPE_CHECKING" in ast.dump(node.test) for n in ast.walk(node)}
+        skip = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test)
+            for n in ast.walk(node)
+        }
         deps = set()
         for node in ast.walk(tree):
             if id(node) in skip:
@@ -277,17 +373,17 @@ def _planner_imports():
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("planner."):
                 deps.add(node.module.split(".")[1])
             elif isinstance(node, ast.Import):
-                deps.update(a.name.split(".")[1] for a in node.names
-                            if a.name.startswith("planner."))
+                deps.update(
+                    a.name.split(".")[1] for a in node.names if a.name.startswith("planner.")
+                )
         graph[mod] = deps & mods
     return graph
 
 
 def test_planner_imports_form_a_tree():
-    """No import cycle below the command-line front ends (which only sit on top), counting
+    """No import cycle anywhere in the planner, the command-line front ends included, counting
     function-local imports too: none may dodge a cycle."""
-    front = {"__main__", "cli", "search_cli"}
-    graph = {mod: deps - front for mod, deps in _planner_imports().items() if mod not in front}
+    graph = _planner_imports()
     done, active = set(), []
 
     def visit(mod):
@@ -304,3 +400,6 @@ def test_planner_imports_form_a_tree():
         visit(mod)
     assert graph["flops"] == set()
     assert "costmodel" not in graph["profile"] and "profile" in graph["costmodel"]
+    # the front ends share planner.cli_args; the search's sits beside the CLI, not below it
+    assert "cli_args" in graph["cli"] and "cli_args" in graph["search_cli"]
+    assert "cli" not in graph["search_cli"]

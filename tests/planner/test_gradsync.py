@@ -1,12 +1,13 @@
 """Segment rank sets of the weighted gradient sync, by hand."""
+
 import pytest
 
+from planner.cluster import load_cluster_dict
 from planner.costmodel import Topology, ring_allreduce_time
 from planner.gradsync import StageLayout, rank_sets, sync_time
 from planner.models import load_model
-from planner.cluster import load_cluster_dict
 
-TINY = load_model("tiny")     # h 64, g 4 (1 head per group, d 16), f 256, V 128, 4 layers
+TINY = load_model("tiny")  # h 64, g 4 (1 head per group, d 16), f 256, V 128, 4 layers
 
 
 def test_segments_tp2_vs_tp1():
@@ -20,7 +21,7 @@ def test_segments_tp2_vs_tp1():
     # and output)
     expect = 4 * (2 * per_group + 128 * per_ffn) + 2 * 64 * h
     assert sets[(0, 2)] == expect and sets[(1, 2)] == expect
-    assert sets[(0, 1, 2)] == 4 * 2 * h + h          # layer norms + final norm
+    assert sets[(0, 1, 2)] == 4 * 2 * h + h  # layer norms + final norm
     assert sum(sets.values()) == expect * 2 + 4 * 2 * h + h
 
 
@@ -37,12 +38,26 @@ def test_uneven_boundaries_cut_atomic_segments():
 
 
 def test_sync_time():
-    cl = load_cluster_dict({"name": "t", "nodes": [
-        {"name": "n", "gpu": "A100-SXM-80GB", "gpus_per_node": 2, "count": 2,
-         "intra_node": "100 GB/s", "nic": "1 GB/s", "nic_latency": "0 us"}]})
+    cl = load_cluster_dict(
+        {
+            "name": "t",
+            "nodes": [
+                {
+                    "name": "n",
+                    "gpu": "A100-SXM-80GB",
+                    "gpus_per_node": 2,
+                    "count": 2,
+                    "intra_node": "100 GB/s",
+                    "nic": "1 GB/s",
+                    "nic_latency": "0 us",
+                }
+            ],
+        }
+    )
     topo = Topology(cl)
     sets = {(0, 2): 10**6, (0, 1): 5 * 10**5, (3,): 7}
     t, worst = sync_time(sets, topo)
-    assert t == pytest.approx(ring_allreduce_time(4e6, 2, 1e9, 0) +
-                              ring_allreduce_time(2e6, 2, 100e9, 5e-6))
+    assert t == pytest.approx(
+        ring_allreduce_time(4e6, 2, 1e9, 0) + ring_allreduce_time(2e6, 2, 100e9, 5e-6)
+    )
     assert worst[1] == (0, 2)

@@ -6,6 +6,7 @@ the distributed optimizer's shares (layout.optimizer_elements). For example plan
 (tied embeddings, GQA) and hand-made uneven shards, the rank sets and bytes per rank set must be
 equal, with and without the distributed optimizer, and so must the shares, even and by memory.
 """
+
 import dataclasses
 import glob
 import os
@@ -29,7 +30,7 @@ from planner.search import search_plan
 from planner.simulator import layouts_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-GRAD_BYTES = 4        # fp32 gradient buffers, reduced as fp32
+GRAD_BYTES = 4  # fp32 gradient buffers, reduced as fp32
 
 
 def runtime_buckets(plan, distributed_optimizer):
@@ -39,8 +40,9 @@ def runtime_buckets(plan, distributed_optimizer):
     out = {}
     for seg in gradient_segments(plan):
         if reduced_together(seg, distributed_optimizer):
-            out[seg.ranks] = out.get(seg.ranks, 0) + GRAD_BYTES * segment_numel(shapes[seg.name],
-                                                                                 seg)
+            out[seg.ranks] = out.get(seg.ranks, 0) + GRAD_BYTES * segment_numel(
+                shapes[seg.name], seg
+            )
     return out
 
 
@@ -50,51 +52,119 @@ def predicted_buckets(plan, distributed_optimizer):
 
 
 def _cluster(n_nodes=3, per=2):
-    return load_cluster_dict({"name": "t", "nodes": [
-        {"name": "a", "gpu": "A100-SXM-80GB", "gpus_per_node": per, "count": n_nodes,
-         "intra_node": "nvlink", "nic": "100 Gbit/s"}]})
+    return load_cluster_dict(
+        {
+            "name": "t",
+            "nodes": [
+                {
+                    "name": "a",
+                    "gpu": "A100-SXM-80GB",
+                    "gpus_per_node": per,
+                    "count": n_nodes,
+                    "intra_node": "nvlink",
+                    "nic": "100 Gbit/s",
+                }
+            ],
+        }
+    )
 
 
 def _uneven_plan(model):
     """Three pipelines of different shapes with uneven, mismatched TP shards."""
     g, f, v = model.num_query_groups, model.ffn_hidden_size, model.vocab_size
     pipes = [
-        {"micro_batch_size": 1, "num_microbatches": 2, "stages": [
-            {"ranks": [0, 1], "layers": [0, 3],
-             "shards": {"query_groups": [g - 1, 1], "ffn": [f - 56, 56], "vocab": [v - 28, 28]}},
-            {"ranks": [2], "layers": [3, model.num_layers]}]},
-        {"micro_batch_size": 1, "num_microbatches": 1, "stages": [
-            {"ranks": [3, 4], "layers": [0, 1],
-             "shards": {"query_groups": [1, g - 1], "ffn": [100, f - 100],
-                        "vocab": [v - 50, 50]}},
-            {"ranks": [5], "layers": [1, model.num_layers]}]},
-        {"micro_batch_size": 1, "num_microbatches": 1, "stages": [
-            {"ranks": [6, 7, 8], "layers": [0, model.num_layers],
-             "shards": {"query_groups": [2, 1, g - 3], "ffn": [30, 70, f - 100],
-                        "vocab": [10, 20, v - 30]}}]},
+        {
+            "micro_batch_size": 1,
+            "num_microbatches": 2,
+            "stages": [
+                {
+                    "ranks": [0, 1],
+                    "layers": [0, 3],
+                    "shards": {
+                        "query_groups": [g - 1, 1],
+                        "ffn": [f - 56, 56],
+                        "vocab": [v - 28, 28],
+                    },
+                },
+                {"ranks": [2], "layers": [3, model.num_layers]},
+            ],
+        },
+        {
+            "micro_batch_size": 1,
+            "num_microbatches": 1,
+            "stages": [
+                {
+                    "ranks": [3, 4],
+                    "layers": [0, 1],
+                    "shards": {
+                        "query_groups": [1, g - 1],
+                        "ffn": [100, f - 100],
+                        "vocab": [v - 50, 50],
+                    },
+                },
+                {"ranks": [5], "layers": [1, model.num_layers]},
+            ],
+        },
+        {
+            "micro_batch_size": 1,
+            "num_microbatches": 1,
+            "stages": [
+                {
+                    "ranks": [6, 7, 8],
+                    "layers": [0, model.num_layers],
+                    "shards": {
+                        "query_groups": [2, 1, g - 3],
+                        "ffn": [30, 70, f - 100],
+                        "vocab": [10, 20, v - 30],
+                    },
+                }
+            ],
+        },
     ]
     return build_plan(_cluster(3, 3), model, 4, pipes)
 
 
 def _models():
     tiny = load_model("tiny")
-    return {"tiny": tiny, "tiny-tied": load_model("tiny-tied"), "tiny-gqa": load_model("tiny-gqa"),
-            "layernorm-bias": dataclasses.replace(tiny, normalization="LayerNorm",
-                                                  add_bias_linear=True, swiglu=False)}
+    return {
+        "tiny": tiny,
+        "tiny-tied": load_model("tiny-tied"),
+        "tiny-gqa": load_model("tiny-gqa"),
+        "layernorm-bias": dataclasses.replace(
+            tiny, normalization="LayerNorm", add_bias_linear=True, swiglu=False
+        ),
+    }
 
 
 def _plans():
-    out = [(os.path.basename(p), load_plan(p))
-           for p in sorted(glob.glob(os.path.join(ROOT, "examples/plans/*.json")))]
+    out = [
+        (os.path.basename(p), load_plan(p))
+        for p in sorted(glob.glob(os.path.join(ROOT, "examples/plans/*.json")))
+    ]
     for name, model in _models().items():
         out.append((f"uneven-{name}", _uneven_plan(model)))
-        one = build_plan(_cluster(1, 2), model, 2, [{"micro_batch_size": 1, "num_microbatches": 2,
-                         "stages": [{"ranks": [0, 1], "layers": [0, model.num_layers]}]}])
+        one = build_plan(
+            _cluster(1, 2),
+            model,
+            2,
+            [
+                {
+                    "micro_batch_size": 1,
+                    "num_microbatches": 2,
+                    "stages": [{"ranks": [0, 1], "layers": [0, model.num_layers]}],
+                }
+            ],
+        )
         out.append((f"one-pipeline-tp2-{name}", one))
     for name in ("tiny", "tiny-tied", "tiny-gqa"):
         for seed in (3, 11):
-            plan = search_plan(random_cluster(seed, max_gpus=12), load_model(name), 16,
-                               micro_batch_size=1, recompute="off")
+            plan = search_plan(
+                random_cluster(seed, max_gpus=12),
+                load_model(name),
+                16,
+                micro_batch_size=1,
+                recompute="off",
+            )
             out.append((f"hexi-{name}-{seed}", plan))
     return out
 
@@ -110,19 +180,26 @@ def test_gradsync_rank_sets_equal_runtime_buckets(distributed_optimizer):
         got = predicted_buckets(plan, distributed_optimizer)
         assert got == want, name
         multi += len(plan.pipelines) > 1
-    assert multi >= 8          # the comparison covers real cross-pipeline syncs
+    assert multi >= 8  # the comparison covers real cross-pipeline syncs
 
 
 @pytest.mark.parametrize("optimizer_shard", ["even", "memory"])
 def test_gradsync_optimizer_shares_equal_layout(optimizer_shard):
     kinds = 0
     for name, plan in PLANS:
-        plan = dataclasses.replace(plan, training=dataclasses.replace(
-            plan.training, use_distributed_optimizer=True, optimizer_shard=optimizer_shard))
+        plan = dataclasses.replace(
+            plan,
+            training=dataclasses.replace(
+                plan.training, use_distributed_optimizer=True, optimizer_shard=optimizer_shard
+            ),
+        )
         want = plan_optimizer_elements(plan)
         gpus = [e.gpu for e in plan.ranks]
-        got = optimizer_elements(plan.model, layouts_of(plan),
-                                 lambda r, gpus=gpus: optimizer_weight(gpus[r], optimizer_shard))
+        got = optimizer_elements(
+            plan.model,
+            layouts_of(plan),
+            lambda r, gpus=gpus: optimizer_weight(gpus[r], optimizer_shard),
+        )
         assert got == want, name
         kinds += len(set(gpus)) > 1
-    assert kinds >= 2          # the memory weights differ between holders somewhere
+    assert kinds >= 2  # the memory weights differ between holders somewhere

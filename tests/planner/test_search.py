@@ -1,4 +1,5 @@
 """Search: plans validate and fit, hexi >= uniform, hexi ~ exhaustive, clear infeasibility."""
+
 import dataclasses
 import glob
 import json
@@ -18,7 +19,7 @@ from planner.simulator import simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = load_model(os.path.join(ROOT, "examples/models/small-1b.yaml"))
-SMALL8 = dataclasses.replace(SMALL, num_layers=8)      # fewer stages: where size does not matter
+SMALL8 = dataclasses.replace(SMALL, num_layers=8)  # fewer stages: where size does not matter
 
 
 def _check(plan):
@@ -36,7 +37,7 @@ def test_random_clusters_plans_valid_and_fit(seed):
     cluster = random_cluster(seed, max_gpus=64, max_types=4)
     try:
         plan = search_plan(cluster, SMALL8, 32, micro_batch_size=1, recompute="off", seed=seed)
-    except SpecError as e:                        # allowed only as a one-line explanation
+    except SpecError as e:  # allowed only as a one-line explanation
         assert len(e.problems) == 1 and "fit" in str(e)
         return
     _check(plan)
@@ -96,8 +97,12 @@ def test_exhaustive_refuses_large_clusters():
 def test_cli_plan_simulate_show(tmp_path):
     out = tmp_path / "plan.json"
     cl = os.path.join(ROOT, "examples/clusters/mini-hetero.yaml")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "planner", *a], capture_output=True,
-                                    text=True, cwd=ROOT)
+
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, "-m", "planner", *a], capture_output=True, text=True, cwd=ROOT
+        )
+
     r = run("plan", "--cluster", cl, "--model", "tiny", "--global-batch-size", "8", "-o", str(out))
     assert r.returncode == 0, r.stderr
     r = run("simulate", str(out), "--json")
@@ -110,14 +115,17 @@ def test_cli_plan_simulate_show(tmp_path):
     r = run("show", str(out), "--png", str(png))
     assert r.returncode == 0, r.stderr
     assert png.stat().st_size > 1000
-    r = run("plan", "--cluster", cl, "--model", "llama2-70b", "--global-batch-size", "8", "-o",
-            str(out))
+    r = run(
+        "plan", "--cluster", cl, "--model", "llama2-70b", "--global-batch-size", "8", "-o", str(out)
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 
 def test_planner_imports_no_torch():
-    code = ("import sys, planner.search, planner.simulator, planner.search_cli, planner.cli;"
-            "bad=[m for m in sys.modules if m.split('.')[0] in ('torch','megatron','matplotlib')];"
-            "assert not bad, bad")
+    code = (
+        "import sys, planner.search, planner.simulator, planner.search_cli, planner.cli;"
+        "bad=[m for m in sys.modules if m.split('.')[0] in ('torch','megatron','matplotlib')];"
+        "assert not bad, bad"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr

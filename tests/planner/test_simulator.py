@@ -1,4 +1,5 @@
 """Simulator: example plans, a single-GPU plan by hand, memory overflow reported."""
+
 import os
 
 import pytest
@@ -15,24 +16,52 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_single_gpu_by_hand():
-    cl = load_cluster_dict({"name": "one", "nodes": [
-        {"name": "a", "gpu": "A100-SXM-80GB", "gpus_per_node": 1, "intra_node": "nvlink",
-         "nic": "10 Gbit/s"}]})
+    cl = load_cluster_dict(
+        {
+            "name": "one",
+            "nodes": [
+                {
+                    "name": "a",
+                    "gpu": "A100-SXM-80GB",
+                    "gpus_per_node": 1,
+                    "intra_node": "nvlink",
+                    "nic": "10 Gbit/s",
+                }
+            ],
+        }
+    )
     m = load_model("tiny")
-    plan = build_plan(cl, m, 4, [{"micro_batch_size": 2, "num_microbatches": 2,
-                                  "stages": [{"ranks": [0], "layers": [0, 4]}]}])
+    plan = build_plan(
+        cl,
+        m,
+        4,
+        [
+            {
+                "micro_batch_size": 2,
+                "num_microbatches": 2,
+                "stages": [{"ranks": [0], "layers": [0, 4]}],
+            }
+        ],
+    )
     est = simulate(plan)
     dev = cm.device_for("A100-SXM-80GB")
     fwd = (4 * flops.layer_flops(m, 2) + flops.head_flops(m, 2)) / dev.flops
     opt = total_params(m) * 30 / (2039e9)
     assert est.iteration_time_s == pytest.approx(2 * 3 * fwd + opt)
-    assert est.mfu == pytest.approx(4 * flops.model_flops_per_sample(m) /
-                                    (est.iteration_time_s * 312e12))
+    assert est.mfu == pytest.approx(
+        4 * flops.model_flops_per_sample(m) / (est.iteration_time_s * 312e12)
+    )
     assert est.tokens_per_s == pytest.approx(4 * 32 / est.iteration_time_s)
     assert est.grad_sync_time_s == 0.0
     assert est.peak_memory_gb[0] == pytest.approx(
-        (18 * total_params(m) + 4 * cm.layer_activation_bytes(m, 2, 4, 256, False)
-         + 32 * 2 * 128 * 4 + cm.FRAMEWORK_RESERVE_BYTES) / 1e9)
+        (
+            18 * total_params(m)
+            + 4 * cm.layer_activation_bytes(m, 2, 4, 256, False)
+            + 32 * 2 * 128 * 4
+            + cm.FRAMEWORK_RESERVE_BYTES
+        )
+        / 1e9
+    )
 
 
 def test_example_plans_and_overflow_reported():
