@@ -366,20 +366,6 @@ class MeasuredCosts:
         return ef + over, eb
 
 
-def layer_times(
-    m: ModelSpec,
-    mbs: int,
-    devices: Sequence[Device],
-    qg: Sequence[int],
-    ffn: Sequence[int],
-    tp_link: Sequence[float],
-    recompute: bool,
-) -> tuple[float, float, float, float]:
-    """(compute_fwd, tp_comm_fwd, compute_bwd, tp_comm_bwd) of one layer on a TP group with a
-    profiled device (`MeasuredCosts.layer_times`)."""
-    return MeasuredCosts(m, devices, tp_link).layer_times(mbs, qg, ffn, recompute)
-
-
 def tp_allreduce(
     prof: DeviceProfile, m: ModelSpec, mbs: int, t: int, tp_link: Sequence[float]
 ) -> float:

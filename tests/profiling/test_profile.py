@@ -254,26 +254,34 @@ def test_in_situ_tp_comm(tmp_path):
     beyond the model's own compute estimate (grid x contention); other widths use the curve."""
     import types
 
-    from planner.profile import DeviceProfile, ProfiledDevice, layer_times
+    from planner.profile import DeviceProfile, MeasuredCosts, ProfiledDevice
 
     path, model = _synthetic_profile(tmp_path)
     prof = DeviceProfile(json.loads(path.read_text()), str(path))
     dev = types.SimpleNamespace(profile=ProfiledDevice(prof, prof.contention(2)), flops=1e11)
     assert prof.contention(2) == pytest.approx(1.5)
     # forward: 8 ms measured, compute estimate 10 ms x 1/2 x 1.5 = 7.5 ms -> 0.5 ms of comm
-    cf, tf, cb, tb = layer_times(model, 1, [dev, dev], [2, 2], [128, 128], prof.link, False)
+    cf, tf, cb, tb = MeasuredCosts(model, [dev, dev], prof.link).layer_times(
+        1, [2, 2], [128, 128], False
+    )
     assert cf == pytest.approx(0.0075) and tf == pytest.approx(0.0005)
     assert cb == pytest.approx(0.015) and tb == pytest.approx(0.0)  # 14 ms < 15 ms: none
-    _, _, cbr, tbr = layer_times(model, 2, [dev, dev], [2, 2], [128, 128], prof.link, True)
+    _, _, cbr, tbr = MeasuredCosts(model, [dev, dev], prof.link).layer_times(
+        2, [2, 2], [128, 128], True
+    )
     assert cbr == pytest.approx(0.045) and tbr == pytest.approx(0.0)  # 40 ms < 45 ms
     assert cf + tf == pytest.approx(0.008)  # compute + comm give back the TP layer
     # a group on another link (not inside the profiled node): the all-reduce curve / fit
     other = (prof.link[0] / 10, prof.link[1])
-    _, tf_other, _, _ = layer_times(model, 1, [dev, dev], [2, 2], [128, 128], other, False)
+    _, tf_other, _, _ = MeasuredCosts(model, [dev, dev], other).layer_times(
+        1, [2, 2], [128, 128], False
+    )
     nbytes = model.seq_length * model.hidden_size * 4
     assert tf_other == pytest.approx(2 * prof.allreduce(nbytes, 2, other))
     # a 4-way group: not the profiled width, so the measured curve's ring fit
-    _, tf4, _, _ = layer_times(model, 1, [dev] * 4, [1] * 4, [64] * 4, prof.link, False)
+    _, tf4, _, _ = MeasuredCosts(model, [dev] * 4, prof.link).layer_times(
+        1, [1] * 4, [64] * 4, False
+    )
     assert tf4 == pytest.approx(2 * prof.allreduce(nbytes, 4, prof.link)) and tf4 > 0
 
 
