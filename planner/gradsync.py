@@ -183,9 +183,8 @@ def optimizer_elements(
     the segment's holders by layout.weighted_split with weights `weight_of(rank)`.
     """
     tensors = unit_tensors(model)
-    runs: dict[
-        tuple[int, ...], dict[tuple[int, int], int]
-    ] = {}  # rank set -> {(axis, units): segments}
+    # rank set -> {(axis, units): segments}
+    runs: dict[tuple[int, ...], dict[tuple[int, int], int]] = {}
 
     def add(key: tuple[int, ...], axis: int, n: int, count: int, collective: bool) -> None:
         got = runs.setdefault(key, {})
@@ -193,11 +192,16 @@ def optimizer_elements(
 
     _sweep(model, pipelines, True, add)
     owned: dict[int, int] = {}
+    splits: dict[tuple[int, tuple[float, ...]], list[int]] = {}  # many sets share a split
     for ranks, sizes in runs.items():
-        weights = [weight_of(r) for r in ranks]
+        weights = tuple(weight_of(r) for r in ranks)
         for (axis, n), count in sizes.items():
             for cut in tensors[axis]:
-                for r, rows in zip(ranks, weighted_split(n * cut.rows, weights)):
+                key = (n * cut.rows, weights)
+                parts = splits.get(key)
+                if parts is None:
+                    parts = splits[key] = weighted_split(n * cut.rows, list(weights))
+                for r, rows in zip(ranks, parts):
                     owned[r] = owned.get(r, 0) + rows * cut.inner * count
     return owned
 

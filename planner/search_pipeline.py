@@ -129,6 +129,7 @@ class Context:
         self._boundary: dict[cm.Signature, cm.BoundaryTimes] = {}
         self._unit_stage: dict[tuple[Any, ...], StageDraft] = {}
         self._unit_boundary: dict[tuple[Any, ...], cm.BoundaryTimes] = {}
+        self._fit: dict[tuple[Any, ...], int] = {}  # layers_that_fit by its arguments
         # build_pipeline templates by (unit kinds, node pattern, ks, m)
         self._pipes: dict[tuple[Any, ...], _Template | None] = {}
 
@@ -160,15 +161,47 @@ class Context:
         if last:
             a, b = costs.head_times(self.mbs, shards["vocab"])
             ef, eb = ef + a, eb + b
-        # memory: 1F1B keeps at most num_stages - position micro-batches in flight
+        # memory: 1F1B keeps at most num_stages - position micro-batches in flight; ranks with
+        # the same memory and shards (a TP group of one GPU type) are asked once
+        needs = set(
+            zip(
+                (d.memory_bytes for d in devs),
+                shards["query_groups"],
+                shards["ffn"],
+                shards["vocab"],
+            )
+        )
         nmax = min(
-            cm.layers_that_fit(
-                dev.memory_bytes,
-                m,
+            self._layers_that_fit(capacity, qg, ff, vv, first, last, position, num_stages)
+            for capacity, qg, ff, vv in needs
+        )
+        st = StageDraft(tuple(ranks), shards, cf + tf, cb + tb, ef, eb, nmax)
+        self._stage[key] = st
+        return StageDraft(st.ranks, st.shards, st.cf, st.cb, st.ef, st.eb, st.nmax)
+
+    def _layers_that_fit(
+        self,
+        capacity: float,
+        qg: int,
+        ffn: int,
+        vocab: int,
+        first: bool,
+        last: bool,
+        position: int,
+        num_stages: int,
+    ) -> int:
+        """`costmodel.layers_that_fit` for this search's model, micro-batch and recompute,
+        memoised: many stages of one search share a GPU type, shards and position."""
+        key = (capacity, qg, ffn, vocab, first, last, position, num_stages)
+        got = self._fit.get(key)
+        if got is None:
+            got = self._fit[key] = cm.layers_that_fit(
+                capacity,
+                self.model,
                 self.mbs,
                 qg,
-                ff,
-                vv,
+                ffn,
+                vocab,
                 first,
                 last,
                 position,
@@ -177,11 +210,7 @@ class Context:
                 self.recompute,
                 self.optimizer_fraction,
             )
-            for dev, qg, ff, vv in zip(devs, shards["query_groups"], shards["ffn"], shards["vocab"])
-        )
-        st = StageDraft(tuple(ranks), shards, cf + tf, cb + tb, ef, eb, nmax)
-        self._stage[key] = st
-        return StageDraft(st.ranks, st.shards, st.cf, st.cb, st.ef, st.eb, st.nmax)
+        return got
 
     def unit_stage(
         self,
