@@ -535,6 +535,36 @@ def _failure(exc: Exception, config: RunConfig) -> NoReturn:
     os._exit(1)
 
 
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which a container or Slurm narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def report_cpu_threads() -> None:
+    """On CPU, say on each node's first process how many compute threads the node's processes
+    run, and warn when they exceed its cores: oversubscribed ranks wait for a core inside every
+    collective, and steps slow down several times (set OMP_NUM_THREADS before the launch)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    threads, cores = torch.get_num_threads(), available_cores()
+    print(
+        f"CPU: {procs} process(es) on this node x {threads} compute thread(s) each, "
+        f"{cores} core(s)",
+        flush=True,
+    )
+    if procs * threads > cores:
+        print(
+            f"WARNING: {procs} x {threads} compute threads on {cores} cores oversubscribe this "
+            f"node; set OMP_NUM_THREADS={max(cores // procs, 1)} before the launch",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def init_distributed(plan: Plan, config: RunConfig) -> torch.device:
     """Device choice, world-size check, then the process group (with the timeout); returns the
     device. A process group that exists already (a test harness) is kept."""
@@ -551,6 +581,7 @@ def init_distributed(plan: Plan, config: RunConfig) -> torch.device:
         from megatron_hexi.patches import apply_cpu_patches
 
         apply_cpu_patches()
+        report_cpu_threads()
     if os.environ.get("HEXI_STRICT_COLLECTIVES") == "1":
         from megatron_hexi.strict_collectives import install
 

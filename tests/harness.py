@@ -21,6 +21,7 @@ ranks had not finished. A rank that raises fails the test with that rank's numbe
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib
 import importlib.util
@@ -38,6 +39,24 @@ import traceback
 
 # What every process started by the harness sees first: no GPU (the tests are CPU tests).
 CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+# One compute thread per rank unless `env` says otherwise: the ranks of a job share the cores,
+# and torch's default (one thread per core in each rank) oversubscribes them several times.
+THREADS_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@contextlib.contextmanager
+def _environment(env):
+    """os.environ with `env` set for the duration (restored after)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class DistributedTestError(AssertionError):
@@ -100,7 +119,6 @@ def _worker(ref, rank, world_size, port, env, args, kwargs, results, deadline, p
                 "LOCAL_WORLD_SIZE": str(world_size),
             }
         )
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the CPU cores
         os.environ.update(env or {})
         # If this rank is still running just before the parent kills it, dump its stacks (where
         # a hang is) to a file of its own: ranks dumping to one stderr at the same moment
@@ -112,8 +130,15 @@ def _worker(ref, rank, world_size, port, env, args, kwargs, results, deadline, p
         fn = _resolve(*ref)
         import datetime
 
+        import torch
         import torch.distributed as dist
 
+        threads = int(os.environ["OMP_NUM_THREADS"])
+        if torch.get_num_threads() != threads:
+            raise RuntimeError(
+                f"rank {rank} runs {torch.get_num_threads()} compute threads, not "
+                f"OMP_NUM_THREADS={threads}: torch was imported before the setting"
+            )
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout)
         )
@@ -197,7 +222,7 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
     killing every process, if the job is not done in `timeout` seconds.
     """
     ref = _function_ref(fn)
-    env = {**(CPU_ONLY_ENV if hide_cuda else {}), **(env or {})}
+    env = {**(CPU_ONLY_ENV if hide_cuda else {}), **THREADS_ENV, **(env or {})}
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -225,7 +250,8 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
                     stacks[rank],
                 ),
             )
-            p.start()
+            with _environment(env):  # the spawned interpreter starts with it: before torch
+                p.start()
             procs.append(p)
         done = {}
 
@@ -298,9 +324,9 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
 
 def run_ranks(argv, world, timeout=240, env=None, cwd=None):
     """`python ARGV...` as `world` plain processes with torchrun's environment (RANK, LOCAL_RANK,
-    WORLD_SIZE, a free MASTER_PORT, one thread each, CUDA hidden). Not torchrun itself: its agent
-    stops the other workers as soon as one fails, so each rank's own exit code and error would
-    depend on timing. Returns [(exit code, stdout, stderr)] per rank."""
+    LOCAL_WORLD_SIZE, WORLD_SIZE, a free MASTER_PORT, one thread each, CUDA hidden). Not torchrun
+    itself: its agent stops the other workers as soon as one fails, so each rank's own exit code
+    and error would depend on timing. Returns [(exit code, stdout, stderr)] per rank."""
     port = str(free_port())
     procs = []
     for rank in range(world):
@@ -309,6 +335,7 @@ def run_ranks(argv, world, timeout=240, env=None, cwd=None):
             **CPU_ONLY_ENV,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
             "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port,

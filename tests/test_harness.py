@@ -156,3 +156,16 @@ def test_torchrun_timeout_kills_the_whole_job(tmp_path):
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_running(p) for p in pids)
+
+
+def _threads():
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_ranks_run_the_threads_they_are_given():
+    """One compute thread per rank by default, fixed before torch is imported (a setting made
+    after the import is not seen by torch); `env` may ask for more."""
+    assert run_distributed(_threads, 2, timeout=60) == [1, 1]
+    assert run_distributed(_threads, 2, timeout=60, env={"OMP_NUM_THREADS": "2"}) == [2, 2]

@@ -10,11 +10,13 @@ launches at a time, which is such a load.
 import concurrent.futures
 import json
 import math
+import os
 
 from harness import run_ranks
 from runtime.plans import write_plan
 
 LAUNCHES = 20
+CORES = len(os.sched_getaffinity(0))
 TWO_STAGES = [
     {
         "micro_batch_size": 2,
@@ -35,9 +37,9 @@ FLAGS = [
 ]
 
 
-def launch(repo_root, args, world=2):
+def launch(repo_root, args, world=2, env=None):
     """pretrain_gpt.py on `world` ranks as plain processes: [(exit code, stdout, stderr)]."""
-    return run_ranks([repo_root / "pretrain_gpt.py", *args], world, cwd=repo_root)
+    return run_ranks([repo_root / "pretrain_gpt.py", *args], world, cwd=repo_root, env=env)
 
 
 def test_every_launch_exits_zero(repo_root, tmp_path):
@@ -56,6 +58,30 @@ def test_every_launch_exits_zero(repo_root, tmp_path):
     )
     for ranks in runs:
         assert "done: iterations 1-2" in ranks[0][1], ranks[0]
+    # one compute thread per process (the harness's setting), said once per node
+    (_, out0, err0), (_, out1, _) = runs[0]
+    assert "CPU: 2 process(es) on this node x 1 compute thread(s) each" in out0, out0
+    assert "CPU:" not in out1, out1
+    if CORES >= 2:
+        assert "oversubscribe" not in err0, err0
+
+
+def test_oversubscribed_node_is_warned(repo_root, tmp_path):
+    """As many threads per process as the node has cores, two processes: twice the cores."""
+    plan = write_plan(tmp_path, "two_stages", "tiny", 2, TWO_STAGES)
+    ranks = launch(
+        repo_root,
+        ["--hetero-plan-path", plan, "--train-iters", "1", *FLAGS],
+        env={"OMP_NUM_THREADS": str(CORES)},
+    )
+    assert [code for code, _, _ in ranks] == [0, 0], [err[-2000:] for _, _, err in ranks]
+    (_, out0, err0), (_, _, err1) = ranks
+    assert f"2 process(es) on this node x {CORES} compute thread(s) each, {CORES} core(s)" in out0
+    assert (
+        f"WARNING: 2 x {CORES} compute threads on {CORES} cores oversubscribe this node; "
+        f"set OMP_NUM_THREADS={max(CORES // 2, 1)} before the launch"
+    ) in err0, err0
+    assert "oversubscribe" not in err1, err1
 
 
 def test_errors_after_start_up_exit_two_on_every_rank(repo_root, tmp_path):

@@ -80,6 +80,7 @@ def _report(steps, losses):
         "finalize_s": fin,
         "cpu_s": cpu.tolist(),
         "losses": losses,
+        "threads": torch.get_num_threads(),
     }
 
 

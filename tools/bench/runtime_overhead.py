@@ -29,14 +29,21 @@ all-reduce + segment sync, or megatron's token broadcast + scaling) and the rest
 grad norm and clipping, scheduler, and in ours the stats all-reduce).
 """
 
-import argparse
 import os
-import shlex
-import statistics
-import sys
-import tempfile
-import time
-from pathlib import Path
+
+# Compute threads per rank, fixed before torch is imported (here, in the workers module, and in
+# every rank: the spawned ranks start with this environment). THREADS ranks' threads must fit the
+# cores, or the ranks wait for a core inside every collective and the ratio means nothing.
+THREADS = int(os.environ.setdefault("OMP_NUM_THREADS", "1"))
+RANKS = 2
+
+import argparse  # noqa: E402
+import shlex  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # The repository root first (as under `python -m pytest` from it): tests/planner is a test folder
@@ -112,8 +119,25 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
     p.add_argument("--rounds", type=int, default=2, help="ours/plain pairs per case")
     p.add_argument("--timeout", type=float, default=300, help="seconds per run (harness)")
+    p.add_argument(
+        "--allow-oversubscription",
+        action="store_true",
+        help="report even when the ranks' threads exceed the cores (the figures are then noise)",
+    )
     a = p.parse_args(argv)
     print("$ " + " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]), flush=True)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    print(
+        f"threads: OMP_NUM_THREADS={THREADS} per rank x {RANKS} ranks on {cores} cores",
+        flush=True,
+    )
+    if THREADS * RANKS > (cores or 1) and not a.allow_oversubscription:
+        print(
+            f"runtime_overhead.py: {RANKS} ranks x {THREADS} threads oversubscribe {cores} cores; "
+            f"set OMP_NUM_THREADS={max((cores or 1) // RANKS, 1)} (or --allow-oversubscription)",
+            file=sys.stderr,
+        )
+        return 2
     print(
         f"model {MODEL['num_layers']}L h{MODEL['hidden_size']} ffn{MODEL['ffn_hidden_size']} "
         f"heads {MODEL['num_attention_heads']} vocab {MODEL['vocab_size']} seq "
@@ -140,7 +164,7 @@ def main(argv=None):
                             plans[case],
                             iters,
                             timeout=a.timeout,
-                            env={"OMP_NUM_THREADS": "1"},
+                            env={"OMP_NUM_THREADS": str(THREADS)},
                         )[0]
                     except DistributedTimeout as e:
                         print(
@@ -151,6 +175,10 @@ def main(argv=None):
                         )
                         round_medians[case, variant].append(float("nan"))
                         continue
+                    if out["threads"] != THREADS:
+                        raise SystemExit(
+                            f"a rank ran {out['threads']} threads, not OMP_NUM_THREADS={THREADS}"
+                        )
                     steps = list(
                         zip(out["step_s"], out["fwd_bwd_s"], out["finalize_s"], out["cpu_s"])
                     )[a.warmup :]
