@@ -145,6 +145,13 @@ class GradientSync:
                 p.grad = torch.zeros_like(p)
         total = 0
         for _, group, slots in self.buckets:
+            if group is None:  # this rank alone: scale its slices in place (no copy)
+                for s in slots:
+                    if s.contributes:
+                        s.grad_view().div_(num_tokens)
+                    else:
+                        s.grad_view().zero_()
+                continue
             flat = torch.cat(
                 [
                     s.grad_view().reshape(-1).float()
@@ -153,9 +160,8 @@ class GradientSync:
                     for s in slots
                 ]
             )
-            if group is not None:
-                dist.all_reduce(flat, group=group)
-                total += flat.numel() * flat.element_size()
+            dist.all_reduce(flat, group=group)
+            total += flat.numel() * flat.element_size()
             flat.div_(num_tokens)
             offset = 0
             for s in slots:
