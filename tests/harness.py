@@ -21,7 +21,6 @@ ranks had not finished. A rank that raises fails the test with that rank's numbe
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import importlib
 import importlib.util
@@ -36,27 +35,13 @@ import sys
 import tempfile
 import time
 import traceback
+from unittest import mock
 
 # What every process started by the harness sees first: no GPU (the tests are CPU tests).
 CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 # One compute thread per rank unless `env` says otherwise: the ranks of a job share the cores,
 # and torch's default (one thread per core in each rank) oversubscribes them several times.
 THREADS_ENV = {"OMP_NUM_THREADS": "1"}
-
-
-@contextlib.contextmanager
-def _environment(env):
-    """os.environ with `env` set for the duration (restored after)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class DistributedTestError(AssertionError):
@@ -250,7 +235,7 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
                     stacks[rank],
                 ),
             )
-            with _environment(env):  # the spawned interpreter starts with it: before torch
+            with mock.patch.dict(os.environ, env):  # the spawned interpreter starts with it
                 p.start()
             procs.append(p)
         done = {}

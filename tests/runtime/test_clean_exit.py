@@ -10,13 +10,13 @@ launches at a time, which is such a load.
 import concurrent.futures
 import json
 import math
-import os
 
 from harness import run_ranks
+from megatron_hexi.training import available_cores
 from runtime.plans import write_plan
 
 LAUNCHES = 20
-CORES = len(os.sched_getaffinity(0))
+CORES = available_cores()
 TWO_STAGES = [
     {
         "micro_batch_size": 2,

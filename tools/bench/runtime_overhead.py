@@ -54,6 +54,7 @@ import yaml  # noqa: E402
 
 import _overhead_workers as workers  # noqa: E402
 from harness import DistributedTimeout, run_distributed  # noqa: E402
+from megatron_hexi.training import available_cores  # noqa: E402
 
 MODEL = {
     "num_layers": 4,
@@ -126,15 +127,15 @@ def main(argv=None):
     )
     a = p.parse_args(argv)
     print("$ " + " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]), flush=True)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = available_cores()
     print(
         f"threads: OMP_NUM_THREADS={THREADS} per rank x {RANKS} ranks on {cores} cores",
         flush=True,
     )
-    if THREADS * RANKS > (cores or 1) and not a.allow_oversubscription:
+    if THREADS * RANKS > cores and not a.allow_oversubscription:
         print(
             f"runtime_overhead.py: {RANKS} ranks x {THREADS} threads oversubscribe {cores} cores; "
-            f"set OMP_NUM_THREADS={max((cores or 1) // RANKS, 1)} (or --allow-oversubscription)",
+            f"set OMP_NUM_THREADS={max(cores // RANKS, 1)} (or --allow-oversubscription)",
             file=sys.stderr,
         )
         return 2
