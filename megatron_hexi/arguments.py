@@ -25,6 +25,7 @@ from megatron_hexi.config import (
     RuntimeConfig,
     TrainingConfig,
 )
+from megatron_hexi.tokenizer import TOKENIZER_FILES, TOKENIZER_TYPES
 from planner.errors import SpecError
 
 if TYPE_CHECKING:
@@ -213,8 +214,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data-path", nargs="+", default=None)
     d.add_argument("--split", default="969,30,1")
     d.add_argument("--data-cache-path", default=None)
-    d.add_argument("--tokenizer-type", default=None)
-    d.add_argument("--tokenizer-model", default=None)
+    d.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        default=None,
+        help="how --data-path was tokenized (Megatron-LM's names)",
+    )
+    d.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="HuggingFaceTokenizer: a tokenizer.json or a model directory; "
+        "SentencePieceTokenizer: a tokenizer.model",
+    )
+    d.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    d.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     d.add_argument("--log-interval", type=int, default=1)
     d.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None)
     d.add_argument(
@@ -303,12 +316,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     check_split(args.split)
     if not args.mock_data and not args.data_path:
         raise SpecError("give --mock-data or --data-path")
-    if args.data_path and (
-        args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model
-    ):
-        raise SpecError(
-            "--data-path needs --tokenizer-type HuggingFaceTokenizer and --tokenizer-model PATH"
-        )
+    if args.data_path:
+        check_tokenizer_flags(args)
     if args.save_interval and not args.save:
         raise SpecError("--save-interval needs --save DIR")
     loading = ("ckpt_step", "finetune", "no_load_optim", "no_load_rng", "hetero_load_if_exists")
@@ -316,6 +325,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not args.load and given:
         raise SpecError(f"--{given[0].replace('_', '-')} needs --load DIR")
     return args
+
+
+def check_tokenizer_flags(args: argparse.Namespace) -> None:
+    """--data-path needs a tokenizer, named with the files its type reads."""
+    if args.tokenizer_type is None:
+        raise SpecError(
+            "--data-path needs --tokenizer-type (one of " + ", ".join(TOKENIZER_TYPES) + ")"
+        )
+    needs = TOKENIZER_FILES[args.tokenizer_type]
+    missing = [f for f in needs if not getattr(args, f.lstrip("-").replace("-", "_"))]
+    if missing:
+        raise SpecError(f"--tokenizer-type {args.tokenizer_type} needs {' and '.join(missing)}")
 
 
 def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
@@ -411,7 +432,6 @@ NOT_IN_RUN_CONFIG = frozenset(
         "use_distributed_optimizer",
         "hetero_optimizer_shard",
         "optimizer",  # adam only
-        "tokenizer_type",  # HuggingFaceTokenizer only
     }
 )
 
@@ -449,7 +469,10 @@ def run_config(args: argparse.Namespace) -> RunConfig:
             data_path=None if args.data_path is None else tuple(args.data_path),
             split=args.split,
             data_cache_path=args.data_cache_path,
+            tokenizer_type=args.tokenizer_type,
             tokenizer_model=args.tokenizer_model,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
         ),
         checkpoint=CheckpointConfig(
             save=args.save,

@@ -89,8 +89,15 @@ class DataConfig:
     """Train, validation and test weights; only the training split is read."""
     data_cache_path: str | None = None
     """Where megatron-core caches its sample indices."""
+    tokenizer_type: str | None = None
+    """Megatron-LM's tokenizer name: HuggingFaceTokenizer, SentencePieceTokenizer or
+    GPT2BPETokenizer (with `data_path`)."""
     tokenizer_model: str | None = None
-    """HuggingFace tokenizer directory or name (with `data_path`)."""
+    """HuggingFaceTokenizer: tokenizer.json or a model directory; SentencePiece: tokenizer.model."""
+    vocab_file: str | None = None
+    """GPT2BPETokenizer: vocab.json."""
+    merge_file: str | None = None
+    """GPT2BPETokenizer: merges.txt."""
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,20 @@ import json
 import os
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import SupportsInt
+from typing import TYPE_CHECKING, SupportsInt
 
 from planner.errors import SpecError
+
+if TYPE_CHECKING:
+    from megatron_hexi.config import DataConfig
+
+# Megatron-LM's --tokenizer-type names this runtime reads, and the flags naming each one's files.
+TOKENIZER_FILES = {
+    "HuggingFaceTokenizer": ("--tokenizer-model",),
+    "SentencePieceTokenizer": ("--tokenizer-model",),
+    "GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
+}
+TOKENIZER_TYPES = tuple(TOKENIZER_FILES)
 
 # Tried in order when no tokenizer_config.json names the token.
 EOD_NAMES = (
@@ -147,3 +158,13 @@ def check_vocab_fits(tokenizer: HuggingFaceTokenizer, model_vocab_size: int) -> 
             f"vocab_size {model_vocab_size}; plan with a model whose vocab_size is "
             f">= {tokenizer.vocab_size}"
         )
+
+
+def build_tokenizer(data: DataConfig) -> HuggingFaceTokenizer | None:
+    """The tokenizer `data.tokenizer_type` names, over the files its flags give; None for the
+    mock corpus (which needs no tokenizer)."""
+    if data.mock_data:
+        return None
+    if data.tokenizer_type != "HuggingFaceTokenizer":
+        raise SpecError(f"--tokenizer-type {data.tokenizer_type}: not supported yet")
+    return HuggingFaceTokenizer(data.tokenizer_model)

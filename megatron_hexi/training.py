@@ -50,8 +50,7 @@ if TYPE_CHECKING:
     from megatron.core.datasets.blended_megatron_dataset_builder import TopLevelDataset
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_hexi.config import DataConfig, RunConfig
-    from megatron_hexi.tokenizer import HuggingFaceTokenizer
+    from megatron_hexi.config import RunConfig
     from planner.plan import Plan
 
     # What the loss function of a micro-batch returns to megatron-core's schedule: the loss sum,
@@ -267,26 +266,18 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def _tokenizer(data: DataConfig) -> HuggingFaceTokenizer | None:
-    """The tokenizer of a DataConfig's corpus; None for the mock corpus."""
-    if data.mock_data:
-        return None
-    from megatron_hexi.tokenizer import HuggingFaceTokenizer
-
-    return HuggingFaceTokenizer(data.tokenizer_model)
-
-
 def build_dataset(plan: Plan, config: RunConfig) -> TopLevelDataset:
     """The training dataset of a run: its DataConfig, long enough for its iterations, in the order
     its seed draws."""
     from megatron_hexi.data import build_train_dataset
+    from megatron_hexi.tokenizer import build_tokenizer
 
     return build_train_dataset(
         config.data,
         plan,
         train_iters=config.training.train_iters,
         seed=config.training.seed,
-        tokenizer=_tokenizer(config.data),
+        tokenizer=build_tokenizer(config.data),
     )
 
 

@@ -155,7 +155,7 @@ def _other_value(action):
     if action.nargs == 0:  # store_true / store_false
         return [flag]
     if action.choices:
-        return [flag, next(c for c in action.choices if c != action.default)]
+        return [flag, next(c for c in action.choices if c not in (action.default, *BASE))]
     if action.dest == "split":
         return [flag, "1,0,0"]
     if action.nargs == "+":
