@@ -43,12 +43,14 @@ setup(
             # environment's torch stays.
             "transformers>=5.0,<6",
             "tensorboard>=2.15,<3",
+            "wandb>=0.31,<0.32",  # --wandb-project, tested offline
             # Lint, format and type checks (tools/test.sh); config in pyproject.toml.
             "ruff>=0.17,<0.18",
             "mypy>=2.4,<2.5",
             "types-PyYAML>=6.0.12,<7",
         ],
         "tensorboard": ["tensorboard>=2.15,<3"],
+        "wandb": ["wandb>=0.31,<0.32"],
         "plot": ["matplotlib>=3.8,<4"],
         "gpu": ["transformer-engine[pytorch]"],
     },

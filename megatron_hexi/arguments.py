@@ -17,6 +17,7 @@ from megatron_hexi.config import (
     CheckpointConfig,
     DataConfig,
     DropoutConfig,
+    EvaluationConfig,
     LoggingConfig,
     LRScheduleConfig,
     OptimizerConfig,
@@ -110,6 +111,8 @@ RANGES = {
     "exit_interval": Range(1),
     "tensorboard_log_interval": Range(1),
     "ckpt_step": Range(0),
+    "eval_interval": Range(1),
+    "eval_iters": Range(0),
 }
 
 
@@ -142,11 +145,22 @@ def check_split(text: str) -> None:
         )
 
 
+EXAMPLE = """example (4 CPU processes standing in for the plan's 4 GPUs):
+  hexi-plan plan --cluster examples/clusters/mini-hetero.yaml --model tiny \\
+      --global-batch-size 8 -o plan.json
+  OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 pretrain_gpt.py --hetero-plan-path plan.json \\
+      --mock-data --train-iters 20 --lr 1e-3 --lr-decay-style constant \\
+      --eval-interval 10 --eval-iters 2 --log-interval 5
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="pretrain_gpt.py",
         allow_abbrev=False,
         description="Train a GPT under a heterogeneous plan.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLE,
     )
     h = p.add_argument_group("hetero")
     h.add_argument("--hetero-plan-path", required=True, help="plan JSON (hexi-plan)")
@@ -228,7 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     d.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
-    d.add_argument("--log-interval", type=int, default=1)
+    d.add_argument(
+        "--log-interval",
+        type=int,
+        default=1,
+        help="print one line every N iterations, averaged over them (as Megatron-LM)",
+    )
+    d.add_argument(
+        "--log-throughput",
+        action="store_true",
+        help="add the model TFLOP/s per GPU to the iteration line",
+    )
     d.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None)
     d.add_argument(
         "--distributed-timeout-minutes",
@@ -239,6 +263,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
     d.add_argument("--tensorboard-log-interval", type=int, default=1)
+    d.add_argument(
+        "--wandb-project", default=None, help="log the TensorBoard scalars to this wandb project"
+    )
+    d.add_argument("--wandb-exp-name", default=None, help="the wandb run's name")
+    d.add_argument(
+        "--wandb-save-dir",
+        default=None,
+        help="where wandb writes (default: SAVE/wandb with --save, else ./wandb)",
+    )
+    v = p.add_argument_group("validation")
+    v.add_argument(
+        "--eval-interval",
+        type=int,
+        default=None,
+        help="validation loss every N iterations and at the end of training",
+    )
+    v.add_argument(
+        "--eval-iters",
+        type=int,
+        default=None,
+        help="global batches per evaluation (default 100 when evaluating; 0: none)",
+    )
+    v.add_argument(
+        "--skip-train",
+        action="store_true",
+        help="evaluate the loaded (or initial) weights without training",
+    )
+    v.add_argument(
+        "--valid-data-path",
+        nargs="+",
+        default=None,
+        help="validation prefixes, as --data-path (default: the validation split of --split)",
+    )
     d.add_argument(
         "--no-check-for-nan-in-loss-and-grad",
         action="store_false",
@@ -318,6 +375,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise SpecError("give --mock-data or --data-path")
     if args.data_path:
         check_tokenizer_flags(args)
+    if args.valid_data_path and not args.data_path:
+        raise SpecError("--valid-data-path needs --data-path (and its tokenizer)")
     if args.save_interval and not args.save:
         raise SpecError("--save-interval needs --save DIR")
     loading = ("ckpt_step", "finetune", "no_load_optim", "no_load_rng", "hetero_load_if_exists")
@@ -445,6 +504,11 @@ def run_config(args: argparse.Namespace) -> RunConfig:
             exit_interval=args.exit_interval,
             check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
         ),
+        evaluation=EvaluationConfig(
+            eval_interval=args.eval_interval,
+            eval_iters=args.eval_iters,
+            skip_train=args.skip_train,
+        ),
         optimizer=OptimizerConfig(
             lr=args.lr,
             min_lr=args.min_lr,
@@ -473,6 +537,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
             tokenizer_model=args.tokenizer_model,
             vocab_file=args.vocab_file,
             merge_file=args.merge_file,
+            valid_data_path=None if args.valid_data_path is None else tuple(args.valid_data_path),
         ),
         checkpoint=CheckpointConfig(
             save=args.save,
@@ -488,9 +553,13 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         ),
         logging=LoggingConfig(
             log_interval=args.log_interval,
+            log_throughput=args.log_throughput,
             metrics_path=args.hetero_metrics_path,
             tensorboard_dir=args.tensorboard_dir,
             tensorboard_log_interval=args.tensorboard_log_interval,
+            wandb_project=args.wandb_project,
+            wandb_exp_name=args.wandb_exp_name,
+            wandb_save_dir=args.wandb_save_dir,
         ),
         runtime=RuntimeConfig(
             device=args.hetero_device,

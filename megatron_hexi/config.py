@@ -33,6 +33,30 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
+class EvaluationConfig:
+    """Validation loss (Megatron-LM's evaluation), on the validation split or its own data.
+
+    Unlike Megatron-LM, which evaluates 100 iterations at the end of every run by default, a run
+    evaluates only when asked (`eval_interval` or `eval_iters` given, or `skip_train`): tiny CPU
+    runs would otherwise spend most of their time evaluating."""
+
+    eval_interval: int | None = None
+    """Evaluate every this many iterations (and at the end of training); None: at the end only,
+    when evaluation is on."""
+    eval_iters: int | None = None
+    """Global batches per evaluation; None: 100 when evaluation is on; 0: no evaluation."""
+    skip_train: bool = False
+    """Evaluate the loaded (or initial) weights without training."""
+
+    @property
+    def batches(self) -> int:
+        """Global batches each evaluation reads; 0 when evaluation is off."""
+        if self.eval_iters is not None:
+            return self.eval_iters
+        return 100 if (self.eval_interval or self.skip_train) else 0
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
     """Adam with decoupled weight decay, and gradient clipping (megatron-core's optimizer)."""
 
@@ -86,7 +110,7 @@ class DataConfig:
     data_path: tuple[str, ...] | None = None
     """Prefixes of .bin/.idx pairs, optionally weighted: ("W1", "PREFIX1", "W2", "PREFIX2")."""
     split: str = "969,30,1"
-    """Train, validation and test weights; only the training split is read."""
+    """Train, validation and test weights; the test split is not read."""
     data_cache_path: str | None = None
     """Where megatron-core caches its sample indices."""
     tokenizer_type: str | None = None
@@ -98,6 +122,8 @@ class DataConfig:
     """GPT2BPETokenizer: vocab.json."""
     merge_file: str | None = None
     """GPT2BPETokenizer: merges.txt."""
+    valid_data_path: tuple[str, ...] | None = None
+    """Validation prefixes, as `data_path`; None: the validation split of `split`."""
 
 
 @dataclass(frozen=True)
@@ -125,13 +151,23 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """What rank 0 reports: log lines, JSONL metrics, TensorBoard scalars."""
+    """What a run reports: log lines, JSONL metrics (rank 0), TensorBoard scalars (rank 0) and
+    wandb (the last rank, as in Megatron-LM)."""
 
     log_interval: int = 1
+    """Print one line every this many iterations, averaged over them."""
+    log_throughput: bool = False
+    """Add the model TFLOP/s per GPU to the iteration line."""
     metrics_path: str | None = None
     """JSONL file, one line of metrics per iteration."""
     tensorboard_dir: str | None = None
     tensorboard_log_interval: int = 1
+    wandb_project: str | None = None
+    """Log the TensorBoard scalars to this wandb project too."""
+    wandb_exp_name: str | None = None
+    """The wandb run's name."""
+    wandb_save_dir: str | None = None
+    """Where wandb writes its files; None: `<save>/wandb` or ./wandb."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +188,7 @@ class RunConfig:
 
     training: TrainingConfig
     optimizer: OptimizerConfig
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     dropout: DropoutConfig = field(default_factory=DropoutConfig)

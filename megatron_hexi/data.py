@@ -20,6 +20,7 @@ from megatron.core.datasets.gpt_dataset import (
     MockGPTDataset,
     MockGPTLowLevelDataset,
 )
+from megatron.core.datasets.utils import Split
 
 from planner.errors import SpecError
 
@@ -75,13 +76,36 @@ def build_train_dataset(
     sample order drawn from `seed`; `tokenizer` is the corpus's (None: a mock one for mock data)."""
     num_samples = train_iters * plan.global_batch_size
     if not data.mock_data:
-        return _build_real_train_dataset(data, plan, seed, tokenizer, num_samples)
+        return _build_real_dataset(data, plan, seed, tokenizer, num_samples, Split.train)
+    # All mock documents train (split 1,0,0): the training order stays the one it always was.
+    return _build_mock_dataset(plan, seed, "1,0,0", Split.train, num_samples, data)
+
+
+def build_valid_dataset(
+    data: DataConfig,
+    plan: Plan,
+    *,
+    num_samples: int,
+    seed: int,
+    tokenizer: HuggingFaceTokenizer | None = None,
+) -> TopLevelDataset:
+    """The validation samples of `data`: `valid_data_path` when given, else the validation split
+    of `split` (mock data: megatron-core's mock documents of that split, which the training
+    samples also draw from: mock text has nothing to generalise to)."""
+    if not data.mock_data:
+        return _build_real_dataset(data, plan, seed, tokenizer, num_samples, Split.valid)
+    return _build_mock_dataset(plan, seed, data.split, Split.valid, num_samples, data)
+
+
+def _build_mock_dataset(
+    plan: Plan, seed: int, split: str, which: Split, num_samples: int, data: DataConfig
+) -> TopLevelDataset:
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=plan.model.seq_length,
-        split="1,0,0",
+        split=split,
         blend=None,
-        tokenizer=tokenizer or MockTokenizer(plan.model.vocab_size),
+        tokenizer=MockTokenizer(plan.model.vocab_size),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
@@ -89,13 +113,33 @@ def build_train_dataset(
         path_to_cache=data.data_cache_path,
     )
     config.mock = True
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        SizedMockGPTDataset, [num_samples, None, None], lambda: True, config
-    ).build()
-    return train
+    _only_split(config, which, data)
+    sizes: list[int | None] = [None, None, None]
+    sizes[which.value] = num_samples
+    return BlendedMegatronDatasetBuilder(SizedMockGPTDataset, sizes, lambda: True, config).build()[
+        which.value
+    ]
 
 
-def data_blend(data_path: Sequence[object]) -> tuple[list[str], list[float] | None]:
+def _only_split(config: GPTDatasetConfig, which: Split, data: DataConfig) -> None:
+    """Build only split `which`: its documents are those --split gives it, and its sample order
+    is the one megatron-core gives it whatever the other splits are (the random state depends
+    only on the seed). The test split is never read."""
+    if config.split_matrix is None:  # blend_per_split (--valid-data-path)
+        return
+    if config.split_matrix[which.value] is None:
+        raise SpecError(
+            f"--split {data.split} leaves no documents for "
+            + ("training" if which == Split.train else "validation (or give --valid-data-path)")
+        )
+    config.split_matrix = [
+        part if i == which.value else None for i, part in enumerate(config.split_matrix)
+    ]
+
+
+def data_blend(
+    data_path: Sequence[object], flag: str = "--data-path"
+) -> tuple[list[str], list[float] | None]:
     """--data-path in Megatron's syntax -> (prefixes, weights or None); SpecError if malformed.
 
     `PREFIX [PREFIX ...]` (blended in proportion to their sizes) or `W1 PREFIX1 W2 PREFIX2 ...`.
@@ -106,13 +150,11 @@ def data_blend(data_path: Sequence[object]) -> tuple[list[str], list[float] | No
     numeric = [_is_number(x) for x in items]
     if any(numeric[0::2]) and (len(items) % 2 or not all(numeric[0::2])):
         raise SpecError(
-            f"--data-path {' '.join(items)}: give either prefixes only or 'weight prefix' pairs"
+            f"{flag} {' '.join(items)}: give either prefixes only or 'weight prefix' pairs"
         )
     prefixes, weights = get_blend_from_list(items)
     if weights is not None and (any(w < 0 for w in weights) or sum(weights) <= 0):
-        raise SpecError(
-            f"--data-path: blend weights must be >= 0 with a positive sum, got {weights}"
-        )
+        raise SpecError(f"{flag}: blend weights must be >= 0 with a positive sum, got {weights}")
     return prefixes, weights
 
 
@@ -124,7 +166,7 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def check_indexed_datasets(prefixes: Sequence[str]) -> None:
+def check_indexed_datasets(prefixes: Sequence[str], flag: str = "--data-path") -> None:
     """Every prefix has a readable .bin/.idx pair. Checked on every rank before megatron-core's
     builder, which builds on rank 0 first while the others wait in a barrier (a failure there
     would leave them waiting until the timeout)."""
@@ -139,7 +181,7 @@ def check_indexed_datasets(prefixes: Sequence[str]) -> None:
                 if os.path.isfile(prefix + "_text_document.bin")
                 else " (make it with tools/preprocess_data.py)"
             )
-            raise SpecError(f"--data-path {prefix}: {' and '.join(missing)} not found{hint}")
+            raise SpecError(f"{flag} {prefix}: {' and '.join(missing)} not found{hint}")
         try:
             index = IndexedDataset(prefix).index
             # The last document ends where the .bin must still have bytes: a truncated or
@@ -152,40 +194,45 @@ def check_indexed_datasets(prefixes: Sequence[str]) -> None:
             )
         except Exception as e:
             raise SpecError(
-                f"--data-path {prefix}: not a megatron-core indexed dataset "
-                f"({type(e).__name__}: {e})"
+                f"{flag} {prefix}: not a megatron-core indexed dataset ({type(e).__name__}: {e})"
             ) from None
         size = os.path.getsize(prefix + ".bin")
         if size < needed:
             raise SpecError(
-                f"--data-path {prefix}: {prefix}.bin has {size} bytes, its .idx "
+                f"{flag} {prefix}: {prefix}.bin has {size} bytes, its .idx "
                 f"needs {needed} (truncated, or not the .bin of this .idx)"
             )
 
 
-def _build_real_train_dataset(
+def _build_real_dataset(
     data: DataConfig,
     plan: Plan,
     seed: int,
     tokenizer: HuggingFaceTokenizer | None,
     num_samples: int,
+    which: Split,
 ) -> TopLevelDataset:
-    """megatron-core's GPTDataset (BlendedDataset over several prefixes) on --data-path."""
+    """megatron-core's GPTDataset (BlendedDataset over several prefixes) for one split: of
+    --data-path under --split, or of --valid-data-path for validation when given."""
     from megatron_hexi.tokenizer import check_vocab_fits
 
     if tokenizer is None:
-        raise SpecError(
-            "--data-path needs --tokenizer-type HuggingFaceTokenizer and --tokenizer-model PATH"
-        )
+        raise SpecError("--data-path needs --tokenizer-type and its tokenizer files")
     check_vocab_fits(tokenizer, plan.model.vocab_size)
-    prefixes, weights = data_blend(data.data_path)
-    check_indexed_datasets(prefixes)
+    own_blend = which == Split.valid and data.valid_data_path
+    flag = "--valid-data-path" if own_blend else "--data-path"
+    assert data.data_path is not None
+    prefixes, weights = data_blend(data.valid_data_path if own_blend else data.data_path, flag)
+    check_indexed_datasets(prefixes, flag)
+    per_split: list[tuple[list[str], list[float] | None] | None] = [None, None, None]
+    per_split[which.value] = (prefixes, weights)
     try:
         config = GPTDatasetConfig(
             random_seed=seed,
             sequence_length=plan.model.seq_length,
-            split=data.split,
-            blend=(prefixes, weights),
+            split=None if own_blend else data.split,
+            blend=None if own_blend else (prefixes, weights),
+            blend_per_split=per_split if own_blend else None,
             tokenizer=tokenizer,
             reset_position_ids=False,
             reset_attention_mask=False,
@@ -195,19 +242,15 @@ def _build_real_train_dataset(
         )
     except (AssertionError, ValueError) as e:
         raise SpecError(f"--split {data.split}: {e or 'malformed'}") from None
-    if config.split_matrix[0] is None:
-        raise SpecError(f"--split {data.split} leaves no documents for training")
-    # Only the training split is built: its documents are those --split gives it, and its
-    # sample order is the one megatron-core gives it whatever the other splits are (the random
-    # state depends only on the seed); validation and test are not used by this runtime.
-    config.split_matrix = [config.split_matrix[0], None, None]
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [num_samples, 0, 0], lambda: True, config
-    ).build()
-    if train is None or len(train) < num_samples:
-        have = 0 if train is None else len(train)
+    _only_split(config, which, data)
+    sizes = [0, 0, 0]
+    sizes[which.value] = num_samples
+    built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    dataset = built[which.value]
+    if dataset is None or len(dataset) < num_samples:
+        have = 0 if dataset is None else len(dataset)
         raise SpecError(
-            f"--data-path: the training split gives {have} samples, {num_samples} "
+            f"{flag}: the {which.name} split gives {have} samples, {num_samples} "
             f"are needed"
             + (
                 "; prefixes without weights are read once each (Megatron's rule): "
@@ -216,7 +259,7 @@ def _build_real_train_dataset(
                 else ""
             )
         )
-    return train
+    return dataset
 
 
 def pipeline_microbatches(

@@ -2,9 +2,12 @@
 
 Launch rank 0 writes them: it holds every all-reduced metric of the iteration. Names follow
 Megatron-LM's where it has one ("lm loss", "learning-rate", "grad-norm", "iteration-time",
-"batch-size"), plus tokens per second, MFU, each pipeline's step time and each rank's peak memory.
+"batch-size", "lm loss validation"), plus tokens per second, MFU, each pipeline's step time and
+each rank's peak memory. `iteration_scalars` and `validation_scalars` own the names: wandb
+(megatron_hexi.wandb_log) logs the same ones.
 """
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -23,32 +26,49 @@ def check_available() -> None:
         )
 
 
+def iteration_scalars(m: Mapping[str, Any], global_batch_size: int) -> dict[str, float]:
+    """The scalars of one training iteration's metrics (training.Trainer.train_step), by name."""
+    scalars = {
+        "lm loss": m["lm_loss"],
+        "learning-rate": m["lr"],
+        "grad-norm": m["grad_norm"],
+        "iteration-time": m["step_time_s"],
+        "batch-size": float(global_batch_size),
+        "tokens-per-second": m["tokens_per_s"],
+        "mfu": m["mfu"],
+    }
+    for p, t in enumerate(m["pipelines"]):
+        scalars[f"pipeline-step-time/pipeline-{p}"] = t
+    for r, gb in enumerate(m["peak_memory_gb"]):
+        scalars[f"peak-memory-gb/rank-{r}"] = gb
+    return scalars
+
+
+def validation_scalars(lm_loss: float) -> dict[str, float]:
+    """Megatron-LM's names for a validation loss and its perplexity."""
+    return {"lm loss validation": lm_loss, "lm loss validation ppl": perplexity(lm_loss)}
+
+
+def perplexity(lm_loss: float) -> float:
+    """exp(loss), capped as Megatron-LM caps it (exp(20)) so a diverged run prints a number."""
+    return math.exp(min(20.0, lm_loss))
+
+
 class TensorBoardLogger:
-    def __init__(
-        self, log_dir: str | os.PathLike[str], global_batch_size: int, log_interval: int = 1
-    ) -> None:
+    """Scalars every `log_interval` iterations (validation scalars whenever computed)."""
+
+    def __init__(self, log_dir: str | os.PathLike[str], log_interval: int = 1) -> None:
         check_available()
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=log_dir)
-        self.global_batch_size = global_batch_size
         self.log_interval = max(1, log_interval)
 
-    def log(self, iteration: int, m: Mapping[str, Any]) -> None:
-        if iteration % self.log_interval:
+    def log(self, iteration: int, scalars: Mapping[str, float], *, always: bool = False) -> None:
+        if iteration % self.log_interval and not always:
             return
-        w = self.writer
-        w.add_scalar("lm loss", m["lm_loss"], iteration)
-        w.add_scalar("learning-rate", m["lr"], iteration)
-        w.add_scalar("grad-norm", m["grad_norm"], iteration)
-        w.add_scalar("iteration-time", m["step_time_s"], iteration)
-        w.add_scalar("batch-size", self.global_batch_size, iteration)
-        w.add_scalar("tokens-per-second", m["tokens_per_s"], iteration)
-        w.add_scalar("mfu", m["mfu"], iteration)
-        for p, t in enumerate(m["pipelines"]):
-            w.add_scalar(f"pipeline-step-time/pipeline-{p}", t, iteration)
-        for r, gb in enumerate(m["peak_memory_gb"]):
-            w.add_scalar(f"peak-memory-gb/rank-{r}", gb, iteration)
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, iteration)
 
     def summary(self, text: str, iteration: int) -> None:
         self.writer.add_text("summary", text, iteration)

@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,17 +40,19 @@ from megatron_hexi.model import (
 from megatron_hexi.optimizer import build_optimizer
 from megatron_hexi.process_groups import SingleRank, StagePosition, build_groups
 from megatron_hexi.rank_mapping import check_world_size, map_processes
+from megatron_hexi.tensorboard_log import iteration_scalars, validation_scalars
 from planner.catalog import get_gpu
 from planner.errors import SpecError
 from planner.flops import model_flops_per_sample
-from planner.layout import gradient_segments, reduced_together
+from planner.layout import gradient_segments, rank_params, reduced_together, total_params
 from planner.plan import load_plan
 
 if TYPE_CHECKING:
     from megatron.core.datasets.blended_megatron_dataset_builder import TopLevelDataset
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_hexi.config import RunConfig
+    from megatron_hexi.config import EvaluationConfig, RunConfig
+    from megatron_hexi.tokenizer import HuggingFaceTokenizer
     from planner.plan import Plan
 
     # What the loss function of a micro-batch returns to megatron-core's schedule: the loss sum,
@@ -73,6 +75,7 @@ class Trainer:
         rank_sets = list(dict.fromkeys(s.ranks for s in segments if reduced_together(s, shard)))
         self.groups = build_groups(plan, mapping, rank_sets, timeout)
         self.rank = self.groups.plan_rank
+        startup_line(f"process groups built ({len(rank_sets)} gradient rank set(s))")
         self.view = view = plan.rank_view(self.rank)
         seed_rng(config.training.seed, view.tp_rank)
         bf16 = config.precision.bf16
@@ -88,6 +91,11 @@ class Trainer:
         self.model = build_stage_model(plan, view, self.groups.tp, tc, device)
         self.params = local_parameters(plan, self.rank, self.model)
         initialise_weights(plan, self.params, config.training.seed)
+        per_rank = [rank_params(plan, r) for r in range(plan.world_size)]
+        startup_line(
+            f"model built: parameters per rank {per_rank}, {total_params(plan.model):,} in the "
+            f"model"
+        )
         # bf16: gradients accumulate, sync and reach the fp32 masters in fp32 `main_grad`
         self.main_grads = FP32MainGrads(self.model.parameters()) if bf16 else None
         self.grad_sync = GradientSync(
@@ -115,8 +123,23 @@ class Trainer:
         )
         # Every rank takes part: megatron-core's dataset builder synchronises the whole world
         # (rank 0 builds first). Only first and last stages read from it.
-        self.dataset = build_dataset(plan, config)
+        from megatron_hexi.tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer(config.data)
+        self.dataset = build_dataset(plan, config, tokenizer)
+        self.valid_dataset = (
+            build_valid_dataset(plan, config, tokenizer) if config.evaluation.batches else None
+        )
+        startup_line(
+            f"data ready: {len(self.dataset)} training samples"
+            + (
+                f", {len(self.valid_dataset)} validation samples"
+                if self.valid_dataset is not None
+                else ""
+            )
+        )
         self.global_tokens: float | None = None
+        self.evaluations: list[dict[str, Any]] = []  # validation losses of this run (`run`)
         self.checkpoint_events: list[dict[str, Any]] = []  # loads and saves of this run (`run`)
 
     def zero_grad(self) -> None:
@@ -184,7 +207,6 @@ class Trainer:
         from megatron.core.pipeline_parallel.schedules import (
             forward_backward_pipelining_without_interleaving,
         )
-        from megatron.core.process_groups_config import ProcessGroupCollection
 
         from megatron_hexi.data import pipeline_microbatches
 
@@ -196,14 +218,7 @@ class Trainer:
             if (v.holds_embedding or v.holds_output)
             else iter(())
         )
-        pg = ProcessGroupCollection(
-            tp=self.groups.tp,
-            cp=SingleRank(),
-            pp=self.position,
-            embd=None,
-            pos_embd=None,
-            dp_cp=SingleRank(),
-        )
+        pg = self._pg_collection()
         synchronize(self.device)
         start = time.perf_counter()
         store = forward_backward_pipelining_without_interleaving(
@@ -248,6 +263,65 @@ class Trainer:
             "lr": self.optimizer.param_groups[0]["lr"],
         }
 
+    def evaluate(self, window: int) -> Evaluation:
+        """The validation loss over global batches [window x B, (window + 1) x B) of the
+        validation samples (B = eval_iters): forward only, dropout off, no gradient. It is the
+        token-weighted mean over every pipeline, as the training loss, so it is the one-rank
+        plan's value under any plan. Draws no random numbers: training continues as without it."""
+        from megatron.core.pipeline_parallel.schedules import (
+            forward_backward_pipelining_without_interleaving,
+        )
+
+        from megatron_hexi.data import pipeline_microbatches
+
+        assert self.valid_dataset is not None, "evaluation is off in this RunConfig"
+        v, batches = self.view, self.config.evaluation.batches
+        reads = v.holds_embedding or v.holds_output
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for k in range(window * batches, (window + 1) * batches):
+                    data = (
+                        pipeline_microbatches(self.valid_dataset, self.plan, v, k)
+                        if reads
+                        else iter(())
+                    )
+                    store = forward_backward_pipelining_without_interleaving(
+                        forward_step_func=self._forward_step,
+                        data_iterator=data,
+                        model=[self.model],
+                        num_microbatches=v.num_microbatches,
+                        seq_length=self.plan.model.seq_length,
+                        micro_batch_size=v.micro_batch_size,
+                        p2p_communicator=self.communicator,
+                        pg_collection=self._pg_collection(),
+                        forward_only=True,
+                    )
+                    if v.holds_output and v.tp_rank == 0:
+                        for s in store:
+                            totals += s["lm loss"].to(totals)
+        finally:
+            self.model.train()
+        dist.all_reduce(totals)
+        loss_sum, tokens = totals.tolist()
+        if tokens <= 0:
+            raise RuntimeError("the validation batches have no tokens with a loss mask")
+        return Evaluation(lm_loss=loss_sum / tokens, tokens=int(tokens), batches=batches)
+
+    def _pg_collection(self) -> ProcessGroupCollection:
+        """The groups megatron-core's schedule needs: this stage's TP group and position."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        return ProcessGroupCollection(
+            tp=self.groups.tp,
+            cp=SingleRank(),
+            pp=self.position,
+            embd=None,
+            pos_embd=None,
+            dp_cp=SingleRank(),
+        )
+
     def full_parameters(self) -> dict[str, torch.Tensor] | None:
         """Gather every parameter to its full canonical tensor (for tests and export)."""
         from megatron_hexi.gather import gather_full_parameters
@@ -266,19 +340,48 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def build_dataset(plan: Plan, config: RunConfig) -> TopLevelDataset:
+def build_dataset(
+    plan: Plan, config: RunConfig, tokenizer: HuggingFaceTokenizer | None
+) -> TopLevelDataset:
     """The training dataset of a run: its DataConfig, long enough for its iterations, in the order
-    its seed draws."""
+    its seed draws; `tokenizer` is its corpus's (None for mock data)."""
     from megatron_hexi.data import build_train_dataset
-    from megatron_hexi.tokenizer import build_tokenizer
 
     return build_train_dataset(
         config.data,
         plan,
         train_iters=config.training.train_iters,
         seed=config.training.seed,
-        tokenizer=build_tokenizer(config.data),
+        tokenizer=tokenizer,
     )
+
+
+def build_valid_dataset(
+    plan: Plan, config: RunConfig, tokenizer: HuggingFaceTokenizer | None
+) -> TopLevelDataset:
+    """The validation samples of a run: one window of eval_iters global batches per evaluation
+    it can make (every eval_interval iterations, and one at the end), Megatron-LM's count."""
+    from megatron_hexi.data import build_valid_dataset as build
+
+    ev = config.evaluation
+    windows = eval_window(config.training.train_iters, ev, end=True) + 1
+    return build(
+        config.data,
+        plan,
+        num_samples=windows * ev.batches * plan.global_batch_size,
+        seed=config.training.seed,
+        tokenizer=tokenizer,
+    )
+
+
+def eval_window(iteration: int, ev: EvaluationConfig, *, end: bool) -> int:
+    """Which window of validation batches the evaluation at `iteration` reads: the k-th
+    evaluation every eval_interval reads window k - 1, the one at the end of a run the next.
+    A function of the iteration alone, so a resumed run evaluates the batches an uninterrupted
+    one would (Megatron-LM's iterator moves on in the same way)."""
+    if not ev.eval_interval:
+        return 0
+    return iteration // ev.eval_interval - (0 if end else 1)
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -288,18 +391,111 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-def _log_line(it: int, train_iters: int, plan: Plan, metrics: Mapping[str, Any], mfu: float) -> str:
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-    return (
-        f" [{stamp}] iteration {it:>8d}/{train_iters:>8d} | consumed samples: "
-        f"{it * plan.global_batch_size:>12d} | elapsed time per iteration (ms): "
-        f"{metrics['step_time_s'] * 1000:.1f} | learning rate: {metrics['lr']:.6E} | "
-        f"global batch size: {plan.global_batch_size:>5d} | lm loss: "
-        f"{metrics['lm_loss']:.6E} | loss scale: 1.0 | grad norm: {metrics['grad_norm']:.3f} | "
-        f"number of skipped iterations: {0 if metrics['success'] else 1:>3d} | number of nan "
-        f"iterations: {0:>3d} | tokens/s: {metrics['tokens_per_s']:.1f} | "
-        f"MFU: {mfu * 100:.2f}% |"
+class ScalarWriter(Protocol):
+    """TensorBoard (megatron_hexi.tensorboard_log) or wandb (megatron_hexi.wandb_log)."""
+
+    def log(
+        self, iteration: int, scalars: Mapping[str, float], *, always: bool = False
+    ) -> None: ...
+
+    def summary(self, text: str, iteration: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Evaluation(NamedTuple):
+    """One validation loss: the token-weighted mean over `batches` global batches."""
+
+    lm_loss: float
+    tokens: int
+    batches: int
+
+
+class IntervalLog:
+    """Megatron-LM's iteration line, averaged over the iterations since the last one it printed
+    (--log-interval): loss and step time are means, tokens/s and MFU are over the interval's
+    total time; learning rate and grad norm are the last iteration's."""
+
+    def __init__(self, plan: Plan, train_iters: int, flops: float, log_throughput: bool) -> None:
+        self.plan, self.train_iters = plan, train_iters
+        self.flops, self.log_throughput = flops, log_throughput
+        self.rows: list[Mapping[str, Any]] = []
+        self.started = time.monotonic()
+        self.first_iteration: int | None = None
+
+    def add(self, m: Mapping[str, Any]) -> None:
+        if self.first_iteration is None:
+            self.first_iteration = m["iteration"] - 1
+        self.rows.append(m)
+
+    def line(self) -> str:
+        """The line for the iterations added since the last call."""
+        rows, self.rows = self.rows, []
+        n, last = len(rows), rows[-1]
+        seconds = sum(r["step_time_s"] for r in rows)
+        tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in rows)
+        mfu = sum(r["mfu"] * r["step_time_s"] for r in rows) / seconds
+        it, plan = last["iteration"], self.plan
+        elapsed = time.monotonic() - self.started
+        done = it - (self.first_iteration or 0)
+        eta = elapsed / done * (self.train_iters - it) if done else 0.0
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        text = (
+            f" [{stamp}] iteration {it:>8d}/{self.train_iters:>8d} | consumed samples: "
+            f"{it * plan.global_batch_size:>12d} | elapsed time per iteration (ms): "
+            f"{seconds / n * 1000:.1f} | "
+        )
+        if self.log_throughput:
+            per_gpu = self.flops * n / seconds / plan.world_size / 1e12
+            text += f"throughput per GPU (TFLOP/s/GPU): {per_gpu:.4f} | "
+        skipped = sum(0 if r["success"] else 1 for r in rows)
+        nan = sum(0 if math.isfinite(r["lm_loss"]) else 1 for r in rows)
+        return text + (
+            f"learning rate: {last['lr']:.6E} | global batch size: {plan.global_batch_size:>5d} | "
+            f"lm loss: {sum(r['lm_loss'] for r in rows) / n:.6E} | loss scale: 1.0 | "
+            f"grad norm: {last['grad_norm']:.3f} | number of skipped iterations: {skipped:>3d} | "
+            f"number of nan iterations: {nan:>3d} | tokens/s: {tokens / seconds:.1f} | "
+            f"MFU: {mfu * 100:.2f}% | elapsed: {_clock(elapsed)} | ETA: {_clock(eta)} |"
+        )
+
+
+def _clock(seconds: float) -> str:
+    """H:MM:SS."""
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def validation_lines(where: str, ev: Evaluation) -> str:
+    """Megatron-LM's validation block: loss and perplexity between two rules."""
+    from megatron_hexi.tensorboard_log import perplexity
+
+    text = (
+        f" validation loss at {where} | lm loss value: {ev.lm_loss:.6E} | lm loss PPL: "
+        f"{perplexity(ev.lm_loss):.6E} | "
     )
+    rule = "-" * (len(text) + 1)
+    return f"{rule}\n{text}\n{rule}"
+
+
+def seconds_since_process_start() -> float:
+    """Wall time since this process started (Linux: /proc), else since this module's import."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+_IMPORTED = time.monotonic()
+
+
+def startup_line(what: str) -> None:
+    """A start-up phase on launch rank 0, with the seconds since the process started (imports
+    and process-group set-up take most of a CPU launch's first seconds)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"> {what} [{seconds_since_process_start():.1f} s]", flush=True)
 
 
 def _resume_iteration(trainer: Trainer) -> int:
@@ -389,51 +585,78 @@ def _save(trainer: Trainer, iteration: int) -> None:
 def run(
     plan: Plan, config: RunConfig, device: torch.device
 ) -> tuple[Trainer, list[dict[str, Any]]]:
-    """Train up to --train-iters iterations (resuming from --load); returns the trainer and the
-    per-iteration metrics of this run (every rank)."""
+    """Train up to --train-iters iterations (resuming from --load), evaluating as the
+    EvaluationConfig says; returns the trainer and the per-iteration metrics of this run (every
+    rank). The trainer's `evaluations` lists every validation loss of the run."""
     trainer = Trainer(plan, config, device)
     first = _resume_iteration(trainer)
-    train, log, ckpt = config.training, config.logging, config.checkpoint
+    train, log, ckpt, ev = config.training, config.logging, config.checkpoint, config.evaluation
     peak = sum(
         (get_gpu("CPU") if device.type == "cpu" else get_gpu(r.gpu)).peak_flops for r in plan.ranks
     )
     flops = model_flops_per_sample(plan.model) * plan.global_batch_size
     tokens_per_iter = plan.global_batch_size * plan.model.seq_length
-    history = []
-    metrics_file = tensorboard = None
+    history: list[dict[str, Any]] = []
+    rank, world = dist.get_rank(), dist.get_world_size()
+    metrics_file = None
+    writers: list[ScalarWriter] = []  # TensorBoard on launch rank 0, wandb on the last one
     with contextlib.ExitStack() as outputs:  # closed on every way out, errors included
-        if dist.get_rank() == 0:
+        if rank == 0:
             if log.metrics_path:  # a resumed run appends to the history it continues
                 metrics_file = outputs.enter_context(open(log.metrics_path, "a" if first else "w"))
             if log.tensorboard_dir:
                 from megatron_hexi.tensorboard_log import TensorBoardLogger
 
-                tensorboard = TensorBoardLogger(
-                    log.tensorboard_dir, plan.global_batch_size, log.tensorboard_log_interval
-                )
-                outputs.callback(tensorboard.close)
+                writers.append(TensorBoardLogger(log.tensorboard_dir, log.tensorboard_log_interval))
+                outputs.callback(writers[-1].close)
+        if rank == world - 1 and log.wandb_project:
+            from megatron_hexi.wandb_log import WandbLogger
+
+            writers.append(WandbLogger(log, ckpt.save, _wandb_config(plan, config)))
+            outputs.callback(writers[-1].close)
+
+        def evaluate(iteration: int, end: bool) -> Evaluation:
+            result = trainer.evaluate(eval_window(iteration, ev, end=end))
+            trainer.evaluations.append({"iteration": iteration, "end": end, **result._asdict()})
+            for w in writers:
+                w.log(iteration, validation_scalars(result.lm_loss), always=True)
+            if rank == 0:
+                where = f"iteration {iteration}" + (" on validation set" if end else "")
+                print(validation_lines(where, result), flush=True)
+            return result
+
         saved = first if ckpt.load else None
-        for it in range(first, train.train_iters):
+        interval = IntervalLog(plan, train.train_iters, flops, log.log_throughput)
+        last_iters = first if ev.skip_train else train.train_iters
+        startup_line(
+            "skipping training (--skip-train): evaluating"
+            if ev.skip_train
+            else f"start-up done: training from iteration {first}"
+        )
+        for it in range(first, last_iters):
             m = trainer.train_step(it)
             m["iteration"] = it + 1
             m["tokens_per_s"] = tokens_per_iter / m["step_time_s"]
             m["mfu"] = flops / (m["step_time_s"] * peak)
             history.append(m)
-            if dist.get_rank() == 0:
+            interval.add(m)
+            if ev.batches and ev.eval_interval and (it + 1) % ev.eval_interval == 0:
+                m["eval_lm_loss"] = evaluate(it + 1, end=False).lm_loss
+            if rank == 0:
                 if (it + 1) % log.log_interval == 0:
-                    print(_log_line(it + 1, train.train_iters, plan, m, m["mfu"]), flush=True)
+                    print(interval.line(), flush=True)
                 if metrics_file:
                     metrics_file.write(json.dumps(m) + "\n")
                     metrics_file.flush()
-                if tensorboard:
-                    tensorboard.log(it + 1, m)
+            for w in writers:
+                w.log(it + 1, iteration_scalars(m, plan.global_batch_size))
             if train.check_for_nan_in_loss_and_grad:
                 check_finite(m)
             if ckpt.save and ckpt.save_interval and (it + 1) % ckpt.save_interval == 0:
                 _save(trainer, it + 1)
                 saved = it + 1
             if train.exit_interval and (it + 1) % train.exit_interval == 0:
-                if dist.get_rank() == 0:
+                if rank == 0:
                     print(
                         f" exiting at iteration {it + 1} (--exit-interval {train.exit_interval})",
                         flush=True,
@@ -442,12 +665,36 @@ def run(
         last = first + len(history)
         if ckpt.save and history and saved != last:
             _save(trainer, last)
-        if dist.get_rank() == 0:
+        if ev.batches:
+            result = evaluate(last, end=True)
+            if metrics_file:  # a line of its own: the last iteration's may hold another one
+                metrics_file.write(
+                    json.dumps({"iteration": last, "eval_lm_loss": result.lm_loss, "end": True})
+                    + "\n"
+                )
+                metrics_file.flush()
+        if rank in (0, world - 1):
             text = _summary(history, first, tokens_per_iter, flops, peak, device, trainer)
-            print(text, flush=True)
-            if tensorboard:
-                tensorboard.summary(text, last)
+            if rank == 0:
+                print(text, flush=True)
+            for w in writers:
+                w.summary(text, last)
     return trainer, history
+
+
+def _wandb_config(plan: Plan, config: RunConfig) -> dict[str, Any]:
+    """What the wandb run records as its config: the run's settings and the plan's shape."""
+    import dataclasses
+
+    return {
+        **dataclasses.asdict(config),
+        "launch_rank": dist.get_rank(),
+        "plan": {
+            "world_size": plan.world_size,
+            "pipelines": len(plan.pipelines),
+            "global_batch_size": plan.global_batch_size,
+        },
+    }
 
 
 def _summary(
@@ -461,7 +708,12 @@ def _summary(
 ) -> str:
     """The closing line: iterations and tokens of this run, throughput, MFU, memory, checkpoints."""
     if not history:
-        return f"done: nothing to train (resumed at iteration {first} = --train-iters)"
+        reason = (
+            "--skip-train"
+            if trainer.config.evaluation.skip_train
+            else f"resumed at iteration {first} = --train-iters"
+        )
+        return f"done: nothing trained ({reason})"
     seconds = sum(h["step_time_s"] for h in history)
     tokens = len(history) * tokens_per_iter
     memory = [
@@ -597,10 +849,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = run_config(args)
         plan = load_plan(args.hetero_plan_path)
         check_against_plan(args, plan)
+        if os.environ.get("RANK", "0") == "0":
+            startup_line(
+                f"plan loaded: {args.hetero_plan_path}: {plan.world_size} rank(s) in "
+                f"{len(plan.pipelines)} pipeline(s), global batch {plan.global_batch_size}"
+            )
         if config.logging.tensorboard_dir:
             from megatron_hexi.tensorboard_log import check_available
 
             check_available()
+        if config.logging.wandb_project:
+            from megatron_hexi import wandb_log
+
+            wandb_log.check_available()
         device = init_distributed(plan, config)
         check_output_paths(config)
         run(plan, config, device)

@@ -6,6 +6,8 @@ tensors. `defect` deliberately breaks the gradient sync the way the HexiScale co
 the equivalence tests catch it.
 """
 
+import contextlib
+
 import torch
 
 # Adam's eps is 1e-4 here, not 1e-8: in the first steps Adam divides each gradient element by its
@@ -241,3 +243,62 @@ def train_strict_kernels(plan_path, extra_flags=()):
     out["kernel_tensors"] = sum(e[1] for e in everyone)
     out["strided_owned_slices"] = sum(e[2] for e in everyone)
     return out
+
+
+def train_and_evaluate(plan_path, runs, defects=None):
+    """Trains `runs` (each a full flag list after --hetero-plan-path) one after another in this
+    process group; returns on launch rank 0, per run, the training losses and every validation
+    loss as (iteration, end of run, loss, tokens). `defects` maps a run's index to a defect of
+    the evaluation to put in for that run (see `_pipeline_mean_evaluation`)."""
+    from megatron_hexi.arguments import parse_args, run_config
+    from megatron_hexi.training import init_distributed, run
+    from planner.plan import load_plan
+
+    results = []
+    for index, flags in enumerate(runs):
+        args = parse_args(["--hetero-plan-path", str(plan_path), *flags])
+        plan, config = load_plan(args.hetero_plan_path), run_config(args)
+        device = init_distributed(plan, config)
+        with _pipeline_mean_evaluation(enabled=(defects or {}).get(index) == "pipeline_mean"):
+            trainer, history = run(plan, config, device)
+        results.append(
+            {
+                "losses": [h["lm_loss"] for h in history],
+                "evaluations": [
+                    (e["iteration"], e["end"], e["lm_loss"], e["tokens"])
+                    for e in trainer.evaluations
+                ],
+            }
+        )
+    return results
+
+
+@contextlib.contextmanager
+def _pipeline_mean_evaluation(enabled):
+    """A wrong validation loss: each pipeline's own mean, the pipelines weighted equally (as
+    averaging per data-parallel replica would do), instead of the token-weighted mean. The
+    evaluation's one all-reduce ([loss sum, tokens] in float64) gets each rank's own mean."""
+    if not enabled:
+        yield
+        return
+    import megatron_hexi.training as training
+
+    real_evaluate, real_all_reduce = training.Trainer.evaluate, training.dist.all_reduce
+
+    def own_mean(tensor, *args, **kwargs):
+        if tensor.dtype == torch.float64 and tensor.numel() == 2 and tensor[1] > 0:
+            tensor.copy_(torch.stack([tensor[0] / tensor[1], tensor.new_tensor(1.0)]))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    def evaluate(self, window):
+        training.dist.all_reduce = own_mean
+        try:
+            return real_evaluate(self, window)
+        finally:
+            training.dist.all_reduce = real_all_reduce
+
+    training.Trainer.evaluate = evaluate
+    try:
+        yield
+    finally:
+        training.Trainer.evaluate = real_evaluate

@@ -41,7 +41,7 @@ def _samples(config, plan):
     data-loading cost inside the timed step)."""
     from megatron_hexi.training import build_dataset
 
-    ds = build_dataset(plan, config)
+    ds = build_dataset(plan, config, None)  # mock data: no tokenizer
     return [ds[i] for i in range(config.training.train_iters * plan.global_batch_size)]
 
 
