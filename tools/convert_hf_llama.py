@@ -123,6 +123,8 @@ def hf_config(model, base=None):
             "vocab_size": model.vocab_size,
             "max_position_embeddings": max(model.seq_length, cfg.get("max_position_embeddings", 0)),
             "rms_norm_eps": model.norm_epsilon,
+            # Always written (as transformers writes it): without it readers take
+            # hidden_size // num_attention_heads, wrong whenever kv_channels is set.
             "head_dim": model.head_dim,
             "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
             "initializer_range": model.init_method_std,
@@ -289,10 +291,47 @@ def export_hf(load_dir, output, step=None, dtype=None):
     return model, output
 
 
+IMPORT_EXAMPLE = """\
+  # HF -> ours: a params-only checkpoint in ckpt/ (--load ckpt/) and ckpt/model.yaml
+  python tools/convert_hf_llama.py import --hf-dir Llama-2-7b-hf/ --output ckpt/ \\
+      --seq-length 4096
+  hexi-plan plan --cluster examples/clusters/mixed-lab.yaml --model ckpt/model.yaml \\
+      --global-batch-size 64 --output plan.json
+"""
+
+EXPORT_EXAMPLE = """\
+  # ours -> HF: the save ckpt/ points to (its latest), cast to bf16
+  python tools/convert_hf_llama.py export --load ckpt/ --output hf/ --dtype bfloat16
+  # a given iteration, as stored (fp32 master weights)
+  python tools/convert_hf_llama.py export --load ckpt/ --ckpt-step 2000 --output hf-2000/
+"""
+
+
+def head_dim_warning(model):
+    """Why transformers may refuse an exported model that the format itself describes."""
+    if model.hidden_size % model.num_attention_heads == 0:
+        return None
+    return (
+        f"hidden_size {model.hidden_size} is not a multiple of num_attention_heads "
+        f"{model.num_attention_heads}: config.json gives head_dim {model.head_dim}, but "
+        f"transformers 5's LlamaConfig refuses such a model whatever head_dim says"
+    )
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="convert_hf_llama.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="convert_hf_llama.py",
+        description=__doc__.split("\n")[0],
+        epilog=f"examples:\n{IMPORT_EXAMPLE}{EXPORT_EXAMPLE}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
-    i = sub.add_parser("import", help="HF LlamaForCausalLM -> megatron-hexi checkpoint")
+    i = sub.add_parser(
+        "import",
+        help="HF LlamaForCausalLM -> megatron-hexi checkpoint",
+        epilog=f"example:\n{IMPORT_EXAMPLE}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     i.add_argument("--hf-dir", required=True)
     i.add_argument("--output", required=True, help="checkpoint directory (use as --load)")
     i.add_argument(
@@ -302,7 +341,12 @@ def main(argv=None):
         help="training sequence length for the model YAML (default: max_position_embeddings)",
     )
     i.add_argument("--model-yaml", default=None, help="default: OUTPUT/model.yaml")
-    e = sub.add_parser("export", help="megatron-hexi checkpoint -> HF LlamaForCausalLM")
+    e = sub.add_parser(
+        "export",
+        help="megatron-hexi checkpoint -> HF LlamaForCausalLM",
+        epilog=f"examples:\n{EXPORT_EXAMPLE}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     e.add_argument("--load", required=True)
     e.add_argument("--ckpt-step", type=int, default=None)
     e.add_argument("--output", required=True)
@@ -330,6 +374,9 @@ def main(argv=None):
                 getattr(torch, args.dtype) if args.dtype else None,
             )
             print(f"exported {args.load} -> {out}/model.safetensors, {out}/config.json")
+            warning = head_dim_warning(model)
+            if warning:
+                print(f"convert_hf_llama.py: warning: {warning}", file=sys.stderr)
     except SpecError as err:
         for line in err.problems:
             print(f"convert_hf_llama.py: error: {line}", file=sys.stderr)

@@ -31,8 +31,13 @@ def describe(plan):
     depth = "/".join(str(len(p.stages)) for p in plan.pipelines)
     return (
         f"{len(plan.pipelines)} x [{depth}]{' rc' if plan.training.recompute else ''}, "
-        f"MFU {plan.estimate['mfu']:.3f}, max {max(plan.estimate['peak_memory_gb']):.1f} GB"
+        f"MFU {plan.estimate['mfu']:.1%}, max {max(plan.estimate['peak_memory_gb']):.1f} GB"
     )
+
+
+def mfu_change(before, after):
+    """The MFU gain in percentage points (MFU itself is printed as a percent)."""
+    return f"{100 * (after.estimate['mfu'] - before.estimate['mfu']):+.1f}"
 
 
 def main():
@@ -42,7 +47,7 @@ def main():
     print(
         f"global batch {args.gbs}, micro-batch 1; pipelines x [stages per pipeline], rc = recompute"
     )
-    print("| cluster | model | without | with --use-distributed-optimizer | MFU change |")
+    print("| cluster | model | without | with --use-distributed-optimizer | MFU change (points) |")
     print("|---|---|---|---|---|")
     for name in CLUSTERS:
         cluster = load_cluster(os.path.join(ROOT, "examples/clusters", name + ".yaml"))
@@ -63,9 +68,7 @@ def main():
                 except SpecError:
                     plans.append(None)
             cells = [describe(p) if p else "no fit" for p in plans]
-            change = (
-                f"{plans[1].estimate['mfu'] - plans[0].estimate['mfu']:+.3f}" if all(plans) else "-"
-            )
+            change = mfu_change(*plans) if all(plans) else "-"
             print(f"| {name} | {mname} | {cells[0]} | {cells[1]} | {change} |", flush=True)
     fast_networks()
 
@@ -82,7 +85,7 @@ def fast_networks(gbs=512):
     from planner.cluster import load_cluster_dict
 
     print(f"\n200 Gbit/s between machines, PCIe 4 inside, global batch {gbs}, micro-batch 1")
-    print("| cluster | model | without | with --use-distributed-optimizer | MFU change |")
+    print("| cluster | model | without | with --use-distributed-optimizer | MFU change (points) |")
     print("|---|---|---|---|---|")
     for label, gpu, per_node, count in FAST_CLUSTERS:
         cluster = load_cluster_dict(
@@ -113,7 +116,7 @@ def fast_networks(gbs=512):
             ]
             print(
                 f"| {label} | {mname} | {describe(plans[0])} | {describe(plans[1])} | "
-                f"{plans[1].estimate['mfu'] - plans[0].estimate['mfu']:+.3f} |",
+                f"{mfu_change(*plans)} |",
                 flush=True,
             )
 

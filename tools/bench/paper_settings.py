@@ -46,7 +46,7 @@ def main():
             for strategy in ("hexi", "uniform"):
                 try:
                     p = search_plan(c, m, args.gbs, strategy=strategy, micro_batch_size=1)
-                    row.append(f"{p.estimate['mfu']:.3f}")
+                    row.append(f"{p.estimate['mfu']:.1%}")
                     if strategy == "hexi":
                         plan_h = p
                 except SpecError:

@@ -52,7 +52,7 @@ def main():
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(
             f"{n:>6} {r['seconds']:>8.2f} {r['cpu']:>7.2f} {load:>5.1f} {r['peak_mb']:>8.1f} "
-            f"{r['pipelines']:>9} {r['mfu']:>6.3f}",
+            f"{r['pipelines']:>9} {r['mfu']:>6.1%}",
             flush=True,
         )
 
