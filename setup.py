@@ -32,13 +32,14 @@ setup(
         "pyyaml>=6.0,<7",
         "packaging>=24.2",  # megatron-core's floor
         "safetensors>=0.4.3,<1",  # checkpoints (megatron_hexi/checkpoint.py)
+        "tokenizers>=0.21,<1",  # HuggingFace and GPT-2 BPE tokenizers (--data-path)
     ],
     extras_require={
         "test": [
             "pytest>=8,<10",
             "jsonschema>=4.18,<5",
             "matplotlib>=3.8,<4",
-            "tokenizers>=0.21,<1",
+            "sentencepiece>=0.2.1,<0.3",
             # HF Llama import/export tests; transformers needs no torch of its own, so the
             # environment's torch stays.
             "transformers>=5.0,<6",
@@ -51,6 +52,8 @@ setup(
         ],
         "tensorboard": ["tensorboard>=2.15,<3"],
         "wandb": ["wandb>=0.31,<0.32"],
+        # --tokenizer-type SentencePieceTokenizer (Llama-style tokenizer.model)
+        "sentencepiece": ["sentencepiece>=0.2.1,<0.3"],
         "plot": ["matplotlib>=3.8,<4"],
         "gpu": ["transformer-engine[pytorch]"],
     },

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from megatron.core.datasets.blended_megatron_dataset_builder import TopLevelDataset
 
     from megatron_hexi.config import DataConfig
-    from megatron_hexi.tokenizer import HuggingFaceTokenizer
+    from megatron_hexi.tokenizer import TextTokenizer
     from planner.plan import Plan, RankView
 
 
@@ -70,7 +70,7 @@ def build_train_dataset(
     *,
     train_iters: int,
     seed: int,
-    tokenizer: HuggingFaceTokenizer | None = None,
+    tokenizer: TextTokenizer | None = None,
 ) -> TopLevelDataset:
     """The training split of `data`, long enough for `train_iters` iterations of the plan, its
     sample order drawn from `seed`; `tokenizer` is the corpus's (None: a mock one for mock data)."""
@@ -87,7 +87,7 @@ def build_valid_dataset(
     *,
     num_samples: int,
     seed: int,
-    tokenizer: HuggingFaceTokenizer | None = None,
+    tokenizer: TextTokenizer | None = None,
 ) -> TopLevelDataset:
     """The validation samples of `data`: `valid_data_path` when given, else the validation split
     of `split` (mock data: megatron-core's mock documents of that split, which the training
@@ -208,7 +208,7 @@ def _build_real_dataset(
     data: DataConfig,
     plan: Plan,
     seed: int,
-    tokenizer: HuggingFaceTokenizer | None,
+    tokenizer: TextTokenizer | None,
     num_samples: int,
     which: Split,
 ) -> TopLevelDataset:

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_hexi.config import EvaluationConfig, RunConfig
-    from megatron_hexi.tokenizer import HuggingFaceTokenizer
+    from megatron_hexi.tokenizer import TextTokenizer
     from planner.plan import Plan
 
     # What the loss function of a micro-batch returns to megatron-core's schedule: the loss sum,
@@ -156,20 +156,32 @@ class Trainer:
         pg_collection: ProcessGroupCollection | None = None,
         force_all_reduce: bool | None = False,
     ) -> None:
-        """Global token count (one scalar all-reduce), then the weighted segment sync. The
-        pipeline's own time ends here: what follows is the data-parallel part of the step."""
+        """The global token count (its all-reduce started with the step), then the weighted
+        segment sync. The pipeline's own time ends here: what follows is the data-parallel part
+        of the step."""
         synchronize(self.device)
         self._pipeline_end = time.perf_counter()
-        mine = num_tokens if (self.view.holds_output and self.view.tp_rank == 0) else 0
-        tokens = torch.tensor([float(mine)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(tokens)
-        self.global_tokens = tokens.item()
+        self._token_count.wait()
+        self.global_tokens = self._tokens.item()
         if self.global_tokens <= 0:
             raise RuntimeError("the global batch has no tokens with a loss mask")
         if self.plan.training.use_distributed_optimizer:
             self.optimizer.reduce_scatter_grads(self.global_tokens)
         else:
             self.grad_sync.sync(self.global_tokens)
+
+    def _start_token_count(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        """Start the all-reduce of the global batch's loss-masked tokens before the forward
+        pass: the output stages know their loss masks when they read their micro-batches, so
+        the count travels while the pipeline computes, and gradient finalize only waits for it
+        (the sum is exact: the same integers in float64 on every rank)."""
+        mine = (
+            sum(float(b["loss_mask"].sum()) for b in batches)
+            if (self.view.holds_output and self.view.tp_rank == 0)
+            else 0.0
+        )
+        self._tokens = torch.tensor([mine], dtype=torch.float64, device=self.device)
+        self._token_count = dist.all_reduce(self._tokens, async_op=True)
 
     def _loss(
         self, labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor
@@ -213,11 +225,13 @@ class Trainer:
         v = self.view
         self.model.train()
         self.zero_grad()
-        data = (
-            pipeline_microbatches(self.dataset, self.plan, v, iteration)
+        batches = (
+            list(pipeline_microbatches(self.dataset, self.plan, v, iteration))
             if (v.holds_embedding or v.holds_output)
-            else iter(())
+            else []
         )
+        self._start_token_count(batches)
+        data = iter(batches)
         pg = self._pg_collection()
         synchronize(self.device)
         start = time.perf_counter()
@@ -341,7 +355,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def build_dataset(
-    plan: Plan, config: RunConfig, tokenizer: HuggingFaceTokenizer | None
+    plan: Plan, config: RunConfig, tokenizer: TextTokenizer | None
 ) -> TopLevelDataset:
     """The training dataset of a run: its DataConfig, long enough for its iterations, in the order
     its seed draws; `tokenizer` is its corpus's (None for mock data)."""
@@ -357,7 +371,7 @@ def build_dataset(
 
 
 def build_valid_dataset(
-    plan: Plan, config: RunConfig, tokenizer: HuggingFaceTokenizer | None
+    plan: Plan, config: RunConfig, tokenizer: TextTokenizer | None
 ) -> TopLevelDataset:
     """The validation samples of a run: one window of eval_iters global batches per evaluation
     it can make (every eval_interval iterations, and one at the end), Megatron-LM's count."""

@@ -1,16 +1,13 @@
 """Tokenise a JSONL corpus into megatron-core's indexed dataset (.bin/.idx), as Megatron-LM's
-tools/preprocess_data.py does, with a Hugging Face `tokenizers` file.
-
-    python tools/preprocess_data.py --input corpus.jsonl --json-keys text \
-        --output-prefix data/corpus --tokenizer-type HuggingFaceTokenizer \
-        --tokenizer-model tokenizer.json --append-eod --workers 4
+tools/preprocess_data.py does, with any of the tokenizers training reads (Megatron-LM's
+--tokenizer-type names and flags).
 
 Each input line is one JSON object, one document; each key of --json-keys gives one dataset,
 written as OUTPUT_PREFIX_KEY_document.bin/.idx (Megatron-LM's names), so train with
-`--data-path OUTPUT_PREFIX_text_document`. Token dtype as Megatron picks it: uint16 for
-vocabularies under 65,500 tokens, else int32. Documents with no tokens are skipped.
-Errors (missing file, malformed JSON line, missing key) are one line naming the file and line;
-no partial output is left behind.
+`--data-path OUTPUT_PREFIX_text_document` and the same tokenizer flags. Token dtype as Megatron
+picks it: uint16 for vocabularies under 65,500 tokens, else int32. Documents with no tokens are
+skipped. Errors (missing file, malformed JSON line, missing key, a tokenizer file that is not
+what its flag needs) are one line naming the file; no partial output is left behind.
 """
 
 import argparse
@@ -23,14 +20,40 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_hexi.tokenizer import (  # noqa: E402
+    TOKENIZER_TYPES,
+    TokenizerSpec,
+    load_tokenizer,
+    require_eod,
+)
 from planner.errors import SpecError  # noqa: E402
 
 CHUNK = 64  # lines per task handed to a worker
 
+EXAMPLES = """examples:
+  # a Hugging Face tokenizer.json, or a model directory holding one
+  python tools/preprocess_data.py --input corpus.jsonl --json-keys text \\
+      --output-prefix data/corpus --tokenizer-type HuggingFaceTokenizer \\
+      --tokenizer-model tokenizer.json --append-eod --workers 4
+  # a SentencePiece model (Llama-2 style)
+  python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+      --tokenizer-type SentencePieceTokenizer --tokenizer-model tokenizer.model --append-eod
+  # GPT-2 BPE files
+  python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+      --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \\
+      --merge-file gpt2-merges.txt --append-eod
+
+Each writes data/corpus_text_document.bin/.idx; train with --data-path
+data/corpus_text_document and the same --tokenizer-* flags."""
+
 
 def build_parser():
     p = argparse.ArgumentParser(
-        prog="preprocess_data.py", allow_abbrev=False, description=__doc__.split("\n\n")[0]
+        prog="preprocess_data.py",
+        allow_abbrev=False,
+        description=__doc__.split("\n\n")[0],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="JSONL file, one document per line")
@@ -41,12 +64,15 @@ def build_parser():
         help="keys to extract from each JSON object (default: text)",
     )
     t = p.add_argument_group("tokenizer")
-    t.add_argument("--tokenizer-type", required=True, choices=["HuggingFaceTokenizer"])
+    t.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     t.add_argument(
         "--tokenizer-model",
-        required=True,
-        help="a tokenizers tokenizer.json file, or a directory with one",
+        default=None,
+        help="HuggingFaceTokenizer: a tokenizer.json or a Hugging Face model directory; "
+        "SentencePieceTokenizer: a tokenizer.model",
     )
+    t.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    t.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     t.add_argument(
         "--append-eod",
         action="store_true",
@@ -72,11 +98,9 @@ def build_parser():
 _tokenizer = None
 
 
-def _init_worker(tokenizer_model):
+def _init_worker(spec):
     global _tokenizer
-    from megatron_hexi.tokenizer import HuggingFaceTokenizer
-
-    _tokenizer = HuggingFaceTokenizer(tokenizer_model)
+    _tokenizer = load_tokenizer(spec)
 
 
 def _encode_chunk(task):
@@ -147,20 +171,18 @@ def preprocess(args):
     import numpy
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    from megatron_hexi.tokenizer import HuggingFaceTokenizer
-
     if not os.path.isfile(args.input):
         raise SpecError(f"--input {args.input}: no such file")
     if args.workers < 1:
         raise SpecError(f"--workers must be >= 1, got {args.workers}")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise SpecError(f"--json-keys {' '.join(args.json_keys)}: a key is repeated")
-    tokenizer = HuggingFaceTokenizer(args.tokenizer_model)
-    if args.append_eod and tokenizer.eod is None:
-        raise SpecError(
-            f"--append-eod: the tokenizer {tokenizer.path} has no end-of-document "
-            f"token (name it eos_token in a tokenizer_config.json beside it)"
-        )
+    spec = TokenizerSpec(
+        args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file
+    )
+    tokenizer = load_tokenizer(spec)
+    if args.append_eod:
+        require_eod(tokenizer, "--append-eod")
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
@@ -186,11 +208,7 @@ def preprocess(args):
             method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
             pool = multiprocessing.get_context(method).Pool(
                 args.workers,
-                **(
-                    {}
-                    if method == "fork"
-                    else {"initializer": _init_worker, "initargs": (tokenizer.path,)}
-                ),
+                **({} if method == "fork" else {"initializer": _init_worker, "initargs": (spec,)}),
             )
             results = pool.imap(_encode_chunk, tasks)
         else:

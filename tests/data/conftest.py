@@ -1,14 +1,26 @@
 """Session data for tests/data: tokenizers trained on the bundled corpus, and corpora "a" and "b"
 as JSONL and as indexed datasets (a through the preprocess_data.py command line with 2 workers,
-b through its main() in this process)."""
+b through its main() in this process); and corpus "a" preprocessed with one tokenizer of each
+--tokenizer-type kind (`kinds`)."""
 
 import subprocess
 import sys
 import types
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 
-from data.corpus import documents, preprocess_main, train_tokenizer, write_jsonl
+from data.corpus import (
+    EOD,
+    documents,
+    preprocess_main,
+    save_hf_directory,
+    train_gpt2_files,
+    train_sentencepiece,
+    train_tokenizer,
+    write_jsonl,
+)
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +67,95 @@ def corpus(tmp_path_factory, repo_root):
     )
     c.prefix = {k: str(d / f"{k}_text_document") for k in "ab"}
     return c
+
+
+@dataclass
+class TokenizerKind:
+    """One --tokenizer-type with its files, the reference library's ids and special tokens, and
+    corpus "a" preprocessed with it."""
+
+    name: str
+    flags: list[str]  # the tokenizer flags, as preprocess_data.py and training take them
+    encode: Callable[[str], list[int]]  # the reference library's own encoding
+    eod: int
+    bos: int
+    pad: int  # -1: none
+    vocab_size: int
+    prefix: str = ""
+
+
+@pytest.fixture(scope="session")
+def kinds(corpus, tmp_path_factory, repo_root):
+    """{--tokenizer-type: TokenizerKind}; the three preprocess_data.py commands run at once."""
+    d = tmp_path_factory.mktemp("kinds")
+    sp = train_sentencepiece(d / "tokenizer.model")
+    gpt2 = train_gpt2_files(d / "gpt2")
+    hf = save_hf_directory(d / "hf")
+    found = {
+        "SentencePieceTokenizer": TokenizerKind(
+            "SentencePieceTokenizer",
+            ["--tokenizer-model", str(d / "tokenizer.model")],
+            sp.encode,
+            sp.eos_id(),
+            sp.bos_id(),
+            sp.pad_id(),
+            sp.get_piece_size(),
+        ),
+        "GPT2BPETokenizer": TokenizerKind(
+            "GPT2BPETokenizer",
+            [
+                "--vocab-file",
+                str(d / "gpt2/vocab.json"),
+                "--merge-file",
+                str(d / "gpt2/merges.txt"),
+            ],
+            lambda text: gpt2.encode(text).ids,
+            gpt2.token_to_id(EOD),
+            gpt2.token_to_id(EOD),  # GPT-2's bos is its end of text
+            -1,
+            gpt2.get_vocab_size(),
+        ),
+        "HuggingFaceTokenizer": TokenizerKind(
+            "HuggingFaceTokenizer",
+            ["--tokenizer-model", str(d / "hf")],  # the directory save_pretrained wrote
+            lambda text: hf(text).input_ids,
+            hf.eos_token_id,
+            hf.bos_token_id,
+            hf.pad_token_id,
+            len(hf),
+        ),
+    }
+    running = {}
+    for name, kind in found.items():
+        kind.prefix = str(d / f"{name}_text_document")
+        running[name] = subprocess.Popen(
+            [
+                sys.executable,
+                str(repo_root / "tools/preprocess_data.py"),
+                "--input",
+                str(corpus.jsonl["a"]),
+                "--output-prefix",
+                str(d / name),
+                "--tokenizer-type",
+                name,
+                *kind.flags,
+                "--append-eod",
+                "--workers",
+                "2" if name == "SentencePieceTokenizer" else "1",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=repo_root,
+        )
+    try:
+        for name, proc in running.items():
+            out, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, f"{name}: {err}"
+            assert f"wrote {found[name].prefix}.bin/.idx: {len(corpus.docs['a'])} documents" in out
+    finally:
+        for proc in running.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return found

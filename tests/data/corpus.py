@@ -66,3 +66,79 @@ def preprocess_main(argv):
         spec.loader.exec_module(module)
         sys.modules[name] = module
     return sys.modules[name].main([str(a) for a in argv])
+
+
+# One tokenizer file of each --tokenizer-type kind, trained on the corpus, each under the `tiny`
+# model's 128-token vocabulary. Each returns the reference its ids are checked against.
+
+
+def train_sentencepiece(path, vocab_size=120):
+    """A Llama-style SentencePiece BPE model (<unk> 0, <s> 1, </s> 2, no pad piece) at `path`;
+    returns the reference sentencepiece processor. Llama's byte fallback is left out: its 256
+    byte pieces alone would not fit the model's vocabulary."""
+    import sentencepiece
+
+    prefix = str(path).removesuffix(".model")
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(HERE / "corpus.txt"),
+        model_prefix=prefix,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    return sentencepiece.SentencePieceProcessor(model_file=prefix + ".model")
+
+
+def train_gpt2_files(directory, vocab_size=120):
+    """GPT-2's vocab.json and merges.txt in `directory`: byte-level BPE with <|endoftext|>;
+    returns the trained `tokenizers` tokenizer (the reference). Its byte alphabet is the bytes
+    the corpus uses, not all 256 (which would not fit the model's vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD],
+        initial_alphabet=[],
+        show_progress=False,
+    )
+    tok.train_from_iterator(documents(), trainer)
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.model.save(str(directory))  # vocab.json, merges.txt
+    return tok
+
+
+def save_hf_directory(directory, vocab_size=110):
+    """A Llama-like tokenizer (Metaspace BPE, <unk> <s> </s>, a BOS added to every text, pad
+    set to <unk> as many Llama fine-tunes do) saved by transformers' save_pretrained, which
+    writes tokenizer.json and tokenizer_config.json; returns transformers' AutoTokenizer over
+    the directory (the reference)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    tok.train_from_iterator(documents(), trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<unk>",
+    ).save_pretrained(str(directory))
+    return AutoTokenizer.from_pretrained(str(directory))

@@ -34,7 +34,7 @@ def dataset(corpus, tmp_path, *data_path, split="98,2,0", tokenizer=None, model=
     """build_train_dataset in this process (no process group: no blend cache), for 3 steps."""
     from megatron_hexi.arguments import parse_args, run_config
     from megatron_hexi.data import build_train_dataset
-    from megatron_hexi.training import _tokenizer
+    from megatron_hexi.tokenizer import build_tokenizer
     from planner.plan import load_plan
 
     path = write_plan(tmp_path, "one", model, 1, REFERENCE)
@@ -57,7 +57,7 @@ def dataset(corpus, tmp_path, *data_path, split="98,2,0", tokenizer=None, model=
         load_plan(path),
         train_iters=config.training.train_iters,
         seed=config.training.seed,
-        tokenizer=_tokenizer(config.data),
+        tokenizer=build_tokenizer(config.data),
     )
 
 

@@ -31,11 +31,13 @@ def train_real(plan_path, extra_flags):
             yield batch
 
     data.pipeline_microbatches = recording  # training.py imports it at each step
-
-    args = parse_args(["--hetero-plan-path", str(plan_path), *REAL_FLAGS, *extra_flags])
-    plan, config = load_plan(args.hetero_plan_path), run_config(args)
-    device = init_distributed(plan, config)
-    trainer, history = run(plan, config, device)
+    try:
+        args = parse_args(["--hetero-plan-path", str(plan_path), *REAL_FLAGS, *extra_flags])
+        plan, config = load_plan(args.hetero_plan_path), run_config(args)
+        device = init_distributed(plan, config)
+        trainer, history = run(plan, config, device)
+    finally:
+        data.pipeline_microbatches = real
     v = trainer.view
     mine = {
         "plan_rank": trainer.rank,
@@ -55,3 +57,9 @@ def train_real(plan_path, extra_flags):
         "grad_norms": [h["grad_norm"] for h in history],
         "ranks": {e["plan_rank"]: e for e in everyone},
     }
+
+
+def train_each(plan_path, runs):
+    """train_real for each {name: extra flags} in turn, in one launch (each launch costs seconds
+    of start-up); returns {name: train_real's result} on launch rank 0."""
+    return {name: train_real(plan_path, flags) for name, flags in runs.items()}
