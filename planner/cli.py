@@ -11,7 +11,15 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from planner.cli_args import ArgumentParser, Register, bounded_int, with_seq_length
+from planner.cli_args import (
+    MFU_NOTE,
+    ArgumentParser,
+    Register,
+    bounded_int,
+    percent,
+    with_examples,
+    with_seq_length,
+)
 from planner.cluster import load_cluster
 from planner.errors import SpecError
 from planner.inputs import read_json
@@ -105,7 +113,7 @@ def format_plan_table(plan: Plan) -> str:
         e = plan.estimate
         lines.append(
             f"estimate: iteration {e.get('iteration_time_s', 0):.4g} s, "
-            f"{e.get('tokens_per_s', 0):.4g} tokens/s, MFU {e.get('mfu', 0):.3f}, "
+            f"{e.get('tokens_per_s', 0):.4g} tokens/s, MFU {percent(e.get('mfu', 0))}, "
             f"bottleneck: {e.get('bottleneck', '?')}"
         )
     return "\n".join(lines)
@@ -122,14 +130,35 @@ def cmd_show(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="hexi-plan", description="Plan heterogeneous training.")
+    parser = ArgumentParser(
+        prog="hexi-plan",
+        description="Plan heterogeneous training.",
+        **with_examples(
+            "hexi-plan plan --cluster examples/clusters/mini-hetero.yaml --model tiny "
+            "--global-batch-size 8 -o plan.json",
+            "hexi-plan show plan.json",
+            "hexi-plan simulate plan.json",
+            note=f"Paths are relative to a megatron-hexi checkout. {MFU_NOTE}",
+        ),
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("validate", help="check a plan against every rule of the plan format")
+    p = sub.add_parser(
+        "validate",
+        help="check a plan against every rule of the plan format",
+        **with_examples("hexi-plan validate examples/plans/hetero-4rank.json"),
+    )
     p.add_argument("plan")
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("manual", help="build a plan from hand-written pipelines")
+    p = sub.add_parser(
+        "manual",
+        help="build a plan from hand-written pipelines",
+        **with_examples(
+            "hexi-plan manual --cluster examples/clusters/mini-hetero.yaml --model tiny "
+            "--global-batch-size 8 --pipelines examples/pipelines/hetero-4rank.json -o plan.json"
+        ),
+    )
     p.add_argument("--cluster", required=True, help="cluster YAML")
     p.add_argument("--model", required=True, help="catalog model name or model YAML")
     p.add_argument("--global-batch-size", type=bounded_int(1, MAX_BATCH), required=True)
@@ -155,7 +184,13 @@ def build_parser() -> ArgumentParser:
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_manual)
 
-    p = sub.add_parser("show", help="print a plan as a table (and draw it with --png)")
+    p = sub.add_parser(
+        "show",
+        help="print a plan as a table (and draw it with --png)",
+        **with_examples(
+            "hexi-plan show examples/plans/hetero-4rank.json --png plan.png", note=MFU_NOTE
+        ),
+    )
     p.add_argument("plan")
     p.add_argument("--png", default=None, help="also draw the plan to this PNG file")
     p.set_defaults(func=cmd_show)

@@ -7,8 +7,9 @@ A leaf under both, so that neither imports the other to reach these.
 from __future__ import annotations
 
 import argparse
+import textwrap
 from collections.abc import Callable
-from typing import NoReturn, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 from planner.errors import SpecError
 from planner.limits import MAX_NUMBER_CHARS
@@ -25,6 +26,40 @@ class ArgumentParser(argparse.ArgumentParser):
 # `hexi-plan`'s subcommands, and a function that adds some to them (planner.search_cli's).
 Subparsers: TypeAlias = "argparse._SubParsersAction[ArgumentParser]"
 Register: TypeAlias = Callable[[Subparsers], None]
+
+
+MFU_NOTE = "MFU is printed in percent, as Megatron prints it; JSON keeps the fraction (`mfu`)."
+
+
+def percent(fraction: float) -> str:
+    """An MFU (a fraction, as the plan's `estimate.mfu` stores it) as the percent people read
+    everywhere else, Megatron's iteration lines and this runtime's included: 0.333 -> 33.3%."""
+    return f"{100 * fraction:.3g}%"
+
+
+def with_examples(*commands: str, note: str = "", width: int = 96) -> dict[str, Any]:
+    """Keyword arguments for an argparse parser whose `--help` ends with runnable examples, so
+    that help shows how a command is called and not only its flags. Each command is one line
+    here, wrapped with shell continuations between options (a flag stays with its value); the
+    raw formatter keeps the layout."""
+    lines = [*textwrap.wrap(note, width), ""] if note else []
+    lines.append("example:" if len(commands) == 1 else "examples:")
+    for command in commands:
+        units: list[str] = []
+        for word in command.split(" "):
+            if units and units[-1].startswith("-") and " " not in units[-1]:
+                if not word.startswith("-"):
+                    units[-1] += " " + word
+                    continue
+            units.append(word)
+        cur = "  "
+        for unit in units:
+            if len(cur) + len(unit) + 2 > width and cur.strip():
+                lines.append(cur.rstrip() + " \\")
+                cur = "      "
+            cur += unit + " "
+        lines.append(cur.rstrip())
+    return {"epilog": "\n".join(lines), "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
 def bounded_int(lo: int, hi: int) -> Callable[[str], int]:

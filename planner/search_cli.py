@@ -6,7 +6,14 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from planner.cli_args import Subparsers, bounded_int, with_seq_length
+from planner.cli_args import (
+    MFU_NOTE,
+    Subparsers,
+    bounded_int,
+    percent,
+    with_examples,
+    with_seq_length,
+)
 from planner.cluster import load_cluster
 from planner.costmodel import Topology
 from planner.limits import MAX_BATCH, MAX_SEED, MAX_SEQ_LENGTH
@@ -28,7 +35,7 @@ def format_estimate(plan: Plan, est: Estimate) -> str:
         f"{max(est.pipeline_time_s):.4g} s + gradient sync {est.grad_sync_time_s:.4g} s + "
         f"optimizer step {est.optimizer_step_time_s:.4g} s)",
         f"throughput       {est.tokens_per_s:.4g} tokens/s",
-        f"MFU              {est.mfu:.3f}  (model FLOPs without recompute / sum of used peaks)",
+        f"MFU              {percent(est.mfu)}  (model FLOPs without recompute / sum of used peaks)",
         "pipelines        " + ", ".join(f"{t:.4g} s" for t in est.pipeline_time_s),
         "memory per rank  (GB used / capacity)",
     ]
@@ -71,12 +78,22 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print(
         f"wrote {args.output}: {plan.world_size} ranks, {len(plan.pipelines)} pipelines, "
         f"{e['iteration_time_s']:.4g} s/iteration, {e['tokens_per_s']:.4g} tokens/s, "
-        f"MFU {e['mfu']:.3f}; bottleneck: {e['bottleneck']}"
+        f"MFU {percent(e['mfu'])}; bottleneck: {e['bottleneck']}"
     )
 
 
 def register_commands(sub: Subparsers) -> None:
-    p = sub.add_parser("plan", help="search the fastest plan that fits (writes PLAN.json)")
+    p = sub.add_parser(
+        "plan",
+        help="search the fastest plan that fits (writes PLAN.json)",
+        **with_examples(
+            "hexi-plan plan --cluster examples/clusters/paper-hetero-a.yaml --model llama2-7b "
+            "--global-batch-size 64 -o plan.json",
+            "hexi-plan plan --cluster examples/clusters/mini-hetero.yaml --model tiny "
+            "--global-batch-size 8 --strategy uniform -o uniform.json",
+            note=MFU_NOTE,
+        ),
+    )
     p.add_argument("--cluster", required=True, help="cluster YAML")
     p.add_argument("--model", required=True, help="catalog model name or model YAML")
     p.add_argument("--global-batch-size", type=bounded_int(1, MAX_BATCH), required=True)
@@ -103,7 +120,15 @@ def register_commands(sub: Subparsers) -> None:
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("simulate", help="score a plan with the cost model")
+    p = sub.add_parser(
+        "simulate",
+        help="score a plan with the cost model",
+        **with_examples(
+            "hexi-plan simulate examples/plans/hetero-4rank.json",
+            "hexi-plan simulate examples/plans/hetero-4rank.json --json",
+            note=MFU_NOTE,
+        ),
+    )
     p.add_argument("plan")
     p.add_argument("--json", action="store_true", help="print the estimate object only")
     p.set_defaults(func=cmd_simulate)

@@ -29,3 +29,6 @@ for r in rows:
     print(f"iteration {r['iteration']:>3}  lm loss {r['lm_loss']:.6f}  grad norm {r['grad_norm']:.4f}"
           f"  {r['tokens_per_s']:8.1f} tokens/s")
 PYEOF
+
+echo "== next: \`source .venv/bin/activate\` puts hexi-plan, hexi-launch, hexi-train and torchrun on"
+echo "   this shell's PATH for the rest of README.md (or call them as .venv/bin/hexi-plan ...)"

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
+from planner.cli_args import with_examples
 from planner.units import format_bandwidth, format_latency, parse_size
 
 if TYPE_CHECKING:
@@ -40,7 +41,18 @@ DEFAULT_SIZES = ["8B", "64KB", "1MB", "16MB", "64MB"]
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="hexi-cluster bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="hexi-cluster bench",
+        description=__doc__.split("\n")[0],
+        **with_examples(
+            "torchrun --nproc-per-node 2 --no-python hexi-cluster bench --sizes 8B 1MB "
+            "--iters 3 -o links.yaml",
+            "hexi-launch slurm plan.json --partition gpu --entry-module "
+            "megatron_hexi.cluster_tools.bench -o bench.sbatch -- -o links.yaml",
+            note="Run it as a torch.distributed job, one or more processes per node: the first "
+            "example measures this machine alone, the second every pair of a plan's nodes.",
+        ),
+    )
     ap.add_argument("-o", "--output", help="links YAML (default: stdout of rank 0)")
     ap.add_argument(
         "--sizes",

@@ -6,6 +6,12 @@
       run under torchrun (or a hexi-launch script): measured `links:` between all node pairs
 
 Problems are one line on stderr, exit code 2.
+
+examples:
+  hexi-cluster detect -o node.yaml
+  hexi-cluster detect --allow-cpu --cpu-ranks 2
+  torchrun --nproc-per-node 2 --no-python hexi-cluster bench --sizes 8B 1MB --iters 3 \\
+      -o links.yaml
 """
 
 import argparse
@@ -14,12 +20,21 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from planner.cli_args import with_examples
 from planner.errors import SpecError
 
 
-def _detect(argv: list[str]) -> int:
+def detect_parser() -> argparse.ArgumentParser:
+    """`hexi-cluster detect`'s arguments (its own function, so tests can parse its examples)."""
     ap = argparse.ArgumentParser(
-        prog="hexi-cluster detect", description="this node's cluster-spec entry (one `nodes:` item)"
+        prog="hexi-cluster detect",
+        description="this node's cluster-spec entry (one `nodes:` item)",
+        **with_examples(
+            "hexi-cluster detect -o node.yaml",
+            "hexi-cluster detect --name rtx4090-0 --allow-cpu --cpu-ranks 2",
+            note="Paste the entry under `nodes:` of the cluster file; set `count:` for "
+            "identical machines.",
+        ),
     )
     ap.add_argument("-o", "--output", help="write the YAML snippet here (default: stdout)")
     ap.add_argument("--name", help="node name in the spec (default: short host name)")
@@ -34,7 +49,11 @@ def _detect(argv: list[str]) -> int:
         default=1,
         help="with --allow-cpu: CPU processes (emulated GPUs) for this node",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _detect(argv: list[str]) -> int:
+    args = detect_parser().parse_args(argv)
     from megatron_hexi.cluster_tools.detect import detect, to_yaml
 
     entry, notes = detect(allow_cpu=args.allow_cpu, name=args.name, cpu_ranks=args.cpu_ranks)

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from megatron_hexi.launch.common import comment
-from planner.cli_args import ArgumentParser, bounded_int
+from planner.cli_args import ArgumentParser, bounded_int, with_examples
 from planner.errors import SpecError
 
 # Bounds of the numeric flags, so that no value reaches a script where the tool reading it would
@@ -27,6 +27,19 @@ from planner.errors import SpecError
 PORT = bounded_int(1, 65535)
 TIMEOUT_S = bounded_int(0, 2**31 - 1)
 CPUS_PER_GPU = bounded_int(0, 1024)
+
+
+AFTER_DASHES = "Arguments after `--` go to the training script."
+FROM_CHECKOUT = "Plan paths here are relative to a megatron-hexi checkout."
+SLURM_EXAMPLE = (
+    "hexi-launch slurm examples/plans/hetero-4rank.json --partition A100-SXM-80GB=a100 "
+    "--partition RTX-4090=rtx4090 --partition RTX-3090=rtx3090 -o job.sbatch "
+    "-- --mock-data --train-iters 100 --lr 1e-4"
+)
+TORCHRUN_EXAMPLE = (
+    "hexi-launch torchrun examples/plans/hetero-4rank.json -o nodes "
+    "-- --mock-data --train-iters 100 --lr 1e-4"
+)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -45,8 +58,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         "--entry",
-        default="pretrain_gpt.py",
-        help="training script torchrun runs (default: pretrain_gpt.py)",
+        help="training script torchrun runs (default: the hexi-train installed beside --python, "
+        "by absolute path; hexi-train from the node's PATH for a bare --python name)",
     )
     g.add_argument("--entry-module", help="run a python module instead (torchrun -m)")
 
@@ -55,13 +68,19 @@ def _parser() -> ArgumentParser:
     ap = ArgumentParser(
         prog="hexi-launch",
         description=__doc__.split("\n")[0],
-        epilog="Arguments after `--` go to the training script.",
+        **with_examples(SLURM_EXAMPLE, TORCHRUN_EXAMPLE, note=f"{AFTER_DASHES} {FROM_CHECKOUT}"),
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser(
         "slurm",
-        help="write an sbatch script (heterogeneous job if the plan "
-        "spans several GPU types / partitions)",
+        help="write an sbatch script (a heterogeneous job if the plan's nodes differ in "
+        "partition, GPU type or GPUs used)",
+        **with_examples(
+            SLURM_EXAMPLE,
+            "sbatch job.sbatch",
+            note=f"{AFTER_DASHES} Each plan node becomes one Slurm node with exactly the GPUs its "
+            f"plan ranks use. {FROM_CHECKOUT}",
+        ),
     )
     _common(s)
     s.add_argument(
@@ -95,7 +114,17 @@ def _parser() -> ArgumentParser:
         help="ask sinfo whether each node group fits its partition; exit 2 if not",
     )
     s.add_argument("-o", "--output", help="write the script here (default: stdout)")
-    t = sub.add_parser("torchrun", help="per-node torchrun commands (no Slurm)")
+    t = sub.add_parser(
+        "torchrun",
+        help="per-node torchrun commands (no Slurm)",
+        **with_examples(
+            TORCHRUN_EXAMPLE,
+            "hexi-launch torchrun examples/plans/hetero-4rank.json --master-addr 10.0.0.1 "
+            "-- --mock-data --train-iters 100 --lr 1e-4",
+            note=f"{AFTER_DASHES} With -o, run DIR/<plan node>.sh on each machine, in any "
+            f"order. {FROM_CHECKOUT}",
+        ),
+    )
     _common(t)
     t.add_argument(
         "--master-addr",
@@ -127,7 +156,7 @@ def run(argv: list[str]) -> int:
     else:
         training_args = []
     args = _parser().parse_args(argv)
-    from megatron_hexi.launch.common import LaunchError, file_in, parse_mapping, sh
+    from megatron_hexi.launch.common import LaunchError, file_in, parse_mapping
     from planner.plan import load_plan
 
     plan = load_plan(args.plan)
@@ -159,12 +188,7 @@ def run(argv: list[str]) -> int:
         )
         if args.output:
             _write(args.output, text)
-            kind = f"heterogeneous job, {len(comps)} components" if len(comps) > 1 else "plain job"
-            print(
-                f"hexi-launch: wrote {comment(args.output)} ({kind}); submit with: "
-                f"sbatch {comment(sh(args.output))}",
-                file=sys.stderr,
-            )
+            print(slurm.summary(args.output, comps))
         else:
             sys.stdout.write(text)
         return 0
@@ -183,10 +207,11 @@ def run(argv: list[str]) -> int:
             raise LaunchError(f"-o {args.output!r}: exists and is not a directory")
         scripts = torchrun.node_scripts(plan, args.plan, **kw)  # refuses bad node names
         os.makedirs(args.output, exist_ok=True)
+        paths = {}
         for name, text in scripts.items():
-            path = file_in(args.output, name, ".sh")
-            _write(path, text)
-            print(comment(path))
+            paths[name] = file_in(args.output, name, ".sh")
+            _write(paths[name], text)
+        print(torchrun.summary(plan, args.output, paths, args.master_addr))
         return 0
     for node, cmd in torchrun.torchrun_commands(plan, args.plan, **kw):
         host = f" (host {node.hostname})" if node.hostname else ""

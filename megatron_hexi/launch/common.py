@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import sys
+import sysconfig
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -149,9 +151,40 @@ def sh(value: object) -> str:
     return shlex.quote(str(value))
 
 
+TRAIN_COMMAND = "hexi-train"  # setup.py's console script for megatron_hexi.training:cli
+NO_PYTHON = "--no-python "  # torchrun runs the entry as a program, not as `python ENTRY`
+
+
 def entry_words(entry: str) -> list[str]:
-    """What runs on every rank, as argv words: `-m MODULE` is two words, a script path one."""
-    return entry.split(" ", 1) if entry.startswith("-m ") else [entry]
+    """What runs on every rank, as argv words: `-m MODULE` and `--no-python PROGRAM` are two
+    words, a script path one."""
+    return entry.split(" ", 1) if entry.startswith(("-m ", NO_PYTHON)) else [entry]
+
+
+def resolve_entry(entry: str | None, python: str) -> str:
+    """The training entry torchrun runs on every node, never relative to the directory the job
+    happens to start in. A script given that exists here becomes absolute. Without one, it is
+    the `hexi-train` script installed beside the nodes' `python` (absolute); a bare interpreter
+    name (`python` in a container) has no directory to look in, so torchrun then runs
+    `hexi-train` from the node's PATH, as the shell finds `python` itself."""
+    if entry is not None:
+        if not entry.startswith(("-m ", NO_PYTHON)) and os.path.exists(entry):
+            return os.path.abspath(entry)
+        return entry
+    if os.sep not in python:
+        return NO_PYTHON + TRAIN_COMMAND
+    python = os.path.abspath(python)
+    beside = os.path.join(os.path.dirname(python), TRAIN_COMMAND)
+    if not os.path.exists(python) or os.path.exists(beside):
+        return beside  # an interpreter on the nodes only is taken at its word
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        user = os.path.join(sysconfig.get_path("scripts", f"{os.name}_user"), TRAIN_COMMAND)
+        if os.path.exists(user):  # pip install --user
+            return user
+    raise LaunchError(
+        f"no {TRAIN_COMMAND} beside {python}: install megatron-hexi for that python "
+        f"(pip install -e .), or name the training script with --entry"
+    )
 
 
 def quote_args(args: Iterable[object]) -> str:

@@ -1,13 +1,16 @@
 """`hexi-launch slurm`: an sbatch script that runs a plan on Slurm.
 
-One Slurm component per (node group, partition, gres type) of the plan: a heterogeneous job
-(`#SBATCH hetjob` between components) when there are several, a plain job otherwise. One srun step
-spans every component and starts, on each node, a small bash function that works out which plan
-node it is (component i's k-th Slurm node runs the plan's k-th node of component i), exports
-HEXI_PLAN_NODE and execs torchrun with that node's process count. The script is meant to be read
-and edited: settings are `VAR=${VAR:-default}` lines the user can override from the environment.
-Values reach the shell quoted (common.sh); values for `#SBATCH` lines, which sbatch reads without
-a shell, are refused when they could break the line (common.directive_value).
+One Slurm component per (partition, gres type, GPUs per node) of the plan: a heterogeneous job
+(`#SBATCH hetjob` between components) when there are several, a plain job otherwise. `--gres`
+counts per node, and a component holds only nodes that use the same number of GPUs, so every node
+is asked for exactly the GPUs its plan ranks use (a 4-GPU node next to 8-GPU nodes of the same type
+gets a component of its own, not a request for 8 it cannot meet). One srun step spans every
+component and starts, on each node, a small bash function that works out which plan node it is
+(component i's k-th Slurm node runs the plan's k-th node of component i), exports HEXI_PLAN_NODE
+and execs torchrun with that node's process count. The script is meant to be read and edited:
+settings are `VAR=${VAR:-default}` lines the user can override from the environment. Values reach
+the shell quoted (common.sh); values for `#SBATCH` lines, which sbatch reads without a shell, are
+refused when they could break the line (common.directive_value).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from megatron_hexi.launch.common import (
     entry_words,
     lookup,
     plan_nodes,
+    resolve_entry,
     sh,
     shell_default,
 )
@@ -42,7 +46,7 @@ if TYPE_CHECKING:
 class Component:
     partition: str | None  # None: the cluster's default partition
     gres_type: str | None  # None: no GPUs requested (CPU plan)
-    gpus: int  # GPUs requested per node (the most any of its plan nodes uses)
+    gpus: int  # GPUs requested on each node: the plan ranks on each of its nodes
     groups: list[str] = field(default_factory=list)
     nodes: list[PlanNode] = field(default_factory=list)  # plan order
 
@@ -54,6 +58,8 @@ def components(
 ) -> list[Component]:
     """Group the plan's nodes into Slurm components; one-line errors for unmapped GPU types.
 
+    Nodes share a component when they share partition, gres type and process count: `--gres` and
+    `--cpus-per-task` are per node, so one component can only ask every node for the same.
     partitions / gres_types: {group name | GPU type (lowercase) | '*': value}. A partition given
     in the cluster spec (`partition:` of a node group) is used when no option names one.
     """
@@ -62,7 +68,7 @@ def components(
         for value in mapping.values():  # also those that match no node group: a typo shows
             directive_value(value, flag)
     nodes = plan_nodes(plan)
-    comps: dict[tuple[str | None, str | None], Component] = {}
+    comps: dict[tuple[str | None, str | None, int], Component] = {}
     part_of: dict[str, str | None] = {}
     for n in nodes:
         if lookup(partitions, n):
@@ -86,11 +92,9 @@ def components(
             gres = default_gres_type(n.gpu)
             if gres is not None:
                 gres = directive_value(gres, f"gres type of GPU {n.gpu}")
-        key = (part, gres)
-        c = comps.setdefault(key, Component(part, gres, 0))
+        c = comps.setdefault((part, gres, n.nproc), Component(part, gres, n.nproc))
         if n.group not in c.groups:
             c.groups.append(n.group)
-        c.gpus = max(c.gpus, n.nproc)
         c.nodes.append(n)
     if missing:
         raise LaunchError(
@@ -106,9 +110,14 @@ def check_partitions(
     run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
 ) -> None:
     """Ask sinfo whether each component fits its partition: enough nodes with enough GPUs of its
-    type. Raises LaunchError with one line per component that does not fit."""
-    problems = []
+    type. Components on the same partition and gres type (same GPUs, different counts per node)
+    need separate machines: the larger requests take their nodes first, each the smallest node
+    that fits, and what is left must fit the smaller ones. Raises LaunchError with one line per
+    component that does not fit."""
+    listing: dict[str | None, list[tuple[str, str]]] = {}  # partition -> [(host, gres)]
     for c in comps:
+        if c.partition in listing:
+            continue
         args = ["sinfo", "-h", "-N", "-o", "%N %G"] + (["-p", c.partition] if c.partition else [])
         try:
             r = run(args, capture_output=True, text=True, timeout=30)
@@ -116,28 +125,43 @@ def check_partitions(
             raise LaunchError(f"--check-partitions: cannot run sinfo: {e}")
         if r.returncode != 0:
             raise LaunchError(f"--check-partitions: sinfo failed: {r.stderr.strip()}")
-        fits = set()
-        for line in r.stdout.splitlines():
-            host, _, gres = line.strip().partition(" ")
-            have = 0
-            for item in gres.split(","):
-                f = item.split("(")[0].split(":")
-                if c.gres_type is None:
-                    have = c.gpus
-                elif len(f) >= 3 and f[0] == "gpu" and f[1] == c.gres_type and f[2].isdigit():
-                    have = max(have, int(f[2]))
+        hosts = [line.strip().partition(" ")[::2] for line in r.stdout.splitlines()]
+        listing[c.partition] = [(h, g) for h, g in hosts if h]
+    taken: dict[tuple[str | None, str | None], set[str]] = {}
+    problems: dict[int, str] = {}
+    for i in sorted(range(len(comps)), key=lambda k: -comps[k].gpus):
+        c = comps[i]
+        fits = {}
+        for host, gres in listing[c.partition]:
+            have = c.gpus if c.gres_type is None else _gpus_of_type(gres, c.gres_type)
             if have >= c.gpus:
-                fits.add(host)
+                fits[host] = have
+        used = taken.setdefault((c.partition, c.gres_type), set())
+        free = sorted((h for h in fits if h not in used), key=lambda h: (fits[h], h))
+        used.update(free[: len(c.nodes)])
+        if len(free) >= len(c.nodes):
+            continue
         where = f"partition {c.partition}" if c.partition else "the default partition"
-        if len(fits) < len(c.nodes):
-            what = f"gpu:{c.gres_type}:{c.gpus}" if c.gres_type else "nodes"
-            problems.append(
-                f"node group {'+'.join(c.groups)} needs {len(c.nodes)} node(s) with "
-                f"{what}; {where} has {len(fits)}"
-                + (f" ({', '.join(sorted(fits))})" if fits else "")
-            )
+        what = f"gpu:{c.gres_type}:{c.gpus}" if c.gres_type else "nodes"
+        line = (
+            f"node group {'+'.join(c.groups)} needs {len(c.nodes)} node(s) with {what}; "
+            f"{where} has {len(fits)}" + (f" ({', '.join(sorted(fits))})" if fits else "")
+        )
+        if len(free) < len(fits):
+            line += f", {len(fits) - len(free)} of them for the larger component(s) before it"
+        problems[i] = line
     if problems:
-        raise LaunchError(problems)
+        raise LaunchError([problems[i] for i in sorted(problems)])
+
+
+def _gpus_of_type(gres: str, gres_type: str) -> int:
+    """GPUs of one type in sinfo's %G field (`gpu:a100:2(S:0),gpu:t4:1`): the largest count."""
+    have = 0
+    for item in gres.split(","):
+        f = item.split("(")[0].split(":")
+        if len(f) >= 3 and f[0] == "gpu" and f[1] == gres_type and f[2].isdigit():
+            have = max(have, int(f[2]))
+    return have
 
 
 # The per-node part, run by srun on every node (passed as `bash -c "$(declare -f hexi_node) ..."`).
@@ -178,19 +202,19 @@ def generate_sbatch(
     python: str | None = None,
     timeout_s: int = 0,
     master_port: int = 29500,
-    entry: str = "pretrain_gpt.py",
+    entry: str | None = None,
     cpus_per_gpu: int = 2,
     exclusive: bool = False,
     comps: Sequence[Component] | None = None,
 ) -> str:
-    """The sbatch script text. `entry`: a script path, or '-m module'."""
+    """The sbatch script text. `entry`: a script path, '-m module' or '--no-python program';
+    default: the installed hexi-train (common.resolve_entry)."""
     comps = comps if comps is not None else components(plan, partitions, gres_types)
     nodes = [n for c in comps for n in c.nodes]
     het = len(comps) > 1
     plan_path = os.path.abspath(plan_path)
     python = python or ("python" if container_image else sys.executable)
-    if not entry.startswith("-m ") and os.path.exists(entry):
-        entry = os.path.abspath(entry)
+    entry = resolve_entry(entry, python)
     if job_name is None:  # from the plan's file name, reduced to characters safe anywhere
         stem = os.path.splitext(os.path.basename(plan_path))[0]
         job_name = "hexi-" + re.sub(r"[^A-Za-z0-9._-]", "_", stem)
@@ -249,8 +273,8 @@ def generate_sbatch(
         ': "${HEXI_MASTER_ADDR:=}"   # empty: first node of component 0',
         "export PYTHON MASTER_PORT HEXI_TIMEOUT_S HEXI_PLAN",
         "",
-        "# Training script, or -m module; HEXI_ENTRY in the environment replaces it (split at",
-        "# spaces, e.g. HEXI_ENTRY=\"-m my.module\").",
+        "# Training script (absolute), -m module or --no-python program; HEXI_ENTRY in the",
+        "# environment replaces it (split at spaces, e.g. HEXI_ENTRY=\"-m my.module\").",
         bash_array("HEXI_ENTRY_WORDS", entry_words(entry)),
         'if [[ -n "${HEXI_ENTRY:-}" ]]; then read -r -a HEXI_ENTRY_WORDS <<<"$HEXI_ENTRY"; fi',
         "",
@@ -275,6 +299,7 @@ def generate_sbatch(
         "# ---- map Slurm's nodes to plan nodes: \"node-id host plan-node node-rank nproc\" ----",
         "HEXI_NODE_TABLE=\"\"",
         "node_id=0",
+        "declare -A component_of=()",
         "for ((i = 0; i < ${#HEXI_PLAN_NODES[@]}; i++)); do",
         "    if [[ -n \"${SLURM_HET_SIZE:-}\" ]]; then",
         "        v=SLURM_JOB_NODELIST_HET_GROUP_$i; nodelist=${!v}",
@@ -290,6 +315,14 @@ def generate_sbatch(
         "    fi",
         "    for ((k = 0; k < ${#want[@]}; k++)); do",
         "        p=${want[$k]}",
+        "        # components of the same GPU type may share a machine: the plan's nodes may not",
+        "        if [[ -n \"${component_of[${hosts[$k]}]:-}\" ]]; then",
+        "            echo \"hexi: Slurm gave node ${hosts[$k]} to components "
+        "${component_of[${hosts[$k]}]} and $i; each plan node needs a machine of its own: "
+        "generate the job with --exclusive\" >&2",
+        "            exit 1",
+        "        fi",
+        "        component_of[${hosts[$k]}]=$i",
         "        HEXI_NODE_TABLE+=\"$node_id ${hosts[$k]} $p "
         "${HEXI_NODE_RANK[$p]} ${HEXI_NPROC[$p]}\"$'\\n'",
         "        if [[ $node_id == 0 ]]; then first_host=${hosts[$k]}; fi",
@@ -328,3 +361,18 @@ def generate_sbatch(
         "",
     ]
     return "\n".join(L)
+
+
+def summary(path: str, comps: Sequence[Component]) -> str:
+    """What `-o` wrote: the job's components, each with its nodes and per-node request, and how
+    to submit it (one line per component; names escaped so each stays one line)."""
+    kind = f"heterogeneous job, {len(comps)} components" if len(comps) > 1 else "plain job"
+    lines = [f"wrote {path}: {kind}"]
+    for i, c in enumerate(comps):
+        what = f"gpu:{c.gres_type}:{c.gpus}" if c.gres_type else f"{c.gpus} process(es)"
+        lines.append(
+            f"  component {i}: partition {c.partition or '(default)'}, {len(c.nodes)} node(s) "
+            f"with {what} each: plan node(s) {' '.join(n.name for n in c.nodes)}"
+        )
+    lines.append(f"submit with: sbatch {sh(path)}")
+    return "\n".join(comment(line) for line in lines)

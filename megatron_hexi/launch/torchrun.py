@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from megatron_hexi.launch.common import (
@@ -18,6 +18,7 @@ from megatron_hexi.launch.common import (
     entry_words,
     plan_nodes,
     quote_args,
+    resolve_entry,
     sh,
     shell_default,
 )
@@ -35,12 +36,6 @@ def _defaults(
     return nodes, master_addr, python or sys.executable
 
 
-def _norm_entry(entry: str) -> str:
-    if not entry.startswith("-m ") and os.path.exists(entry):
-        return os.path.abspath(entry)
-    return entry
-
-
 def torchrun_commands(
     plan: Plan,
     plan_path: str,
@@ -48,13 +43,13 @@ def torchrun_commands(
     master_addr: str | None = None,
     master_port: int = 29500,
     python: str | None = None,
-    entry: str = "pretrain_gpt.py",
+    entry: str | None = None,
     timeout_s: int = 0,
 ) -> list[tuple[PlanNode, str]]:
     """[(plan node, shell command)] in plan order, ready to paste on each machine. Every value is
     one quoted word; without an address the command reads $MASTER_ADDR when it runs."""
     nodes, addr, python = _defaults(plan, master_addr, python)
-    plan_path, entry = os.path.abspath(plan_path), _norm_entry(entry)
+    plan_path, entry = os.path.abspath(plan_path), resolve_entry(entry, python)
     addr_word = sh(addr) if addr else '"$MASTER_ADDR"'
     out = []
     for n in nodes:
@@ -85,12 +80,12 @@ def node_scripts(
     master_addr: str | None = None,
     master_port: int = 29500,
     python: str | None = None,
-    entry: str = "pretrain_gpt.py",
+    entry: str | None = None,
     timeout_s: int = 0,
 ) -> dict[str, str]:
     """{plan node name: bash script text}; run each on its machine (`bash NODE.sh [more args]`)."""
     nodes, addr, python = _defaults(plan, master_addr, python)
-    plan_path, entry = os.path.abspath(plan_path), _norm_entry(entry)
+    plan_path, entry = os.path.abspath(plan_path), resolve_entry(entry, python)
     first = nodes[0].name
     if addr:
         addr_lines = [
@@ -136,3 +131,27 @@ def node_scripts(
             ]
         )
     return scripts
+
+
+def summary(plan: Plan, folder: str, paths: Mapping[str, str], master_addr: str | None) -> str:
+    """What `-o DIR` wrote: one script per plan node, where each runs, and what to set first
+    when the plan names no host for rank 0's node (one line each, names escaped)."""
+    nodes = plan_nodes(plan)
+    lines = [
+        f"wrote {len(paths)} node script(s) to {folder}; run each on its machine, in any order:"
+    ]
+    commands = {n.name: f"bash {sh(paths[n.name])}" for n in nodes}
+    width = max(len(c) for c in commands.values())
+    for n in nodes:
+        host = f" (host {n.hostname})" if n.hostname else ""
+        lines.append(
+            f"  {commands[n.name]:<{width}}  # plan node {n.name}{host}: torchrun node rank "
+            f"{n.node_rank}, {n.nproc} process(es), plan ranks {n.first_rank}.."
+            f"{n.first_rank + n.nproc - 1}"
+        )
+    if not (master_addr or nodes[0].hostname):
+        lines.append(
+            f"set MASTER_ADDR to the address of plan node {nodes[0].name} on every machine "
+            f"first (the plan's cluster names no host for it; or give --master-addr)"
+        )
+    return "\n".join(comment(line) for line in lines)

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from megatron_hexi.profile import FORMAT
+from planner.cli_args import with_examples
 
 if TYPE_CHECKING:
     import torch
@@ -295,7 +296,17 @@ def contention(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hexi-profile", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="hexi-profile",
+        description=__doc__.splitlines()[0],
+        **with_examples(
+            "hexi-profile --model tiny --device cpu --max-seconds 30 -o cpu-profile.json",
+            "hexi-profile --model llama2-7b --device cuda --tp-widths 1 2 --comm-procs 2 "
+            "-o rtx4090.json",
+            note="Reference the file from the cluster spec: `profile: cpu-profile.json` in a "
+            "node group.",
+        ),
+    )
     p.add_argument("--model", required=True, help="catalog model name or model YAML")
     p.add_argument("--seq-length", type=int, default=None)
     p.add_argument(

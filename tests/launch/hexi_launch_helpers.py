@@ -8,6 +8,7 @@ order; LOCAL_RANK), does a gloo all_reduce and has rank 0 write everyone's view 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,49 @@ def check_fake_result(result_path, plan):
         assert x["torch_rank"] == entry.rank, x  # the launchers make torch rank == plan rank
         assert x["gpu"] == entry.gpu, x
     return res
+
+
+# ---- an sbatch script run with stand-ins for srun / scontrol / python ----
+
+STUB_SRUN = r"""#!/bin/bash
+# stand-in srun: run the command after the options once per "id:host" of $STUB_NODES
+while [[ "$1" == -* ]]; do shift; done
+for pair in $STUB_NODES; do
+    SLURM_NODEID=${pair%%:*} SLURMD_NODENAME=${pair#*:} "$@" || exit $?
+done
+"""
+STUB_SCONTROL = """#!/bin/bash
+# stand-in: `scontrol show hostnames a,b,c`
+tr ',' '\\n' <<<"$3"
+"""
+STUB_PYTHON = """#!/usr/bin/env python3
+import json, os, sys
+with open(os.environ["STUB_OUT"], "a") as f:
+    f.write(json.dumps({"node": os.environ.get("HEXI_PLAN_NODE"), "argv": sys.argv[1:],
+                        "master": os.environ.get("MASTER_ADDR")}) + "\\n")
+"""
+
+
+def run_with_stub_slurm(tmp_path, script, env_extra, ok=True):
+    """Run an sbatch script with stand-ins for srun (runs its command once per "id:host" of
+    $STUB_NODES), scontrol and the nodes' python (records HEXI_PLAN_NODE, argv, MASTER_ADDR).
+    Returns ({plan node: call}, the finished process); with ok, the script must succeed."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    for name, body in [("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL), ("python", STUB_PYTHON)]:
+        (bindir / name).write_text(body)
+        (bindir / name).chmod(0o755)
+    out = tmp_path / "calls.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "MASTER_", "HEXI_"))}
+    env.update(
+        PATH=f"{bindir}:{env['PATH']}",
+        STUB_OUT=str(out),
+        PYTHON=str(bindir / "python"),
+        SLURM_JOB_ID="7",
+        **env_extra,
+    )
+    r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    if ok:
+        assert r.returncode == 0, r.stdout + r.stderr
+    calls = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+    return {c["node"]: c for c in calls}, r

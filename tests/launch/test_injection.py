@@ -192,7 +192,11 @@ def one_line_error(rc, err, *needles):
         assert n in lines[0], err
 
 
-def torch_argv(nnodes, node_rank, addr, plan_path, entry=ENTRY, args=ARGS):
+# the default entry for a --python without a folder (PY): `hexi-train` from the node's PATH
+DEFAULT_ENTRY = ("--no-python", "hexi-train")
+
+
+def torch_argv(nnodes, node_rank, addr, plan_path, entry=(ENTRY,), args=ARGS):
     return [
         "-m",
         "torch.distributed.run",
@@ -206,7 +210,7 @@ def torch_argv(nnodes, node_rank, addr, plan_path, entry=ENTRY, args=ARGS):
         addr,
         "--master-port",
         "29500",
-        entry,
+        *entry,
         "--hetero-plan-path",
         str(plan_path),
         *args,
@@ -455,14 +459,14 @@ def test_hostile_plan_path_end_to_end(tmp_path, work):
     printout.write_text(r.stdout)
     calls, _ = run_script(tmp_path, work, printout, {"MASTER_ADDR": "m"})
     assert [c["argv"] for c in calls] == [
-        torch_argv(2, i, "m", path, "pretrain_gpt.py") for i in range(2)
+        torch_argv(2, i, "m", path, DEFAULT_ENTRY) for i in range(2)
     ]
     nodes = tmp_path / "nodes"
     r = hexi_launch("torchrun", path, "--python", PY, "-o", nodes, "--", *ARGS, cwd=wd)
     assert r.returncode == 0, r.stderr
     for i in range(2):
         calls, _ = run_script(tmp_path, work, nodes / f"a100-{i}.sh", {"MASTER_ADDR": "m"})
-        assert [c["argv"] for c in calls] == [torch_argv(2, i, "m", path, "pretrain_gpt.py")]
+        assert [c["argv"] for c in calls] == [torch_argv(2, i, "m", path, DEFAULT_ENTRY)]
     job = tmp_path / "job.sbatch"
     r = hexi_launch("slurm", path, "--python", PY, "-o", job, "--", *ARGS, cwd=wd)
     assert r.returncode == 0, r.stderr
@@ -470,5 +474,5 @@ def test_hostile_plan_path_end_to_end(tmp_path, work):
         tmp_path, work, job, {"SLURM_JOB_NODELIST": "n0,n1", "STUB_NODES": "0:n0 1:n1"}
     )
     assert [c["argv"] for c in calls if c["prog"] == PY] == [
-        torch_argv(2, i, "n0", path, "pretrain_gpt.py") for i in range(2)
+        torch_argv(2, i, "n0", path, DEFAULT_ENTRY) for i in range(2)
     ]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hexi_launch_helpers import FAKE_TRAIN, REPO, hexi_launch, make_plan  # noqa: E402
+from hexi_launch_helpers import (  # noqa: E402
+    FAKE_TRAIN,
+    REPO,
+    STUB_SCONTROL,
+    hexi_launch,
+    make_plan,
+    run_with_stub_slurm,
+)
 from megatron_hexi.launch import slurm as slurm_gen  # noqa: E402
 from megatron_hexi.launch.common import default_gres_type, plan_nodes  # noqa: E402
 
@@ -36,6 +43,22 @@ def plain_plan(tmp_path):
 
 def sbatch_lines(text):
     return [ln for ln in text.splitlines() if ln.startswith("#SBATCH")]
+
+
+def components_of(text):
+    """The #SBATCH lines of each component, in order (split at `#SBATCH hetjob`)."""
+    comps = [[]]
+    for line in sbatch_lines(text):
+        if line == "#SBATCH hetjob":
+            comps.append([])
+        else:
+            comps[-1].append(line)
+    return comps
+
+
+def gres_of(comp):
+    (line,) = [ln for ln in comp if ln.startswith("#SBATCH --gres=")]
+    return line.removeprefix("#SBATCH --gres=")
 
 
 @pytest.mark.parametrize(
@@ -106,21 +129,21 @@ def test_het_job(het_plan):
     )
     assert r.returncode == 0, r.stderr
     text = r.stdout
-    lines = sbatch_lines(text)
-    assert lines.count("#SBATCH hetjob") == 1
-    split = lines.index("#SBATCH hetjob")
-    comp0, comp1 = lines[:split], lines[split + 1 :]
+    comp0, comp1, comp2 = components_of(text)
     # component 0 is the group of rank 0 (rtx4090, listed first in the plan), not Slurm's order
     assert "#SBATCH --partition=rtx4090" in comp0 and "#SBATCH --nodes=1" in comp0
     assert "#SBATCH --gres=gpu:geforce_rtx_4090:2" in comp0
     assert "#SBATCH --cpus-per-task=6" in comp0
-    assert "#SBATCH --partition=a100" in comp1 and "#SBATCH --nodes=2" in comp1
-    assert "#SBATCH --gres=gpu:a100:2" in comp1  # the most any a100 node uses
-    assert all("--ntasks-per-node=1" in "\n".join(c) for c in (comp0, comp1))
+    # a100-0 runs 2 ranks, a100-1 one: a component each, each asking for what its node uses
+    assert "#SBATCH --partition=a100" in comp1 and "#SBATCH --nodes=1" in comp1
+    assert "#SBATCH --gres=gpu:a100:2" in comp1 and "#SBATCH --cpus-per-task=6" in comp1
+    assert "#SBATCH --partition=a100" in comp2 and "#SBATCH --nodes=1" in comp2
+    assert "#SBATCH --gres=gpu:a100:1" in comp2 and "#SBATCH --cpus-per-task=3" in comp2
+    assert all("--ntasks-per-node=1" in "\n".join(c) for c in (comp0, comp1, comp2))
     assert "srun --het-group=0-$((SLURM_HET_SIZE - 1)) --kill-on-bad-exit=1" in text
     assert text.count("\nsrun ") == 1
     assert "    rtx4090-0   # component 0" in text
-    assert "    'a100-0 a100-1'   # component 1" in text
+    assert "    a100-0   # component 1" in text and "    a100-1   # component 2" in text
     assert "declare -A HEXI_NODE_RANK=([rtx4090-0]=0 [a100-0]=1 [a100-1]=2)" in text
     assert "declare -A HEXI_NPROC=([rtx4090-0]=2 [a100-0]=2 [a100-1]=1)" in text
     assert "export HEXI_NNODES=3" in text
@@ -149,13 +172,84 @@ def test_partition_from_cluster_spec(tmp_path):
     assert "#SBATCH --partition=other" in r.stdout and "gpu-4090" not in r.stdout
 
 
-def test_same_gpu_groups_share_a_component(tmp_path):
+def test_groups_of_one_gpu_type_and_count_share_a_component(tmp_path):
+    """Two node groups with the same GPU type and GPUs per node: one component of 2 nodes."""
     path = tmp_path / "p.json"
-    make_plan(path, [("a100", 2, 1), ("a100_b", 1, 2)])
+    make_plan(path, [("a100", 2, 1), ("a100_b", 2, 1)])
     r = hexi_launch("slurm", path, "--partition", "a100")
     assert r.returncode == 0, r.stderr
-    assert "hetjob" not in r.stdout and "#SBATCH --nodes=3" in r.stdout
-    assert "declare -A HEXI_NPROC=([a100-0]=2 [a100_b-0]=1 [a100_b-1]=1)" in r.stdout
+    assert "hetjob" not in r.stdout and "#SBATCH --nodes=2" in r.stdout
+    assert "#SBATCH --gres=gpu:a100:2" in r.stdout
+    assert "declare -A HEXI_NPROC=([a100-0]=2 [a100_b-0]=2)" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "groups,want",
+    [
+        # the README's planning example has RTX 4090 machines of 8 and of 4 GPUs
+        (
+            [("rtx4090", 8, 1), ("rtx4090_small", 4, 1)],
+            [("gpu:rtx4090:8", ["rtx4090-0"]), ("gpu:rtx4090:4", ["rtx4090_small-0"])],
+        ),
+        # one group's nodes, sorted by their count: 1-GPU nodes around a 2-GPU node
+        (
+            [("a100", 1, 1), ("a100_big", 2, 1), ("a100_c", 1, 1)],
+            [("gpu:a100:1", ["a100-0", "a100_c-0"]), ("gpu:a100:2", ["a100_big-0"])],
+        ),
+    ],
+)
+def test_same_gpu_type_different_gpus_per_node(tmp_path, groups, want):
+    """Nodes of one GPU type and partition with different GPU counts: a component per count, and
+    every node's --gres asks for exactly the GPUs its plan ranks use (never another node's
+    count, which a smaller machine could not give)."""
+    path = tmp_path / "p.json"
+    plan = make_plan(path, groups)
+    job = tmp_path / "job.sbatch"
+    r = hexi_launch("slurm", path, "--partition", "gpu", "-o", job)
+    assert r.returncode == 0, r.stderr
+    text = job.read_text()
+    assert subprocess.run(["bash", "-n", str(job)]).returncode == 0
+    ranks_on = {}  # plan node -> its plan ranks, counted from the plan itself
+    for entry in plan.ranks:
+        ranks_on[entry.node] = ranks_on.get(entry.node, 0) + 1
+    comps = components_of(text)
+    assert [gres_of(c) for c in comps] == [g for g, _ in want]
+    for i, (comp, (gres, nodes)) in enumerate(zip(comps, want)):
+        assert f"#SBATCH --nodes={len(nodes)}" in comp
+        assert all(ranks_on[n] == int(gres.rsplit(":", 1)[1]) for n in nodes)
+        assert f"    {shlex.quote(' '.join(nodes))}   # component {i}" in text
+    # the stand-in Slurm gives each component its nodes; each runs its plan node's processes
+    env = {"SLURM_HET_SIZE": str(len(want))}
+    hosts = []
+    for i, (_, nodes) in enumerate(want):
+        env[f"SLURM_JOB_NODELIST_HET_GROUP_{i}"] = ",".join(f"h-{n}" for n in nodes)
+        hosts += [f"h-{n}" for n in nodes]
+    env["STUB_NODES"] = " ".join(f"{i}:{h}" for i, h in enumerate(hosts))
+    calls, _ = run_with_stub_slurm(tmp_path, job, env)
+    assert {n: int(_flag(c["argv"], "--nproc-per-node")) for n, c in calls.items()} == ranks_on
+
+
+def test_component_nodes_must_be_separate_machines(tmp_path):
+    """Slurm may place two components of one GPU type on one machine; the script refuses to run
+    two plan nodes there (the plan's bandwidths assume separate machines)."""
+    path = tmp_path / "p.json"
+    make_plan(path, [("a100", 2, 1), ("a100_b", 1, 1)])
+    job = tmp_path / "job.sbatch"
+    assert hexi_launch("slurm", path, "--partition", "a100", "-o", job).returncode == 0
+    calls, r = run_with_stub_slurm(
+        tmp_path,
+        job,
+        {
+            "SLURM_HET_SIZE": "2",
+            "SLURM_JOB_NODELIST_HET_GROUP_0": "n1",
+            "SLURM_JOB_NODELIST_HET_GROUP_1": "n1",
+            "STUB_NODES": "0:n1 1:n1",
+        },
+        ok=False,
+    )
+    assert r.returncode == 1 and calls == {}
+    assert "hexi: Slurm gave node n1 to components 0 and 1" in r.stderr
+    assert "--exclusive" in r.stderr
 
 
 @pytest.mark.parametrize(
@@ -214,6 +308,26 @@ def test_check_partitions():
     ]
 
 
+def test_check_partitions_components_need_separate_machines():
+    """Two components on one partition and GPU type cannot count the same machine twice."""
+
+    class Comp:
+        def __init__(self, gpus, n, group):
+            self.partition, self.gres_type, self.gpus = "a100", "a100", gpus
+            self.nodes, self.groups = [None] * n, [group]
+
+    def fake_sinfo(args, **kw):
+        return subprocess.CompletedProcess(args, 0, "a100-1 gpu:a100:2\na100-2 gpu:a100:2\n", "")
+
+    slurm_gen.check_partitions([Comp(1, 1, "small"), Comp(2, 1, "big")], run=fake_sinfo)
+    with pytest.raises(slurm_gen.LaunchError) as e:
+        slurm_gen.check_partitions([Comp(1, 2, "small"), Comp(2, 1, "big")], run=fake_sinfo)
+    assert e.value.problems == [
+        "node group small needs 2 node(s) with gpu:a100:1; partition a100 has 2 (a100-1, "
+        "a100-2), 1 of them for the larger component(s) before it"
+    ]
+
+
 def test_generator_does_not_import_torch(het_plan, tmp_path):
     path, _ = het_plan
     code = textwrap.dedent(f"""
@@ -231,45 +345,6 @@ def test_generator_does_not_import_torch(het_plan, tmp_path):
 
 # ---- the sbatch script's node mapping, run with stand-ins for srun / scontrol / python ----
 
-STUB_SRUN = r"""#!/bin/bash
-# stand-in srun: run the command after the options once per "id:host" of $STUB_NODES
-while [[ "$1" == -* ]]; do shift; done
-for pair in $STUB_NODES; do
-    SLURM_NODEID=${pair%%:*} SLURMD_NODENAME=${pair#*:} "$@" || exit $?
-done
-"""
-STUB_SCONTROL = """#!/bin/bash
-# stand-in: `scontrol show hostnames a,b,c`
-tr ',' '\\n' <<<"$3"
-"""
-STUB_PYTHON = """#!/usr/bin/env python3
-import json, os, sys
-with open(os.environ["STUB_OUT"], "a") as f:
-    f.write(json.dumps({"node": os.environ.get("HEXI_PLAN_NODE"), "argv": sys.argv[1:],
-                        "master": os.environ.get("MASTER_ADDR")}) + "\\n")
-"""
-
-
-def _run_with_stubs(tmp_path, script, env_extra):
-    bindir = tmp_path / "bin"
-    bindir.mkdir(exist_ok=True)
-    for name, body in [("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL), ("python", STUB_PYTHON)]:
-        (bindir / name).write_text(body)
-        (bindir / name).chmod(0o755)
-    out = tmp_path / "calls.jsonl"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "MASTER_"))}
-    env.update(
-        PATH=f"{bindir}:{env['PATH']}",
-        STUB_OUT=str(out),
-        PYTHON=str(bindir / "python"),
-        SLURM_JOB_ID="7",
-        **env_extra,
-    )
-    r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
-    assert r.returncode == 0, r.stdout + r.stderr
-    calls = [json.loads(x) for x in out.read_text().splitlines()]
-    return {c["node"]: c for c in calls}, r.stdout
-
 
 def _flag(argv, name):
     return argv[argv.index(name) + 1]
@@ -285,16 +360,18 @@ def test_sbatch_mapping_with_stub_slurm(het_plan, tmp_path, node_ids):
     nodes = "0:rtx4090-1 1:a100-1 2:a100-2"
     if node_ids == "shuffled":  # step numbering that disagrees with the node lists
         nodes = "0:a100-2 1:rtx4090-1 2:a100-1"
-    calls, log = _run_with_stubs(
+    calls, r = run_with_stub_slurm(
         tmp_path,
         job,
         {
-            "SLURM_HET_SIZE": "2",
+            "SLURM_HET_SIZE": "3",
             "SLURM_JOB_NODELIST_HET_GROUP_0": "rtx4090-1",
-            "SLURM_JOB_NODELIST_HET_GROUP_1": "a100-1,a100-2",
+            "SLURM_JOB_NODELIST_HET_GROUP_1": "a100-1",
+            "SLURM_JOB_NODELIST_HET_GROUP_2": "a100-2",
             "STUB_NODES": nodes,
         },
     )
+    log = r.stdout
     assert set(calls) == {"rtx4090-0", "a100-0", "a100-1"}, log
     want = {"rtx4090-0": ("0", "2"), "a100-0": ("1", "2"), "a100-1": ("2", "1")}
     for node, (node_rank, nproc) in want.items():
@@ -313,7 +390,7 @@ def test_sbatch_plain_mapping_and_env_overrides(plain_plan, tmp_path):
     path, _ = plain_plan
     job = tmp_path / "job.sbatch"
     assert hexi_launch("slurm", path, "-o", job, "--entry-module", "my.mod").returncode == 0
-    calls, _ = _run_with_stubs(
+    calls, _ = run_with_stub_slurm(
         tmp_path,
         job,
         {
@@ -345,6 +422,91 @@ def test_sbatch_wrong_node_count_fails(plain_plan, tmp_path):
     r = subprocess.run(["bash", str(job)], capture_output=True, text=True, env=env, timeout=30)
     assert r.returncode == 1
     assert "component 0 got 1 node(s) (n7), the plan needs 2" in r.stderr
+
+
+# ---- what every node runs, and what -o says ----
+
+
+def test_default_entry_is_the_installed_hexi_train(plain_plan, tmp_path):
+    """Without --entry, every node runs setup.py's console script hexi-train by absolute path,
+    from beside the nodes' python (this interpreter by default): nothing depends on the folder
+    a job starts in."""
+    path, _ = plain_plan
+    train = str(Path(sys.executable).parent / "hexi-train")
+    assert os.access(train, os.X_OK), "hexi-train is not installed beside this python"
+    job = tmp_path / "job.sbatch"
+    assert hexi_launch("slurm", path, "-o", job, cwd=tmp_path).returncode == 0
+    calls, _ = run_with_stub_slurm(
+        tmp_path, job, {"SLURM_JOB_NODELIST": "n0,n1", "STUB_NODES": "0:n0 1:n1"}
+    )
+    for c in calls.values():
+        argv = c["argv"]
+        assert argv[argv.index("--master-port") + 2 :][:2] == [train, "--hetero-plan-path"]
+    r = hexi_launch("torchrun", path, cwd=tmp_path)
+    cmds = [ln for ln in r.stdout.splitlines() if not ln.startswith("#")]
+    assert len(cmds) == 2 and all(f" {train} --hetero-plan-path " in c for c in cmds), r.stdout
+    # an interpreter on the nodes only: its hexi-train, by the same folder
+    r = hexi_launch("torchrun", path, "--python", "/opt/env/bin/python")
+    assert r.stdout.count(" /opt/env/bin/hexi-train --hetero-plan-path ") == 2, r.stdout
+    # a bare name (also a container's default `python`): hexi-train from the node's PATH
+    r = hexi_launch("torchrun", path, "--python", "python3")
+    assert r.stdout.count(" --no-python hexi-train --hetero-plan-path ") == 2, r.stdout
+    r = hexi_launch("slurm", path, "--container-image", "img")
+    assert "\nHEXI_ENTRY_WORDS=(--no-python hexi-train)\n" in r.stdout
+    # a script given by a relative path that exists here: made absolute
+    (tmp_path / "train.py").write_text("")
+    r = hexi_launch("torchrun", path, "--entry", "train.py", cwd=tmp_path)
+    assert r.stdout.count(f" {tmp_path / 'train.py'} --hetero-plan-path ") == 2, r.stdout
+
+
+def test_default_entry_missing_is_one_line(plain_plan, tmp_path):
+    """A python here without hexi-train beside it: one line saying what to do, nothing written."""
+    path, _ = plain_plan
+    python = tmp_path / "env" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    job = tmp_path / "job.sbatch"
+    r = hexi_launch("slurm", path, "--python", python, "-o", job)
+    assert r.returncode == 2 and r.stdout == "" and not job.exists()
+    assert r.stderr == (
+        f"hexi-launch: error: no hexi-train beside {python}: install megatron-hexi for that "
+        "python (pip install -e .), or name the training script with --entry\n"
+    )
+    assert hexi_launch("slurm", path, "--python", python, "--entry", "t.py").returncode == 0
+
+
+def test_output_says_what_it_wrote(het_plan, tmp_path):
+    """`-o` prints what it wrote and what to do with it (stdout; no script goes there then)."""
+    path, _ = het_plan
+    job = tmp_path / "job.sbatch"
+    r = hexi_launch("slurm", path, *PARTS, "-o", job)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.splitlines() == [
+        f"wrote {job}: heterogeneous job, 3 components",
+        "  component 0: partition rtx4090, 1 node(s) with gpu:rtx4090:2 each: plan node(s) "
+        "rtx4090-0",
+        "  component 1: partition a100, 1 node(s) with gpu:a100:2 each: plan node(s) a100-0",
+        "  component 2: partition a100, 1 node(s) with gpu:a100:1 each: plan node(s) a100-1",
+        f"submit with: sbatch {job}",
+    ]
+    d = tmp_path / "nodes"
+    r = hexi_launch("torchrun", path, "-o", d)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.splitlines() == [
+        f"wrote 3 node script(s) to {d}; run each on its machine, in any order:",
+        f"  bash {d}/rtx4090-0.sh  # plan node rtx4090-0: torchrun node rank 0, 2 process(es), "
+        "plan ranks 0..1",
+        f"  bash {d}/a100-0.sh     # plan node a100-0: torchrun node rank 1, 2 process(es), "
+        "plan ranks 2..3",
+        f"  bash {d}/a100-1.sh     # plan node a100-1: torchrun node rank 2, 1 process(es), "
+        "plan ranks 4..4",
+        "set MASTER_ADDR to the address of plan node rtx4090-0 on every machine first (the "
+        "plan's cluster names no host for it; or give --master-addr)",
+    ]
+    assert sorted(p.name for p in d.iterdir()) == ["a100-0.sh", "a100-1.sh", "rtx4090-0.sh"]
+    r = hexi_launch("torchrun", path, "-o", d, "--master-addr", "10.0.0.1")
+    assert "MASTER_ADDR" not in r.stdout and r.stdout.startswith("wrote 3 node script(s)")
 
 
 # ---- hexi-launch torchrun ----
@@ -427,7 +589,7 @@ def test_example_template_runs_with_stub_slurm(tmp_path):
     """examples/slurm/hetero-template.sbatch: valid bash, same node mapping as the generator."""
     template = REPO / "examples" / "slurm" / "hetero-template.sbatch"
     assert subprocess.run(["bash", "-n", str(template)]).returncode == 0
-    calls, _ = _run_with_stubs(
+    calls, _ = run_with_stub_slurm(
         tmp_path,
         template,
         {

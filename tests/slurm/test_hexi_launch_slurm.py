@@ -96,17 +96,42 @@ def check_nodes(slurm_cluster, res):
         ), x
 
 
+def visible_gpus(x):
+    """The GPUs Slurm gave a process (CUDA_VISIBLE_DEVICES from its --gres request)."""
+    return len(x["cuda_visible_devices"].split(","))
+
+
 def test_plain_job(slurm_cluster, tmp_path):
-    """One GPU type: a plain job on partition a100; the second node runs 1 process, the first 2."""
+    """One GPU type, 2 ranks on each node: a plain job on partition a100."""
     plan_path = tmp_path / "plan.json"
-    plan = make_plan(plan_path, [("a100", 2, 2)], world=3)
+    plan = make_plan(plan_path, [("a100", 2, 2)])
     job = generate(tmp_path, plan_path, "hexi-plain", args=["--out", tmp_path / "res.json"])
     assert "hetjob" not in job.read_text()
     out = submit(slurm_cluster, tmp_path, job, "hexi-plain")
     res = check_fake_result(tmp_path / "res.json", plan)
     check_nodes(slurm_cluster, res)
+    assert "-> plan node a100-1, torchrun node rank 1, 2 process(es)" in out
+    assert {x["slurm_node"] for x in res["ranks"]} == {"a100-1", "a100-2"}
+    assert all(visible_gpus(x) == 2 for x in res["ranks"]), res["ranks"]
+
+
+def test_same_gpu_type_different_gpu_counts(slurm_cluster, tmp_path):
+    """One GPU type, 2 ranks on one node and 1 on the other (as the README's planning example
+    has RTX 4090 machines of 8 and 4 GPUs): a component per count on the same partition, each
+    node given exactly the GPUs its ranks use."""
+    plan_path = tmp_path / "plan.json"
+    plan = make_plan(plan_path, [("a100", 2, 2)], world=3)
+    job = generate(tmp_path, plan_path, "hexi-counts", args=["--out", tmp_path / "res.json"])
+    text = job.read_text()
+    assert text.count("#SBATCH hetjob") == 1 and text.count("#SBATCH --partition=a100") == 2
+    assert "#SBATCH --gres=gpu:a100:2\n" in text and "#SBATCH --gres=gpu:a100:1\n" in text
+    out = submit(slurm_cluster, tmp_path, job, "hexi-counts")
+    res = check_fake_result(tmp_path / "res.json", plan)
+    check_nodes(slurm_cluster, res)
     assert "-> plan node a100-1, torchrun node rank 1, 1 process(es)" in out
     assert {x["slurm_node"] for x in res["ranks"]} == {"a100-1", "a100-2"}
+    nproc = {"a100-0": 2, "a100-1": 1}
+    assert all(visible_gpus(x) == nproc[x["plan_node"]] for x in res["ranks"]), res["ranks"]
 
 
 def test_het_job_plan_order_differs_from_slurm(slurm_cluster, tmp_path):
@@ -203,9 +228,9 @@ def test_bench_under_slurm(slurm_cluster, tmp_path):
 
 
 def test_pretrain_gpt_het_job(slurm_cluster, tmp_path):
-    """End to end: the real runtime (pretrain_gpt.py, CPU/gloo) under a generated het job.
+    """End to end: the real runtime (CPU/gloo) under a generated het job, started through the
+    default entry, the installed hexi-train (by absolute path, whatever folder the job is in).
     Plan: pipeline 0 = TP-2 stage on the RTX 4090 node -> stage on a100-0; pipeline 1 = a100-1."""
-    entry = Path(__file__).resolve().parents[2] / "pretrain_gpt.py"
     from hexi_launch_helpers import MODEL
     from planner.models import model_from_dict
     from planner.plan import build_plan, save_plan
@@ -230,9 +255,10 @@ def test_pretrain_gpt_het_job(slurm_cluster, tmp_path):
         tmp_path,
         plan_path,
         "hexi-e2e",
-        entry=("--entry", str(entry)),
+        entry=(),
         args=[*BASE_FLAGS, "--hetero-metrics-path", metrics],
     )
+    assert f"HEXI_ENTRY_WORDS=({Path(sys.executable).parent / 'hexi-train'})" in job.read_text()
     out = submit(slurm_cluster, tmp_path, job, "hexi-e2e")
     assert "-> plan node rtx4090-0, torchrun node rank 0, 2 process(es)" in out
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]

@@ -1,0 +1,143 @@
+"""Every command's `--help` ends with runnable examples, and the planner prints MFU in percent.
+
+The examples are checked, not only present: each example line of a command is parsed by that
+command's own argument parser (a renamed or removed flag fails here), and every file of the
+checkout an example names exists. The commands run as installed console scripts (setup.py's
+entry points), so the test also covers the scripts themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def _parse_plan(argv):
+    from planner.cli import build_parser
+
+    build_parser().parse_args(argv)
+
+
+def _parse_launch(argv):
+    from megatron_hexi.launch.cli import _parser
+
+    _parser().parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+
+
+def _parse_cluster(argv):
+    from megatron_hexi.cluster_tools.bench import parse_args
+    from megatron_hexi.cluster_tools.cli import detect_parser
+
+    assert argv[0] in ("detect", "bench"), argv
+    if argv[0] == "detect":
+        detect_parser().parse_args(argv[1:])
+    else:
+        parse_args(argv[1:])
+
+
+def _parse_profile(argv):
+    from megatron_hexi.profile.cli import build_parser
+
+    build_parser().parse_args(argv)
+
+
+# (command words, what parses an example's words after the program name)
+COMMANDS = [
+    (["hexi-plan"], _parse_plan),
+    (["hexi-plan", "plan"], _parse_plan),
+    (["hexi-plan", "manual"], _parse_plan),
+    (["hexi-plan", "show"], _parse_plan),
+    (["hexi-plan", "validate"], _parse_plan),
+    (["hexi-plan", "simulate"], _parse_plan),
+    (["hexi-launch"], _parse_launch),
+    (["hexi-launch", "slurm"], _parse_launch),
+    (["hexi-launch", "torchrun"], _parse_launch),
+    (["hexi-cluster"], _parse_cluster),
+    (["hexi-cluster", "detect"], _parse_cluster),
+    (["hexi-cluster", "bench"], _parse_cluster),
+    (["hexi-profile"], _parse_profile),
+]
+
+
+def examples(help_text):
+    """The commands under the last `example:` / `examples:` heading, continuation lines joined."""
+    lines = help_text.splitlines()
+    heads = [i for i, ln in enumerate(lines) if ln.strip() in ("example:", "examples:")]
+    assert heads, f"no example section:\n{help_text}"
+    out, cur = [], ""
+    for line in lines[heads[-1] + 1 :]:
+        if not line.strip():
+            break
+        cur += " " + line.strip()
+        if cur.endswith("\\"):
+            cur = cur[:-1]
+        else:
+            out.append(cur.strip())
+            cur = ""
+    return out
+
+
+@pytest.mark.parametrize("command,parse", COMMANDS, ids=[" ".join(c[0]) for c in COMMANDS])
+def test_help_shows_a_runnable_example(command, parse):
+    """`COMMAND --help` exits 0 and ends with at least one example of that very command (the
+    subcommand included); each example parses with the command's own parser, and the files of
+    the checkout it names exist."""
+    r = subprocess.run(
+        [str(BIN / command[0]), *command[1:], "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    mine = []
+    for example in examples(r.stdout):
+        words = shlex.split(example)
+        for w in words:
+            if w.startswith("examples/"):
+                assert (REPO / w).is_file(), f"{example}: no {w} in the checkout"
+        at = [i for i in range(len(words)) if words[i : i + len(command)] == command]
+        if at:
+            mine.append(words[at[0] + 1 :])  # the words after the program name
+    assert mine, f"no example of `{' '.join(command)}` in:\n{r.stdout}"
+    for argv in mine:
+        parse(argv)
+
+
+def test_plan_cli_prints_mfu_in_percent(hexi_plan, tmp_path, examples_dir):
+    """plan, simulate and show print MFU as a percent (Megatron's unit); the plan's JSON keeps
+    the fraction under `estimate.mfu`, and the two agree."""
+    out = tmp_path / "plan.json"
+    code, stdout, err = hexi_plan(
+        "plan",
+        "--cluster",
+        examples_dir / "clusters" / "paper-hetero-a.yaml",
+        "--model",
+        "llama2-7b",
+        "--global-batch-size",
+        "64",
+        "-o",
+        out,
+    )
+    assert code == 0, err
+    mfu = json.loads(out.read_text())["estimate"]["mfu"]
+    assert 0 < mfu < 1
+    shown = f"{100 * mfu:.3g}%"
+    assert re.search(rf"MFU {re.escape(shown)}; ", stdout), stdout
+    code, stdout, err = hexi_plan("simulate", out)
+    assert code == 0, err
+    assert re.search(rf"^MFU +{re.escape(shown)} ", stdout, re.M), stdout
+    code, stdout, err = hexi_plan("simulate", out, "--json")
+    assert json.loads(stdout)["mfu"] == pytest.approx(mfu)
+    code, stdout, err = hexi_plan("show", out)
+    assert code == 0, err
+    assert f", MFU {shown}, " in stdout, stdout
+    assert not re.search(r"MFU 0\.\d{3}\b", stdout)
