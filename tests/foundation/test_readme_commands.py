@@ -142,8 +142,11 @@ def test_readme_commands_in_a_fresh_shell(tmp_path):
     # the quick start's run and the README's own training: every iteration in the metrics
     rows = (work / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["iteration"] for x in rows] == list(range(1, 11))
-    rows = (work / "m.jsonl").read_text().splitlines()
-    assert [json.loads(x)["iteration"] for x in rows] == [1, 2, 3]
+    rows = [json.loads(x) for x in (work / "m.jsonl").read_text().splitlines()]
+    # 4 iterations, validation at 2 and 4, and once more at the end on a line of its own
+    assert [x["iteration"] for x in rows] == [1, 2, 3, 4, 4]
+    assert ["eval_lm_loss" in x for x in rows] == [False, True, False, True, True]
+    assert "validation loss at iteration 4 on validation set | lm loss value: " in r.stdout
     assert (work / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert re.search(r"MFU \d+(\.\d+)?%", r.stdout), "the planner prints MFU in percent"
     check_generated_launch_scripts(tmp_path, work, r.stdout)

@@ -606,8 +606,10 @@ def test_example_template_runs_with_stub_slurm(tmp_path):
     } == {"a100-0": ("0", "2"), "a100-1": ("1", "2"), "rtx4090-0": ("2", "2")}
     assert all(_flag(c["argv"], "--master-addr") == "gpu-a1" for c in calls.values())
     argv = calls["a100-0"]["argv"]
-    assert argv[argv.index("pretrain_gpt.py") :] == [
-        "pretrain_gpt.py",
+    # the default entry: the hexi-train installed beside $PYTHON (the stub torchrun's python)
+    entry = argv.index("--no-python")
+    assert argv[entry + 1].endswith("/hexi-train") and os.path.isabs(argv[entry + 1]), argv
+    assert argv[entry + 2 :] == [
         "--hetero-plan-path",
         "/p/plan.json",
         "--train-iters",
