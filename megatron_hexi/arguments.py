@@ -145,7 +145,8 @@ def check_split(text: str) -> None:
         )
 
 
-EXAMPLE = """example (4 CPU processes standing in for the plan's 4 GPUs):
+EXAMPLE = """example:
+  # plan 4 GPUs of 3 kinds, then train on 4 CPU processes standing in for them
   hexi-plan plan --cluster examples/clusters/mini-hetero.yaml --model tiny \\
       --global-batch-size 8 -o plan.json
   OMP_NUM_THREADS=1 torchrun --nproc-per-node 4 pretrain_gpt.py --hetero-plan-path plan.json \\

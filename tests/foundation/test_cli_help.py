@@ -141,3 +141,27 @@ def test_plan_cli_prints_mfu_in_percent(hexi_plan, tmp_path, examples_dir):
     assert code == 0, err
     assert f", MFU {shown}, " in stdout, stdout
     assert not re.search(r"MFU 0\.\d{3}\b", stdout)
+
+
+@pytest.mark.parametrize("program", ["hexi-train", "pretrain_gpt.py"])
+def test_training_help_shows_a_runnable_example(program):
+    """hexi-train and pretrain_gpt.py (the same parser): the example plans a cluster of the
+    checkout and trains under the plan; both commands parse with their own parsers."""
+    from megatron_hexi.arguments import parse_args
+
+    argv = [str(BIN / program)] if program == "hexi-train" else [sys.executable, REPO / program]
+    r = subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    trained = planned = 0
+    for example in examples(r.stdout):
+        words = shlex.split(example)
+        for w in words:
+            if w.startswith("examples/"):
+                assert (REPO / w).is_file(), f"{example}: no {w} in the checkout"
+        if "pretrain_gpt.py" in words:
+            parse_args(words[words.index("pretrain_gpt.py") + 1 :])
+            trained += 1
+        if words[:2] == ["hexi-plan", "plan"]:
+            _parse_plan(words[1:])
+            planned += 1
+    assert trained and planned, r.stdout
