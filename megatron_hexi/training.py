@@ -216,9 +216,6 @@ class Trainer:
     # -- one iteration ----------------------------------------------------------------------
     def train_step(self, iteration: int) -> dict[str, Any]:
         """Forward/backward of this pipeline's micro-batches, gradient sync, optimizer step."""
-        from megatron.core.pipeline_parallel.schedules import (
-            forward_backward_pipelining_without_interleaving,
-        )
 
         from megatron_hexi.data import pipeline_microbatches
 
@@ -232,19 +229,9 @@ class Trainer:
         )
         self._start_token_count(batches)
         data = iter(batches)
-        pg = self._pg_collection()
         synchronize(self.device)
         start = time.perf_counter()
-        store = forward_backward_pipelining_without_interleaving(
-            forward_step_func=self._forward_step,
-            data_iterator=data,
-            model=[self.model],
-            num_microbatches=v.num_microbatches,
-            seq_length=self.plan.model.seq_length,
-            micro_batch_size=v.micro_batch_size,
-            p2p_communicator=self.communicator,
-            pg_collection=pg,
-        )
+        store = self._schedule(data, forward_only=False)
         pipeline_time = self._pipeline_end - start
         success, grad_norm, _ = self.optimizer.step()
         if not self.optimizer.config.clip_grad > 0.0:
@@ -282,9 +269,6 @@ class Trainer:
         validation samples (B = eval_iters): forward only, dropout off, no gradient. It is the
         token-weighted mean over every pipeline, as the training loss, so it is the one-rank
         plan's value under any plan. Draws no random numbers: training continues as without it."""
-        from megatron.core.pipeline_parallel.schedules import (
-            forward_backward_pipelining_without_interleaving,
-        )
 
         from megatron_hexi.data import pipeline_microbatches
 
@@ -301,17 +285,7 @@ class Trainer:
                         if reads
                         else iter(())
                     )
-                    store = forward_backward_pipelining_without_interleaving(
-                        forward_step_func=self._forward_step,
-                        data_iterator=data,
-                        model=[self.model],
-                        num_microbatches=v.num_microbatches,
-                        seq_length=self.plan.model.seq_length,
-                        micro_batch_size=v.micro_batch_size,
-                        p2p_communicator=self.communicator,
-                        pg_collection=self._pg_collection(),
-                        forward_only=True,
-                    )
+                    store = self._schedule(data, forward_only=True)
                     if v.holds_output and v.tp_rank == 0:
                         for s in store:
                             totals += s["lm loss"].to(totals)
@@ -323,17 +297,34 @@ class Trainer:
             raise RuntimeError("the validation batches have no tokens with a loss mask")
         return Evaluation(lm_loss=loss_sum / tokens, tokens=int(tokens), batches=batches)
 
-    def _pg_collection(self) -> ProcessGroupCollection:
-        """The groups megatron-core's schedule needs: this stage's TP group and position."""
+    def _schedule(
+        self, data: Iterator[dict[str, torch.Tensor]], *, forward_only: bool
+    ) -> list[dict[str, torch.Tensor]]:
+        """megatron-core's 1F1B schedule over this pipeline's micro-batches, with this stage's
+        TP group, position and boundary communicator; returns the loss function's reports."""
+        from megatron.core.pipeline_parallel.schedules import (
+            forward_backward_pipelining_without_interleaving,
+        )
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        return ProcessGroupCollection(
-            tp=self.groups.tp,
-            cp=SingleRank(),
-            pp=self.position,
-            embd=None,
-            pos_embd=None,
-            dp_cp=SingleRank(),
+        v = self.view
+        return forward_backward_pipelining_without_interleaving(
+            forward_step_func=self._forward_step,
+            data_iterator=data,
+            model=[self.model],
+            num_microbatches=v.num_microbatches,
+            seq_length=self.plan.model.seq_length,
+            micro_batch_size=v.micro_batch_size,
+            p2p_communicator=self.communicator,
+            pg_collection=ProcessGroupCollection(
+                tp=self.groups.tp,
+                cp=SingleRank(),
+                pp=self.position,
+                embd=None,
+                pos_embd=None,
+                dp_cp=SingleRank(),
+            ),
+            forward_only=forward_only,
         )
 
     def full_parameters(self) -> dict[str, torch.Tensor] | None:

@@ -11,7 +11,7 @@ import pytest
 
 from data.workers import train_real
 from harness import run_distributed, run_torchrun
-from runtime.plans import PLANS, REFERENCE, write_plan
+from runtime.plans import PLANS, REFERENCE, TWO_STAGES, write_plan
 from runtime.workers import max_relative_difference
 
 TOLERANCE = 1e-5
@@ -181,13 +181,7 @@ def test_vocab_too_large_fails_on_every_rank(corpus, tmp_path):
         "two",
         "tiny",
         2,
-        [
-            {
-                "micro_batch_size": 4,
-                "num_microbatches": 2,
-                "stages": [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}],
-            }
-        ],
+        TWO_STAGES,
     )
     code, out, err = run_torchrun(
         [

@@ -13,7 +13,7 @@ import pytest
 from data.corpus import EOD, documents, preprocess_main
 from data.workers import train_each
 from harness import run_distributed
-from runtime.plans import write_plan
+from runtime.plans import TWO_STAGES, write_plan
 
 KINDS = ("HuggingFaceTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer")
 # Text outside the corpus: unseen characters, special tokens' text, runs of white space.
@@ -113,13 +113,7 @@ def test_training_on_each_kind(kinds, tmp_path):
         "two",
         "tiny",
         2,
-        [
-            {
-                "micro_batch_size": 4,
-                "num_microbatches": 2,
-                "stages": [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}],
-            }
-        ],
+        TWO_STAGES,
     )
     runs = {
         name: [

@@ -123,6 +123,15 @@ PLANS = {
     ),
 }
 
+# One pipeline of two one-rank stages (two processes: the cheapest plan with a stage boundary).
+TWO_STAGES = [
+    {
+        "micro_batch_size": 4,
+        "num_microbatches": 2,
+        "stages": [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}],
+    }
+]
+
 REFERENCE = [
     {
         "micro_batch_size": GLOBAL_BATCH,
