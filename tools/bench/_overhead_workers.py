@@ -113,7 +113,8 @@ def ours(plan, iters):
 
 
 def plain(plan, iters):
-    """megatron-core alone: same sizes as the plan's single pipeline (uniform TP, DP=1)."""
+    """megatron-core alone: same sizes as the plan's pipelines (uniform TP and PP; one pipeline
+    per data-parallel replica, DP = the number of pipelines)."""
     from functools import partial
 
     import torch.nn.functional as F
@@ -135,9 +136,14 @@ def plain(plan, iters):
     apply_cpu_patches()
     run = run_config(iters)
     o = run.optimizer
-    assert len(plan.pipelines) == 1
     pipe = plan.pipelines[0]
     tp, pp = pipe.stages[0].tp_size, len(pipe.stages)
+    dp = len(plan.pipelines)
+    assert all(
+        (len(q.stages), q.micro_batch_size, q.num_microbatches, q.stages[0].tp_size)
+        == (pp, pipe.micro_batch_size, pipe.num_microbatches, tp)
+        for q in plan.pipelines
+    ), "plain megatron-core runs uniform replicas only"
     mbs, nmb = pipe.micro_batch_size, pipe.num_microbatches
     m = plan.model
 
@@ -193,7 +199,27 @@ def plain(plan, iters):
         rotary_base=m.rotary_base,
     )
 
+    if dp > 1:
+        # megatron-core's data parallelism: DDP's contiguous grad buffer, all-reduced (no
+        # overlap, as the runtime) by finalize_model_grads, which also scales per token.
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        model = DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=False, overlap_grad_reduce=False
+            ),
+            module=model,
+        )
+        config.no_sync_func = model.no_sync
+
     def finalize(model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):
+        if dp > 1:
+            return finalize_model_grads(model_chunks, num_tokens)
         # megatron-core's finalize_model_grads at DP=1, untied, no SP: per-token scaling only.
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         dist.broadcast(
@@ -258,8 +284,10 @@ def plain(plan, iters):
 
     samples = _samples(run, plan) if (first or last) else None
 
+    replica = parallel_state.get_data_parallel_rank()
+
     def batches(it):
-        base = it * plan.global_batch_size
+        base = it * plan.global_batch_size + replica * mbs * nmb
         for k in range(nmb):
             group = samples[base + k * mbs : base + (k + 1) * mbs]
             yield {
@@ -296,6 +324,8 @@ def plain(plan, iters):
         c0, t0 = time.process_time(), time.perf_counter()
         model.train()
         opt.zero_grad()
+        if dp > 1:
+            model.zero_grad_buffer()
         data = batches(it) if samples is not None else iter(())
         store = schedule(
             forward_step_func=forward_step,
@@ -312,9 +342,11 @@ def plain(plan, iters):
         steps.append((total, t1 - t0 - fin.total, fin.total, cpu))
         if last and store:
             s = torch.stack([x["lm loss"] for x in store]).sum(0)
-            losses.append((s[0] / s[1]).item())
-    t = torch.tensor(losses or [0.0] * iters, dtype=torch.float64)
-    dist.broadcast(t, src=dist.get_world_size() - 1)  # the last stage holds the loss
+            losses.append(s.tolist())
+    # the last stages hold the loss: token-weighted over the replicas
+    t = torch.tensor(losses or [[0.0, 0.0]] * iters, dtype=torch.float64)
+    dist.all_reduce(t)
+    t = t[:, 0] / t[:, 1]
     out = _report(steps, t.tolist())
     parallel_state.destroy_model_parallel()
     return out if dist.get_rank() == 0 else None

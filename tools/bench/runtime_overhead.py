@@ -2,9 +2,11 @@
 
     python tools/bench/runtime_overhead.py [--iters 10] [--warmup 3] [--rounds 2] [--timeout 300]
 
-What is compared. For each case, one pipeline on 2 gloo processes:
-  TP2  one stage of TP=2 (4 micro-batches of 2)
-  PP2  two TP=1 stages (1F1B, 4 micro-batches of 2)
+What is compared. For each case, 2 gloo processes:
+  TP2  one pipeline, one stage of TP=2 (4 micro-batches of 2)
+  PP2  one pipeline, two TP=1 stages (1F1B, 4 micro-batches of 2)
+  DP2  two one-rank pipelines (2 micro-batches of 2 each); plain: megatron's
+       DistributedDataParallel (contiguous grad buffer, no overlap) and finalize_model_grads
 "ours" builds a plan (planner.plan.build_plan over a 2-"GPU" CPU cluster) and steps
 megatron_hexi.training.Trainer: per-rank stage models, its StageCommunicator for the stage
 boundary, the weighted segment gradient sync with its token all-reduce, the sharded loss, the
@@ -81,6 +83,10 @@ CASES = {
             "num_microbatches": 4,
             "stages": [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}],
         }
+    ],
+    "DP2": [
+        {"micro_batch_size": 2, "num_microbatches": 2, "stages": [{"ranks": [r], "layers": [0, 4]}]}
+        for r in (0, 1)
     ],
 }
 
