@@ -25,9 +25,6 @@ def forward_logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | Non
     from megatron.core.pipeline_parallel.schedules import (
         forward_backward_pipelining_without_interleaving,
     )
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from megatron_hexi.process_groups import SingleRank
 
     plan, v, device = trainer.plan, trainer.view, trainer.device
     G, s = plan.global_batch_size, plan.model.seq_length
@@ -54,14 +51,7 @@ def forward_logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | Non
             tok, pos = (x.to(device) for x in next(data_iterator))
         return model(tok, pos, None), keep
 
-    pg = ProcessGroupCollection(
-        tp=trainer.groups.tp,
-        cp=SingleRank(),
-        pp=trainer.position,
-        embd=None,
-        pos_embd=None,
-        dp_cp=SingleRank(),
-    )
+    pg = trainer.pg_collection()
     trainer.model.eval()
     try:
         store = forward_backward_pipelining_without_interleaving(

@@ -305,7 +305,6 @@ class Trainer:
         from megatron.core.pipeline_parallel.schedules import (
             forward_backward_pipelining_without_interleaving,
         )
-        from megatron.core.process_groups_config import ProcessGroupCollection
 
         v = self.view
         return forward_backward_pipelining_without_interleaving(
@@ -316,15 +315,22 @@ class Trainer:
             seq_length=self.plan.model.seq_length,
             micro_batch_size=v.micro_batch_size,
             p2p_communicator=self.communicator,
-            pg_collection=ProcessGroupCollection(
-                tp=self.groups.tp,
-                cp=SingleRank(),
-                pp=self.position,
-                embd=None,
-                pos_embd=None,
-                dp_cp=SingleRank(),
-            ),
+            pg_collection=self.pg_collection(),
             forward_only=forward_only,
+        )
+
+    def pg_collection(self) -> ProcessGroupCollection:
+        """The groups megatron-core's schedule needs: this stage's TP group and its position in
+        the pipeline (no context or data parallelism inside a pipeline)."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        return ProcessGroupCollection(
+            tp=self.groups.tp,
+            cp=SingleRank(),
+            pp=self.position,
+            embd=None,
+            pos_embd=None,
+            dp_cp=SingleRank(),
         )
 
     def full_parameters(self) -> dict[str, torch.Tensor] | None:
