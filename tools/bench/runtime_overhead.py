@@ -2,12 +2,17 @@
 
     python tools/bench/runtime_overhead.py [--iters 10] [--warmup 3] [--rounds 2] [--timeout 300]
 
-What is compared. For each case, 2 gloo processes:
+What is compared. For each case, gloo processes (one per plan rank):
   TP2  one pipeline, one stage of TP=2 (4 micro-batches of 2)
   PP2  one pipeline, two TP=1 stages (1F1B, 4 micro-batches of 2)
   DP2  two one-rank pipelines (2 micro-batches of 2 each); plain: megatron's
        DistributedDataParallel (contiguous grad buffer, no overlap) and finalize_model_grads
-"ours" builds a plan (planner.plan.build_plan over a 2-"GPU" CPU cluster) and steps
+  HET4/TP2xDP2, HET4/PP2xDP2  4 ranks: this runtime trains a TP2 pipeline beside a two-stage
+       pipeline (4 samples each, the same FLOPs per rank); plain megatron-core, which needs
+       uniform replicas, trains the closest uniform plans (two TP2, or two PP2, replicas). The
+       ratio then also holds what the plans differ in (a pipeline bubble on one side). These
+       cases need 4 cores at one thread per rank and are skipped where they do not fit.
+"ours" builds a plan (planner.plan.build_plan over a CPU cluster of that size) and steps
 megatron_hexi.training.Trainer: per-rank stage models, its StageCommunicator for the stage
 boundary, the weighted segment gradient sync with its token all-reduce, the sharded loss, the
 exact grad norm and the per-step stats all-reduce. "plain" is megatron-core alone with the same
@@ -37,7 +42,6 @@ import os
 # every rank: the spawned ranks start with this environment). THREADS ranks' threads must fit the
 # cores, or the ranks wait for a core inside every collective and the ratio means nothing.
 THREADS = int(os.environ.setdefault("OMP_NUM_THREADS", "1"))
-RANKS = 2
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
@@ -48,6 +52,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # The repository root first (as under `python -m pytest` from it): tests/planner is a test folder
@@ -71,26 +76,58 @@ MODEL = {
     "name": "bench-small",
 }
 GLOBAL_BATCH = 8
+
+
+class Case(NamedTuple):
+    """The pipelines this runtime trains and those plain megatron-core trains (uniform
+    replicas: one data-parallel replica per pipeline)."""
+
+    ours: list[dict]
+    plain: list[dict]
+
+
+def _uniform(pipelines):
+    return Case(pipelines, pipelines)
+
+
+def _tp2(ranks, samples):
+    return {
+        "micro_batch_size": 2,
+        "num_microbatches": samples // 2,
+        "stages": [{"ranks": ranks, "layers": [0, 4]}],
+    }
+
+
+def _whole(rank, samples):
+    return {
+        "micro_batch_size": 2,
+        "num_microbatches": samples // 2,
+        "stages": [{"ranks": [rank], "layers": [0, 4]}],
+    }
+
+
+def _pp2(first, second, samples):
+    return {
+        "micro_batch_size": 2,
+        "num_microbatches": samples // 2,
+        "stages": [{"ranks": [first], "layers": [0, 2]}, {"ranks": [second], "layers": [2, 4]}],
+    }
+
+
+# A heterogeneous plan: a TP2 pipeline beside a two-stage one, 4 samples each (the same FLOPs
+# per rank), against the two uniform plans plain megatron-core can run that are closest to it.
+HETEROGENEOUS = [_tp2([0, 1], 4), _pp2(2, 3, 4)]
 CASES = {
-    "TP2": [
-        {
-            "micro_batch_size": 2,
-            "num_microbatches": 4,
-            "stages": [{"ranks": [0, 1], "layers": [0, 4]}],
-        }
-    ],
-    "PP2": [
-        {
-            "micro_batch_size": 2,
-            "num_microbatches": 4,
-            "stages": [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}],
-        }
-    ],
-    "DP2": [
-        {"micro_batch_size": 2, "num_microbatches": 2, "stages": [{"ranks": [r], "layers": [0, 4]}]}
-        for r in (0, 1)
-    ],
+    "TP2": _uniform([_tp2([0, 1], 8)]),
+    "PP2": _uniform([_pp2(0, 1, 8)]),
+    "DP2": _uniform([_whole(0, 4), _whole(1, 4)]),
+    "HET4/TP2xDP2": Case(HETEROGENEOUS, [_tp2([0, 1], 4), _tp2([2, 3], 4)]),
+    "HET4/PP2xDP2": Case(HETEROGENEOUS, [_pp2(0, 1, 4), _pp2(2, 3, 4)]),
 }
+
+
+def world_size(case):
+    return 1 + max(r for p in CASES[case].ours for s in p["stages"] for r in s["ranks"])
 
 
 # Each gloo process group runs a TCP event-loop thread that wakes every 10 ms (epoll_wait's
@@ -116,8 +153,8 @@ def keep_awake(processes):
             s.wait()
 
 
-def build_plans(directory):
-    """{case: Plan}; the ranks get the Plan objects themselves (no plan files)."""
+def build_plans(directory, cases):
+    """{(case, variant): Plan}; the ranks get the Plan objects themselves (no plan files)."""
     from planner.cluster import load_cluster_dict
     from planner.models import load_model
     from planner.plan import build_plan
@@ -125,24 +162,27 @@ def build_plans(directory):
     model_path = directory / "model.yaml"
     model_path.write_text(yaml.safe_dump(MODEL))
     model = load_model(str(model_path))
-    cluster = load_cluster_dict(
-        {
-            "name": "cpu-2",
-            "nodes": [
-                {
-                    "name": "cpu",
-                    "gpu": "CPU",
-                    "gpus_per_node": 2,
-                    "intra_node": "host",
-                    "nic": "10 Gbit/s",
-                }
-            ],
-        }
-    )
-    return {
-        case: build_plan(cluster, model, GLOBAL_BATCH, pipelines)
-        for case, pipelines in CASES.items()
-    }
+    plans = {}
+    for case in cases:
+        world = world_size(case)
+        cluster = load_cluster_dict(
+            {
+                "name": f"cpu-{world}",
+                "nodes": [
+                    {
+                        "name": "cpu",
+                        "gpu": "CPU",
+                        "gpus_per_node": world,
+                        "intra_node": "host",
+                        "nic": "10 Gbit/s",
+                    }
+                ],
+            }
+        )
+        for variant in ("ours", "plain"):
+            pipelines = getattr(CASES[case], variant)
+            plans[case, variant] = build_plan(cluster, model, GLOBAL_BATCH, pipelines)
+    return plans
 
 
 def main(argv=None):
@@ -159,6 +199,13 @@ def main(argv=None):
         "how often each variant's idle threads wake the cores",
     )
     p.add_argument(
+        "--cases",
+        nargs="+",
+        choices=list(CASES),
+        default=list(CASES),
+        help="default: every case whose ranks fit the cores",
+    )
+    p.add_argument(
         "--allow-oversubscription",
         action="store_true",
         help="report even when the ranks' threads exceed the cores (the figures are then noise)",
@@ -166,32 +213,37 @@ def main(argv=None):
     a = p.parse_args(argv)
     print("$ " + " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]), flush=True)
     cores = available_cores()
-    print(
-        f"threads: OMP_NUM_THREADS={THREADS} per rank x {RANKS} ranks on {cores} cores",
-        flush=True,
-    )
-    if THREADS * RANKS > cores and not a.allow_oversubscription:
-        print(
-            f"runtime_overhead.py: {RANKS} ranks x {THREADS} threads oversubscribe {cores} cores; "
-            f"set OMP_NUM_THREADS={max(cores // RANKS, 1)} (or --allow-oversubscription)",
-            file=sys.stderr,
-        )
+    print(f"threads: OMP_NUM_THREADS={THREADS} per rank, {cores} cores", flush=True)
+    cases = []
+    for case in a.cases:
+        if THREADS * world_size(case) > cores and not a.allow_oversubscription:
+            print(
+                f"  {case}: skipped: {world_size(case)} ranks x {THREADS} threads oversubscribe "
+                f"{cores} cores (needs {THREADS * world_size(case)}; --allow-oversubscription "
+                f"reports it anyway, as noise)",
+                flush=True,
+            )
+        else:
+            cases.append(case)
+    if not cases:
+        print("runtime_overhead.py: no case fits the cores", file=sys.stderr)
         return 2
+    ranks = max(world_size(c) for c in cases)
     print(
         f"model {MODEL['num_layers']}L h{MODEL['hidden_size']} ffn{MODEL['ffn_hidden_size']} "
         f"heads {MODEL['num_attention_heads']} vocab {MODEL['vocab_size']} seq "
-        f"{MODEL['seq_length']}, global batch {GLOBAL_BATCH} (4 x 2), fp32, 2 gloo ranks, "
+        f"{MODEL['seq_length']}, global batch {GLOBAL_BATCH} in micro-batches of 2, fp32, gloo, "
         f"{a.warmup} warm-up + {a.iters} timed steps x {a.rounds} rounds",
         flush=True,
     )
     iters = a.warmup + a.iters
     load0 = os.getloadavg()[0]
-    results = {(c, v): [] for c in CASES for v in ("ours", "plain")}
-    round_medians = {(c, v): [] for c in CASES for v in ("ours", "plain")}
+    results = {(c, v): [] for c in cases for v in ("ours", "plain")}
+    round_medians = {(c, v): [] for c in cases for v in ("ours", "plain")}
     losses = {}
     start = time.monotonic()
     print(
-        f"cores kept awake: {'yes, ' + str(RANKS) + ' sidecar processes' if a.keep_awake else 'no'}"
+        f"cores kept awake: {'yes, ' + str(ranks) + ' sidecar processes' if a.keep_awake else 'no'}"
         f" (--no-keep-awake; KEEP_AWAKE in this file says why)",
         flush=True,
     )
@@ -200,17 +252,17 @@ def main(argv=None):
         tempfile.TemporaryDirectory(prefix="hexi-overhead-") as tmp,
     ):
         if a.keep_awake:
-            stack.enter_context(keep_awake(RANKS))
-        plans = build_plans(Path(tmp))
+            stack.enter_context(keep_awake(ranks))
+        plans = build_plans(Path(tmp), cases)
         for r in range(a.rounds):
-            for case in CASES:
+            for case in cases:
                 for variant in ("ours", "plain"):
                     t = time.monotonic()
                     try:
                         out = run_distributed(
                             getattr(workers, variant),
-                            2,
-                            plans[case],
+                            plans[case, variant].world_size,
+                            plans[case, variant],
                             iters,
                             timeout=a.timeout,
                             env={"OMP_NUM_THREADS": str(THREADS)},
@@ -247,11 +299,11 @@ def main(argv=None):
         return statistics.median(vals) * 1e3 if vals else float("nan")
 
     print(
-        f"\n{'case':<5} {'ours_ms':>8} {'plain_ms':>9} {'ratio':>6} {'paired':>7}   "
+        f"\n{'case':<12} {'ours_ms':>8} {'plain_ms':>9} {'ratio':>6} {'paired':>7}   "
         f"{'ours_cpu':>8} {'plain_cpu':>9} {'ratio':>6}"
     )
     worst = 0.0
-    for case in CASES:
+    for case in cases:
         o, pl = med(case, "ours", 0), med(case, "plain", 0)
         pairs = [
             x / y
@@ -262,15 +314,15 @@ def main(argv=None):
         oc, pc = med(case, "ours", 3), med(case, "plain", 3)
         worst = max(worst, o / pl) if o == o and pl == pl else float("inf")
         print(
-            f"{case:<5} {o:8.1f} {pl:9.1f} {o / pl:5.2f}x {paired:6.2f}x   {oc:8.1f} {pc:9.1f} "
+            f"{case:<12} {o:8.1f} {pl:9.1f} {o / pl:5.2f}x {paired:6.2f}x   {oc:8.1f} {pc:9.1f} "
             f"{oc / pc:5.2f}x"
         )
     print(
         "(ratio: of the medians over all timed steps; paired: median over rounds of the ratio "
-        "of adjacent runs; cpu: process CPU time per step summed over both ranks)"
+        "of adjacent runs; cpu: process CPU time per step summed over the ranks)"
     )
     print("\nbreakdown, median ms per step (fwd/bwd incl. P2P | grad finalize | optimizer+rest):")
-    for case in CASES:
+    for case in cases:
         for v in ("ours", "plain"):
             rest = [st[0] - st[1] - st[2] for st in results[case, v]]
             rest_ms = statistics.median(rest) * 1e3 if rest else float("nan")
