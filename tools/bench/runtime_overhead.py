@@ -25,7 +25,8 @@ dropout 0, same TransformerConfig, so the difference is the runtime's own overhe
 
 Why. The runtime adds work megatron-core does not do (boundary send/recv through its own
 communicator, segment all-reduces, exact grad norm over the world, stats); on a homogeneous plan
-that should cost next to nothing. Target: ours / plain <= 1.10.
+that should cost next to nothing. Target: paired ours / plain <= 1.05 (TARGET), on the uniform
+cases (the heterogeneous ones also hold what their plans differ in).
 
 How. Each run is one run_distributed job (tests/harness.py: spawned ranks, hard timeout). The
 variants alternate (ours, plain, ours, plain, ...) to cancel machine-load drift. A step is timed
@@ -76,6 +77,7 @@ MODEL = {
     "name": "bench-small",
 }
 GLOBAL_BATCH = 8
+TARGET = 1.05  # paired ours / plain, uniform cases
 
 
 class Case(NamedTuple):
@@ -312,7 +314,8 @@ def main(argv=None):
         ]
         paired = statistics.median(pairs) if pairs else float("nan")
         oc, pc = med(case, "ours", 3), med(case, "plain", 3)
-        worst = max(worst, o / pl) if o == o and pl == pl else float("inf")
+        if not case.startswith("HET"):
+            worst = max(worst, paired) if paired == paired else float("inf")
         print(
             f"{case:<12} {o:8.1f} {pl:9.1f} {o / pl:5.2f}x {paired:6.2f}x   {oc:8.1f} {pc:9.1f} "
             f"{oc / pc:5.2f}x"
@@ -333,9 +336,9 @@ def main(argv=None):
     for (case, v), ls in sorted(losses.items()):
         print(f"  {case} {v:<5} {ls[0]:.4f} -> {ls[-1]:.4f}")
     load1 = os.getloadavg()[0]
-    verdict = "OK" if worst <= 1.10 else "INCOMPLETE" if worst == float("inf") else "OVER"
+    verdict = "OK" if worst <= TARGET else "INCOMPLETE" if worst == float("inf") else "OVER"
     print(
-        f"\nworst ratio {worst:.2f}x (target <= 1.10): {verdict}; "
+        f"\nworst paired ratio of the uniform cases {worst:.2f}x (target <= {TARGET}): {verdict}; "
         f"total {time.monotonic() - start:.0f} s; load average {load0:.1f} -> {load1:.1f} on "
         f"{os.cpu_count()} CPUs"
     )
