@@ -374,8 +374,8 @@ def build_valid_dataset(
     it can make (every eval_interval iterations, and one at the end), Megatron-LM's count."""
     from megatron_hexi.data import build_valid_dataset as build
 
-    ev = config.evaluation
-    windows = eval_window(config.training.train_iters, ev, end=True) + 1
+    ev, iters = config.evaluation, config.training.train_iters
+    windows = eval_window(iters, iters, ev, end=True) + 1
     return build(
         config.data,
         plan,
@@ -385,14 +385,16 @@ def build_valid_dataset(
     )
 
 
-def eval_window(iteration: int, ev: EvaluationConfig, *, end: bool) -> int:
+def eval_window(iteration: int, train_iters: int, ev: EvaluationConfig, *, end: bool) -> int:
     """Which window of validation batches the evaluation at `iteration` reads: the k-th
     evaluation every eval_interval reads window k - 1, the one at the end of a run the next.
     A function of the iteration alone, so a resumed run evaluates the batches an uninterrupted
-    one would (Megatron-LM's iterator moves on in the same way)."""
+    one would (Megatron-LM's iterator moves on in the same way). A checkpoint past
+    `train_iters` (--skip-train on it) reads the last window there is."""
     if not ev.eval_interval:
         return 0
-    return iteration // ev.eval_interval - (0 if end else 1)
+    window = min(iteration, train_iters) // ev.eval_interval
+    return window if end else window - 1
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -627,7 +629,7 @@ def run(
             outputs.callback(writers[-1].close)
 
         def evaluate(iteration: int, end: bool) -> Evaluation:
-            result = trainer.evaluate(eval_window(iteration, ev, end=end))
+            result = trainer.evaluate(eval_window(iteration, train.train_iters, ev, end=end))
             trainer.evaluations.append({"iteration": iteration, "end": end, **result._asdict()})
             for w in writers:
                 w.log(iteration, validation_scalars(result.lm_loss), always=True)

@@ -194,3 +194,18 @@ def test_missing_wandb_is_a_clear_error(monkeypatch):
         r"pip install 'megatron-hexi\[wandb\]'",
     ):
         wandb_log.check_available()
+
+
+def test_evaluation_windows_follow_the_iteration():
+    """Evaluation k every eval_interval reads window k - 1, the end of the run the next one; a
+    checkpoint past --train-iters (--skip-train on it) reads the last window built."""
+    from megatron_hexi.config import EvaluationConfig
+    from megatron_hexi.training import eval_window
+
+    ev = EvaluationConfig(eval_interval=3, eval_iters=2)
+    assert [eval_window(i, 9, ev, end=False) for i in (3, 6, 9)] == [0, 1, 2]
+    assert eval_window(9, 9, ev, end=True) == 3  # 9 // 3 + 1 = 4 windows are built
+    assert eval_window(7, 9, ev, end=True) == 2  # a run stopped early (--exit-interval)
+    assert eval_window(20, 9, ev, end=True) == 3
+    assert eval_window(0, 9, ev, end=True) == 0  # --skip-train from scratch
+    assert eval_window(5, 9, EvaluationConfig(eval_iters=2), end=True) == 0  # at the end only
