@@ -157,30 +157,16 @@ def keep_awake(processes):
 
 def build_plans(directory, cases):
     """{(case, variant): Plan}; the ranks get the Plan objects themselves (no plan files)."""
-    from planner.cluster import load_cluster_dict
     from planner.models import load_model
     from planner.plan import build_plan
+    from runtime.plans import cpu_cluster
 
     model_path = directory / "model.yaml"
     model_path.write_text(yaml.safe_dump(MODEL))
     model = load_model(str(model_path))
     plans = {}
     for case in cases:
-        world = world_size(case)
-        cluster = load_cluster_dict(
-            {
-                "name": f"cpu-{world}",
-                "nodes": [
-                    {
-                        "name": "cpu",
-                        "gpu": "CPU",
-                        "gpus_per_node": world,
-                        "intra_node": "host",
-                        "nic": "10 Gbit/s",
-                    }
-                ],
-            }
-        )
+        cluster = cpu_cluster(world_size(case))  # one node of `world` CPU "GPUs"
         for variant in ("ours", "plain"):
             pipelines = getattr(CASES[case], variant)
             plans[case, variant] = build_plan(cluster, model, GLOBAL_BATCH, pipelines)
