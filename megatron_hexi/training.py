@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_hexi import tensorboard_log, wandb_log
 from megatron_hexi.arguments import check_against_plan, parse_args, run_config
 from megatron_hexi.communicator import Boundary, StageCommunicator
 from megatron_hexi.grad_sync import FP32MainGrads, GradientSync
@@ -40,7 +41,7 @@ from megatron_hexi.model import (
 from megatron_hexi.optimizer import build_optimizer
 from megatron_hexi.process_groups import SingleRank, StagePosition, build_groups
 from megatron_hexi.rank_mapping import check_world_size, map_processes
-from megatron_hexi.tensorboard_log import iteration_scalars, validation_scalars
+from megatron_hexi.tensorboard_log import iteration_scalars, perplexity, validation_scalars
 from planner.catalog import get_gpu
 from planner.errors import SpecError
 from planner.flops import model_flops_per_sample
@@ -479,8 +480,6 @@ def _clock(seconds: float) -> str:
 
 def validation_lines(where: str, ev: Evaluation) -> str:
     """Megatron-LM's validation block: loss and perplexity between two rules."""
-    from megatron_hexi.tensorboard_log import perplexity
-
     text = (
         f" validation loss at {where} | lm loss value: {ev.lm_loss:.6E} | lm loss PPL: "
         f"{perplexity(ev.lm_loss):.6E} | "
@@ -618,14 +617,14 @@ def run(
             if log.metrics_path:  # a resumed run appends to the history it continues
                 metrics_file = outputs.enter_context(open(log.metrics_path, "a" if first else "w"))
             if log.tensorboard_dir:
-                from megatron_hexi.tensorboard_log import TensorBoardLogger
-
-                writers.append(TensorBoardLogger(log.tensorboard_dir, log.tensorboard_log_interval))
+                writers.append(
+                    tensorboard_log.TensorBoardLogger(
+                        log.tensorboard_dir, log.tensorboard_log_interval
+                    )
+                )
                 outputs.callback(writers[-1].close)
         if rank == world - 1 and log.wandb_project:
-            from megatron_hexi.wandb_log import WandbLogger
-
-            writers.append(WandbLogger(log, ckpt.save, _wandb_config(plan, config)))
+            writers.append(wandb_log.WandbLogger(log, ckpt.save, _wandb_config(plan, config)))
             outputs.callback(writers[-1].close)
 
         def evaluate(iteration: int, end: bool) -> Evaluation:
@@ -868,12 +867,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{len(plan.pipelines)} pipeline(s), global batch {plan.global_batch_size}"
             )
         if config.logging.tensorboard_dir:
-            from megatron_hexi.tensorboard_log import check_available
-
-            check_available()
+            tensorboard_log.check_available()
         if config.logging.wandb_project:
-            from megatron_hexi import wandb_log
-
             wandb_log.check_available()
         device = init_distributed(plan, config)
         check_output_paths(config)
