@@ -12,15 +12,15 @@ from planner.cli_args import (
     bounded_int,
     percent,
     with_examples,
-    with_seq_length,
 )
 from planner.cluster import load_cluster
 from planner.costmodel import Topology
 from planner.limits import MAX_BATCH, MAX_SEED, MAX_SEQ_LENGTH
+from planner.membership import PlanningOptions, plan_for, smallest_fitting_nodes
 from planner.models import load_model
 from planner.plan import load_plan, save_plan
 from planner.profile import cost_sources
-from planner.search import STRATEGIES, search_plan
+from planner.search import STRATEGIES
 from planner.simulator import simulate
 
 if TYPE_CHECKING:
@@ -58,19 +58,22 @@ def cmd_simulate(args: argparse.Namespace) -> None:
             print(f"cost source      {group}: {line}")
 
 
-def cmd_plan(args: argparse.Namespace) -> None:
-    cluster = load_cluster(args.cluster)
-    model = with_seq_length(load_model(args.model), args.seq_length)
-    plan = search_plan(
-        cluster,
-        model,
-        args.global_batch_size,
-        strategy=args.strategy,
+def planning_options(args: argparse.Namespace) -> PlanningOptions:
+    """The search options of `plan` and `min-nodes` (add_planning_flags)."""
+    return PlanningOptions(
+        global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
         recompute=args.recompute,
-        seed=args.seed,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        progress=True,
+        strategy=args.strategy,
+        seed=args.seed,
+    )
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    plan = plan_for(
+        load_cluster(args.cluster), load_model(args.model), planning_options(args), progress=True
     )
     save_plan(plan, args.output)
     e = plan.estimate
@@ -82,18 +85,18 @@ def cmd_plan(args: argparse.Namespace) -> None:
     )
 
 
-def register_commands(sub: Subparsers) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="search the fastest plan that fits (writes PLAN.json)",
-        **with_examples(
-            "hexi-plan plan --cluster examples/clusters/paper-hetero-a.yaml --model llama2-7b "
-            "--global-batch-size 64 -o plan.json",
-            "hexi-plan plan --cluster examples/clusters/mini-hetero.yaml --model tiny "
-            "--global-batch-size 8 --strategy uniform -o uniform.json",
-            note=MFU_NOTE,
-        ),
+def cmd_min_nodes(args: argparse.Namespace) -> None:
+    cluster = load_cluster(args.cluster)
+    fit = smallest_fitting_nodes(cluster, load_model(args.model), planning_options(args))
+    print(
+        f"{fit.count} of {len(cluster.nodes)} nodes: the model fits on the {fit.count} "
+        f"node(s) with the least GPU memory ({', '.join(fit.nodes)}), so on any {fit.count}; "
+        f"an elastic job can use --nnodes {fit.count}:{len(cluster.nodes)}"
     )
+
+
+def add_planning_flags(p: argparse.ArgumentParser) -> None:
+    """The cluster, the model and the search options (PlanningOptions)."""
     p.add_argument("--cluster", required=True, help="cluster YAML")
     p.add_argument("--model", required=True, help="catalog model name or model YAML")
     p.add_argument("--global-batch-size", type=bounded_int(1, MAX_BATCH), required=True)
@@ -117,8 +120,34 @@ def register_commands(sub: Subparsers) -> None:
         action="store_true",
         help="shard fp32 master weights and Adam state over each segment's ranks",
     )
+
+
+def register_commands(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="search the fastest plan that fits (writes PLAN.json)",
+        **with_examples(
+            "hexi-plan plan --cluster examples/clusters/paper-hetero-a.yaml --model llama2-7b "
+            "--global-batch-size 64 -o plan.json",
+            "hexi-plan plan --cluster examples/clusters/mini-hetero.yaml --model tiny "
+            "--global-batch-size 8 --strategy uniform -o uniform.json",
+            note=MFU_NOTE,
+        ),
+    )
+    add_planning_flags(p)
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
+        "min-nodes",
+        help="the fewest nodes of a cluster the model fits on (an elastic job's MIN)",
+        **with_examples(
+            "hexi-plan min-nodes --cluster examples/clusters/paper-hetero-a.yaml "
+            "--model llama2-7b --global-batch-size 64",
+        ),
+    )
+    add_planning_flags(p)
+    p.set_defaults(func=cmd_min_nodes)
 
     p = sub.add_parser(
         "simulate",
@@ -134,4 +163,4 @@ def register_commands(sub: Subparsers) -> None:
     p.set_defaults(func=cmd_simulate)
 
 
-__all__ = ["register_commands", "format_estimate"]
+__all__ = ["register_commands", "format_estimate", "add_planning_flags", "planning_options"]
