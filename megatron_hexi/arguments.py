@@ -11,6 +11,7 @@ import argparse
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from megatron_hexi.config import (
@@ -27,7 +28,10 @@ from megatron_hexi.config import (
     TrainingConfig,
 )
 from megatron_hexi.tokenizer import TOKENIZER_FILES, TOKENIZER_TYPES
+from planner.cluster import ClusterSpec, load_cluster
 from planner.errors import SpecError
+from planner.membership import PlanningOptions
+from planner.models import ModelSpec, load_model
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -164,7 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLE,
     )
     h = p.add_argument_group("hetero")
-    h.add_argument("--hetero-plan-path", required=True, help="plan JSON (hexi-plan)")
+    h.add_argument(
+        "--hetero-plan-path",
+        default=None,
+        help="plan JSON (hexi-plan); or plan at start-up with --hetero-cluster",
+    )
+    h.add_argument(
+        "--hetero-cluster",
+        default=None,
+        help="cluster YAML: plan at every start for the nodes that run processes (elastic "
+        "runs); the batch and memory flags are the planning options",
+    )
+    h.add_argument(
+        "--hetero-model",
+        default=None,
+        help="with --hetero-cluster: catalog model name or model YAML, as in hexi-plan",
+    )
     h.add_argument("--hetero-metrics-path", default=None, help="JSONL metrics per iteration")
     h.add_argument(
         "--hetero-device",
@@ -310,6 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="stop (saving first, with --save) when the iteration is a multiple of it",
     )
+    d.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="on SIGTERM, finish the current step, save (with --save) and exit 0",
+    )
     c = p.add_argument_group("checkpoints")
     c.add_argument("--save", default=None, help="checkpoint directory to save to")
     c.add_argument(
@@ -371,6 +395,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "--recompute-granularity full, or plan with recompute"
         )
     check_ranges(args)
+    check_plan_source(args)
     check_split(args.split)
     if not args.mock_data and not args.data_path:
         raise SpecError("give --mock-data or --data-path")
@@ -385,6 +410,56 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not args.load and given:
         raise SpecError(f"--{given[0].replace('_', '-')} needs --load DIR")
     return args
+
+
+def check_plan_source(args: argparse.Namespace) -> None:
+    """Exactly one of --hetero-plan-path and --hetero-cluster; --hetero-model goes with the
+    cluster, and planning needs the global batch."""
+    if bool(args.hetero_plan_path) == bool(args.hetero_cluster):
+        raise SpecError(
+            "give exactly one of --hetero-plan-path PLAN.json (a plan made by hexi-plan) and "
+            "--hetero-cluster CLUSTER.yaml (plan at start-up for the nodes present), got "
+            + ("both" if args.hetero_plan_path else "neither")
+        )
+    if args.hetero_cluster and not args.hetero_model:
+        raise SpecError(
+            "--hetero-cluster needs --hetero-model (a catalog model name or a model YAML)"
+        )
+    if args.hetero_model and not args.hetero_cluster:
+        raise SpecError(
+            "--hetero-model goes with --hetero-cluster; a plan file already names its model"
+        )
+    if args.hetero_cluster and args.global_batch_size is None:
+        raise SpecError(
+            "--hetero-cluster needs --global-batch-size (the planner searches for that batch)"
+        )
+
+
+@dataclass(frozen=True)
+class PlanningInputs:
+    """What a start plans from: read and checked before any process group exists."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    options: PlanningOptions
+
+
+def planning_inputs(args: argparse.Namespace) -> PlanningInputs:
+    """--hetero-cluster, --hetero-model and Megatron's batch and memory flags, as the options
+    `hexi-plan plan` takes. Without --recompute-granularity the planner may choose recompute
+    (its `auto`): a run that shrinks to fewer nodes may need it to fit."""
+    seq = args.seq_length if args.seq_length is not None else args.max_position_embeddings
+    return PlanningInputs(
+        load_cluster(args.hetero_cluster),
+        load_model(args.hetero_model),
+        PlanningOptions(
+            global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size,
+            seq_length=seq,
+            recompute="on" if args.recompute_granularity == "full" else "auto",
+            use_distributed_optimizer=bool(args.use_distributed_optimizer),
+        ),
+    )
 
 
 def check_tokenizer_flags(args: argparse.Namespace) -> None:
@@ -474,6 +549,8 @@ def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
 NOT_IN_RUN_CONFIG = frozenset(
     {
         "hetero_plan_path",  # read into the Plan itself
+        "hetero_cluster",  # planned into the Plan at start-up
+        "hetero_model",
         *MODEL_FLAGS,
         "group_query_attention",
         "swiglu",
@@ -503,6 +580,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
             train_iters=args.train_iters,
             seed=args.seed,
             exit_interval=args.exit_interval,
+            exit_signal_handler=args.exit_signal_handler,
             check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
         ),
         evaluation=EvaluationConfig(

@@ -75,7 +75,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -1100,17 +1100,28 @@ def checkpoint_exists(load_dir: str) -> bool:
     )
 
 
-def load(trainer: Trainer, config: CheckpointConfig, verify: bool = True) -> tuple[int, float]:
+class Loaded(NamedTuple):
+    """What `load` restored. RNG states come back only under the plan that saved them (a rank
+    of another plan draws other numbers); with dropout 0 nothing depends on them."""
+
+    iteration: int
+    seconds: float
+    optimizer: bool  # Adam moments and step
+    rng: bool
+
+
+def load(trainer: Trainer, config: CheckpointConfig, verify: bool = True) -> Loaded:
     """Load `config.load` (a CheckpointConfig, megatron_hexi.config) into the trainer
-    (collective). Returns (iteration, seconds). Every check, verification included, runs before
-    the status exchange, so every rank raises the same CheckpointError; `verify=False` only
-    serves to measure what verification costs."""
+    (collective) and say what was restored (Loaded). Every check, verification included, runs
+    before the status exchange, so every rank raises the same CheckpointError; `verify=False`
+    only serves to measure what verification costs."""
     start = time.perf_counter()
     plan = trainer.plan
     finetune = config.finetune
     load_optim = not (finetune or config.no_load_optim)
     load_rng = not (finetune or config.no_load_rng)
     error, ckpt, notes = None, None, []
+    moments = rng_restored = False
     try:
         # The checks run while the trainer is filled and are reported on leaving the `with`
         # (Checkpoint._verified_slice: a failed load leaves the trainer unusable).
@@ -1151,6 +1162,7 @@ def load(trainer: Trainer, config: CheckpointConfig, verify: bool = True) -> tup
             if same_plan and str(trainer.rank) in ckpt.meta["rng"]:
                 try:
                     set_rng_state(ckpt.meta["rng"][str(trainer.rank)])
+                    rng_restored = True
                 except Exception as e:  # noqa: BLE001
                     raise CheckpointError(
                         f"{meta_path}: rng.{trainer.rank}: malformed ({type(e).__name__}: {e})"
@@ -1174,7 +1186,7 @@ def load(trainer: Trainer, config: CheckpointConfig, verify: bool = True) -> tup
             + "".join(f"; {n}" for n in notes),
             flush=True,
         )
-    return iteration, seconds
+    return Loaded(iteration, seconds, moments, rng_restored)
 
 
 def _load_scheduler(

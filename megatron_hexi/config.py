@@ -28,6 +28,8 @@ class TrainingConfig:
     """Seeds the weights, dropout and the data order."""
     exit_interval: int | None = None
     """Stop (saving first, with a save directory) when the iteration is a multiple of it."""
+    exit_signal_handler: bool = False
+    """On SIGTERM, finish the current step, save (with a save directory) and exit 0."""
     check_for_nan_in_loss_and_grad: bool = True
     """Stop with an error on a NaN or infinite loss or gradient norm, as Megatron-LM does."""
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from planner.errors import SpecError
 
 if TYPE_CHECKING:
+    from planner.cluster import ClusterSpec
     from planner.plan import Plan
 
 
@@ -46,13 +47,13 @@ def check_world_size(plan: Plan, world_size: int) -> None:
         )
 
 
-def local_identity(plan: Plan, device_name: str) -> Identity:
-    """This process's Identity, before any collective."""
+def local_identity(cluster: ClusterSpec, device_name: str) -> Identity:
+    """This process's Identity (its node in `cluster`), before any collective."""
     node = os.environ.get("HEXI_PLAN_NODE", "")
     host = socket.gethostname()
     if not node:
         by_host: dict[str, str] = {}
-        for n in plan.cluster.nodes:
+        for n in cluster.nodes:
             if n.hostname:
                 by_host[n.hostname] = n.name
         node = by_host.get(host) or by_host.get(host.split(".")[0], "")
@@ -115,7 +116,7 @@ def resolve_ranks(
 
 def map_processes(plan: Plan, device_name: str, check_devices: bool) -> dict[int, int]:
     """All-gather identities and return {launch rank: plan rank} (same on every rank)."""
-    mine = local_identity(plan, device_name)
+    mine = local_identity(plan.cluster, device_name)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return resolve_ranks(plan, everyone, check_devices)

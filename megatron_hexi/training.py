@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_hexi import tensorboard_log, wandb_log
-from megatron_hexi.arguments import check_against_plan, parse_args, run_config
+from megatron_hexi.arguments import check_against_plan, parse_args, planning_inputs, run_config
 from megatron_hexi.communicator import Boundary, StageCommunicator
+from megatron_hexi.exit_signal import ExitSignal
 from megatron_hexi.grad_sync import FP32MainGrads, GradientSync
 from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.model import (
@@ -41,6 +42,7 @@ from megatron_hexi.model import (
 from megatron_hexi.optimizer import build_optimizer
 from megatron_hexi.process_groups import SingleRank, StagePosition, build_groups
 from megatron_hexi.rank_mapping import check_world_size, map_processes
+from megatron_hexi.startup_plan import plan_at_start
 from megatron_hexi.tensorboard_log import iteration_scalars, perplexity, validation_scalars
 from planner.catalog import get_gpu
 from planner.errors import SpecError
@@ -528,9 +530,16 @@ def _resume_iteration(trainer: Trainer) -> int:
                     flush=True,
                 )
             return 0
-    iteration, seconds = checkpoint.load(trainer, ckpt)
-    trainer.checkpoint_events.append({"load_iteration": iteration, "seconds": seconds})
-    return iteration
+    loaded = checkpoint.load(trainer, ckpt)
+    trainer.checkpoint_events.append(
+        {
+            "load_iteration": loaded.iteration,
+            "seconds": loaded.seconds,
+            "optimizer_restored": loaded.optimizer,
+            "rng_restored": loaded.rng,
+        }
+    )
+    return loaded.iteration
 
 
 def check_finite(metrics: Mapping[str, Any]) -> None:
@@ -595,13 +604,26 @@ def _save(trainer: Trainer, iteration: int) -> None:
 
 
 def run(
-    plan: Plan, config: RunConfig, device: torch.device
+    plan: Plan, config: RunConfig, device: torch.device, plan_file: str | None = None
 ) -> tuple[Trainer, list[dict[str, Any]]]:
     """Train up to --train-iters iterations (resuming from --load), evaluating as the
     EvaluationConfig says; returns the trainer and the per-iteration metrics of this run (every
-    rank). The trainer's `evaluations` lists every validation loss of the run."""
+    rank). The trainer's `evaluations` lists every validation loss of the run. `plan_file` names
+    the plan in the metrics (a run's history shows the plan of each start)."""
     trainer = Trainer(plan, config, device)
     first = _resume_iteration(trainer)
+    stop = ExitSignal(device) if config.training.exit_signal_handler else None
+    try:
+        return _train(trainer, first, plan_file, stop)
+    finally:
+        if stop is not None:
+            stop.restore()
+
+
+def _train(
+    trainer: Trainer, first: int, plan_file: str | None, stop: ExitSignal | None
+) -> tuple[Trainer, list[dict[str, Any]]]:
+    plan, config, device = trainer.plan, trainer.config, trainer.device
     train, log, ckpt, ev = config.training, config.logging, config.checkpoint, config.evaluation
     peak = sum(
         (get_gpu("CPU") if device.type == "cpu" else get_gpu(r.gpu)).peak_flops for r in plan.ranks
@@ -638,6 +660,8 @@ def run(
             return result
 
         saved = first if ckpt.load else None
+        signalled = False
+        loads = [e for e in trainer.checkpoint_events if "load_iteration" in e]
         interval = IntervalLog(plan, train.train_iters, flops, log.log_throughput)
         last_iters = first if ev.skip_train else train.train_iters
         startup_line(
@@ -650,6 +674,9 @@ def run(
             m["iteration"] = it + 1
             m["tokens_per_s"] = tokens_per_iter / m["step_time_s"]
             m["mfu"] = flops / (m["step_time_s"] * peak)
+            m["world_size"], m["plan"] = world, plan_file
+            if loads and it == first:  # what this start restored, on its first line
+                m["restored"] = {k: loads[0][k] for k in ("optimizer_restored", "rng_restored")}
             history.append(m)
             interval.add(m)
             if ev.batches and ev.eval_interval and (it + 1) % ev.eval_interval == 0:
@@ -667,6 +694,15 @@ def run(
             if ckpt.save and ckpt.save_interval and (it + 1) % ckpt.save_interval == 0:
                 _save(trainer, it + 1)
                 saved = it + 1
+            if stop is not None and stop.agreed():
+                signalled = True
+                if rank == 0:
+                    print(
+                        f" received signal {stop.signum.name} at iteration {it + 1}: saving and "
+                        f"exiting (--exit-signal-handler)",
+                        flush=True,
+                    )
+                break
             if train.exit_interval and (it + 1) % train.exit_interval == 0:
                 if rank == 0:
                     print(
@@ -677,7 +713,7 @@ def run(
         last = first + len(history)
         if ckpt.save and history and saved != last:
             _save(trainer, last)
-        if ev.batches:
+        if ev.batches and not signalled:  # a signalled run has seconds left: save, then go
             result = evaluate(last, end=True)
             if metrics_file:  # a line of its own: the last iteration's may hold another one
                 metrics_file.write(
@@ -820,14 +856,16 @@ def report_cpu_threads() -> None:
         )
 
 
-def init_distributed(plan: Plan, config: RunConfig) -> torch.device:
-    """Device choice, world-size check, then the process group (with the timeout); returns the
-    device. A process group that exists already (a test harness) is kept."""
+def init_distributed(plan: Plan | None, config: RunConfig) -> torch.device:
+    """Device choice, world-size check (against a plan file's; a plan made at start-up fits the
+    world by construction), then the process group (with the timeout); returns the device.
+    A process group that exists already (a test harness) is kept."""
     rt = config.runtime
     want_cuda = rt.device == "cuda" or (rt.device is None and torch.cuda.is_available())
     if want_cuda and not torch.cuda.is_available():
         raise SpecError("--hetero-device cuda, but torch sees no CUDA device")
-    check_world_size(plan, int(os.environ.get("WORLD_SIZE", "1")))
+    if plan is not None:
+        check_world_size(plan, int(os.environ.get("WORLD_SIZE", "1")))
     if want_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -859,20 +897,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         config = run_config(args)
-        plan = load_plan(args.hetero_plan_path)
-        check_against_plan(args, plan)
-        if os.environ.get("RANK", "0") == "0":
-            startup_line(
-                f"plan loaded: {args.hetero_plan_path}: {plan.world_size} rank(s) in "
-                f"{len(plan.pipelines)} pipeline(s), global batch {plan.global_batch_size}"
-            )
         if config.logging.tensorboard_dir:
             tensorboard_log.check_available()
         if config.logging.wandb_project:
             wandb_log.check_available()
-        device = init_distributed(plan, config)
+        if args.hetero_plan_path:
+            plan = load_plan(args.hetero_plan_path)
+            check_against_plan(args, plan)
+            plan_file: str | None = os.path.basename(args.hetero_plan_path)
+            where = f"plan loaded: {args.hetero_plan_path}"
+            device = init_distributed(plan, config)
+        else:
+            inputs = planning_inputs(args)  # the files are read before any process group
+            device = init_distributed(None, config)
+            started = plan_at_start(inputs, config.checkpoint, _device_name(device))
+            plan, plan_file = started.plan, started.file_name
+            check_against_plan(args, plan)
+            where = "planned at start-up" + (
+                f": {config.checkpoint.save}/plans/{plan_file}" if plan_file else " (no --save)"
+            )
+        startup_line(
+            f"{where}: {plan.world_size} rank(s) in {len(plan.pipelines)} pipeline(s), "
+            f"global batch {plan.global_batch_size}"
+        )
         check_output_paths(config)
-        run(plan, config, device)
+        run(plan, config, device, plan_file)
     except SpecError as e:
         for line in e.problems:
             print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True)

@@ -1,0 +1,110 @@
+"""Plan at start-up (--hetero-cluster): every start plans for the processes that are there.
+
+An elastic run starts again whenever a node is lost or joins. Each start the processes share who
+they are (one all-gather), launch rank 0 runs the planner on the cluster file cut down to the
+nodes that run processes (planner.membership), and broadcasts the plan or the planner's error;
+every rank validates what it receives, so a plan that fits nowhere is the same clear error on
+every rank. With --save the plan is kept as SAVE/plans/plan_<iteration>.json (written
+atomically), iteration being the checkpoint this start resumes from, so a run's history shows
+the plan of each of its starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megatron_hexi.arguments import PlanningInputs
+from megatron_hexi.config import CheckpointConfig
+from megatron_hexi.rank_mapping import LaunchError, local_identity
+from planner.cluster import ClusterSpec
+from planner.errors import SpecError
+from planner.membership import plan_for, present_cluster
+from planner.plan import Plan, plan_from_dict, save_plan
+
+PLANS_DIR = "plans"
+
+
+@dataclass(frozen=True)
+class StartedPlan:
+    """The plan this start trains under, and the name its metrics record (None: not written)."""
+
+    plan: Plan
+    file_name: str | None
+
+
+def processes_per_node(cluster: ClusterSpec, device_name: str) -> dict[str, int]:
+    """node -> processes on it, from one all-gather of every process's identity; a process that
+    names no node of the file is a LaunchError on every rank."""
+    everyone: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local_identity(cluster, device_name))
+    unnamed = [i for i in everyone if not i.node]  # type: ignore[attr-defined]
+    if unnamed:
+        first = unnamed[0]
+        raise LaunchError(
+            f"process {first.launch_rank} (host {first.hostname}) could not be placed on a node "
+            f"of cluster {cluster.name!r}: set HEXI_PLAN_NODE to its node name, or list the "
+            f"host in the cluster file's hostname(s)"
+        )
+    return dict(Counter(i.node for i in everyone))  # type: ignore[attr-defined]
+
+
+def resume_iteration(config: CheckpointConfig) -> int:
+    """The iteration this start resumes from (0 for a fresh start), read from --load's pointer
+    without loading anything: it names the plan file."""
+    if not config.load or config.finetune:
+        return 0
+    if config.ckpt_step is not None:
+        return config.ckpt_step
+    from megatron_hexi.checkpoint import TRACKER
+
+    try:
+        with open(os.path.join(config.load, TRACKER)) as f:
+            text = f.read().strip()
+    except OSError:
+        return 0
+    return int(text) if text.isdigit() else 0
+
+
+def plan_at_start(
+    inputs: PlanningInputs, checkpoint: CheckpointConfig, device_name: str
+) -> StartedPlan:
+    """Plan for the processes present (collective: every rank returns the same plan or raises
+    the same SpecError)."""
+    present = processes_per_node(inputs.cluster, device_name)
+    message: list[object] = [None, None, None]  # plan dict, problems, file name
+    if dist.get_rank() == 0:
+        nodes = ", ".join(f"{n} ({k})" for n, k in present.items())
+        try:
+            plan = plan_for(present_cluster(inputs.cluster, present), inputs.model, inputs.options)
+            message[0] = plan.to_dict()
+        except SpecError as e:
+            message[1] = [
+                f"planning at start-up for {sum(present.values())} process(es) on nodes "
+                f"{nodes}: {p}"
+                for p in e.problems
+            ]
+        if message[0] is not None and checkpoint.save:
+            name = f"plan_{resume_iteration(checkpoint)}.json"
+            try:
+                os.makedirs(os.path.join(checkpoint.save, PLANS_DIR), exist_ok=True)
+                save_plan(plan, os.path.join(checkpoint.save, PLANS_DIR, name))
+                message[2] = name
+            except OSError as e:
+                message[1] = [f"--save {checkpoint.save}: cannot write the plan ({e})"]
+    dist.broadcast_object_list(message, src=0)
+    if message[1]:
+        raise SpecError(message[1])  # type: ignore[arg-type]
+    return StartedPlan(plan_from_dict(message[0], "start-up plan"), message[2])  # type: ignore[arg-type]
+
+
+__all__ = [
+    "StartedPlan",
+    "plan_at_start",
+    "processes_per_node",
+    "resume_iteration",
+    "PLANS_DIR",
+]
