@@ -4,6 +4,8 @@
       [--account A] [--time T] [--container-image IMG] [--python PY] [--timeout-s N]
       [--check-partitions] [-o job.sbatch] -- TRAINING_ARGS
   hexi-launch torchrun PLAN.json [--master-addr A] [--master-port P] [-o DIR] -- TRAINING_ARGS
+  hexi-launch {slurm,torchrun} --elastic CLUSTER.yaml --model MODEL [--min-nodes K]
+      [--max-restarts N] ... -- TRAINING_ARGS   (the workers plan at every start)
 
 Problems with the plan or the options are one line each on stderr, exit code 2.
 """
@@ -42,8 +44,15 @@ TORCHRUN_EXAMPLE = (
 )
 
 
+ELASTIC_NOTE = (
+    "With --elastic the first argument is a cluster YAML: the workers plan at every start for "
+    "the nodes that are there (pretrain_gpt.py --hetero-cluster) and resume from the last "
+    "checkpoint, so the training arguments need --save DIR --load DIR --hetero-load-if-exists."
+)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("plan", help="plan JSON (hexi-plan)")
+    p.add_argument("plan", help="plan JSON (hexi-plan); with --elastic: cluster YAML")
     p.add_argument(
         "--python",
         help="python on the nodes (default: this interpreter; `python` with --container-image)",
@@ -62,6 +71,33 @@ def _common(p: argparse.ArgumentParser) -> None:
         "by absolute path; hexi-train from the node's PATH for a bare --python name)",
     )
     g.add_argument("--entry-module", help="run a python module instead (torchrun -m)")
+    e = p.add_argument_group("elastic jobs (--elastic)")
+    e.add_argument(
+        "--elastic",
+        action="store_true",
+        help="survive lost and returning nodes: torch elastic (c10d rendezvous), re-planning at "
+        "every start",
+    )
+    e.add_argument("--model", help="with --elastic: catalog model name or model YAML")
+    e.add_argument(
+        "--min-nodes",
+        type=bounded_int(1, 1 << 20),
+        default=None,
+        help="fewest nodes to train on (default: the fewest the model fits on, as "
+        "`hexi-plan min-nodes` says)",
+    )
+    e.add_argument(
+        "--max-restarts",
+        type=bounded_int(0, 1000),
+        default=3,
+        help="worker-group restarts after failures (default 3; nodes joining do not count)",
+    )
+    e.add_argument("--rdzv-id", default="hexi", help="rendezvous id (default hexi)")
+    e.add_argument(
+        "--rdzv-conf",
+        default=None,
+        help="torchrun --rdzv-conf, e.g. last_call_timeout=10,keep_alive_interval=5",
+    )
 
 
 def _parser() -> ArgumentParser:
@@ -159,7 +195,30 @@ def run(argv: list[str]) -> int:
     from megatron_hexi.launch.common import LaunchError, file_in, parse_mapping
     from planner.plan import load_plan
 
-    plan = load_plan(args.plan)
+    setup = None
+    if args.elastic:
+        from megatron_hexi.launch.elastic import elastic_setup
+
+        if not args.model:
+            raise LaunchError("--elastic needs --model (a catalog model name or a model YAML)")
+        if not os.path.isfile(args.plan):
+            raise LaunchError(f"--elastic: {args.plan!r} is not a file (give the cluster YAML)")
+        setup = elastic_setup(
+            args.plan,
+            args.model,
+            training_args,
+            args.min_nodes,
+            args.max_restarts,
+            args.rdzv_id,
+            args.rdzv_conf,
+        )
+        plan, training_args = setup.plan, setup.training_args
+        print(f"hexi-launch: elastic job, {comment(setup.min_nodes_reason)}", file=sys.stderr)
+    else:
+        given = [f for f in ("model", "min_nodes", "rdzv_conf") if getattr(args, f) is not None]
+        if given:
+            raise LaunchError(f"--{given[0].replace('_', '-')} goes with --elastic")
+        plan = load_plan(args.plan)
     entry = f"-m {args.entry_module}" if args.entry_module else args.entry
     if args.cmd == "slurm":
         from megatron_hexi.launch import slurm
@@ -185,6 +244,7 @@ def run(argv: list[str]) -> int:
             cpus_per_gpu=args.cpus_per_gpu,
             exclusive=args.exclusive,
             comps=comps,
+            elastic=setup.launch if setup else None,
         )
         if args.output:
             _write(args.output, text)
@@ -202,6 +262,29 @@ def run(argv: list[str]) -> int:
         entry=entry,
         timeout_s=args.timeout_s,
     )
+    if setup is not None:
+        commands = torchrun.elastic_commands(
+            setup,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            python=args.python,
+            entry=entry,
+            timeout_s=args.timeout_s,
+        )
+        if args.output:
+            if os.path.exists(args.output) and not os.path.isdir(args.output):
+                raise LaunchError(f"-o {args.output!r}: exists and is not a directory")
+            os.makedirs(args.output, exist_ok=True)
+            for node, cmd in commands:
+                path = file_in(args.output, node.name, ".sh")
+                _write(path, torchrun.elastic_script(node, cmd, setup))
+                print(comment(f"wrote {path}: run it on node {node.name}"))
+            return 0
+        for node, cmd in commands:
+            host = f" (host {node.hostname})" if node.hostname else ""
+            print(comment(f"# on node {node.name}{host}: {node.nproc} process(es)"))
+            print(cmd)
+        return 0
     if args.output:
         if os.path.exists(args.output) and not os.path.isdir(args.output):
             raise LaunchError(f"-o {args.output!r}: exists and is not a directory")

@@ -11,6 +11,17 @@ and execs torchrun with that node's process count. The script is meant to be rea
 settings are `VAR=${VAR:-default}` lines the user can override from the environment. Values reach
 the shell quoted (common.sh); values for `#SBATCH` lines, which sbatch reads without a shell, are
 refused when they could break the line (common.directive_value).
+
+Elastic jobs (`hexi-launch slurm --elastic CLUSTER.yaml`): the same components and node mapping
+(from a plan of the whole cluster), but every node runs torchrun elastically (`--nnodes MIN:MAX`,
+c10d rendezvous at the first node, no node ranks) and the workers plan at every start for the
+nodes that are there (`--hetero-cluster CLUSTER --hetero-model MODEL`). The rendezvous store lives
+in the first node's agent: that node must stay up. A node that fails does not end the job (srun
+`--no-kill --kill-on-bad-exit=0`, `#SBATCH --no-kill`): the surviving agents re-rendezvous within
+seconds and their workers re-plan and resume from the last checkpoint. Requeueing was rejected:
+it restarts the whole job from the queue and drops the surviving agents. Each node's task reports
+how its torchrun ended; the job exits 0 when the training finished on some node (its torchrun
+exited 0), naming the nodes that failed or were lost, and with srun's status otherwise.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from megatron_hexi.launch.common import (
 )
 
 if TYPE_CHECKING:
+    from megatron_hexi.launch.elastic import ElasticLaunch
     from planner.plan import Plan
 
 
@@ -188,6 +200,57 @@ NODE_FUNCTION = r'''hexi_node() {
 }'''  # noqa: E501 - the shell text's own lines
 
 
+# The per-node part of an elastic job: the same lookup, then torchrun with a c10d rendezvous; it
+# does not exec torchrun, so that it can say how torchrun ended (the batch script reads that).
+ELASTIC_NODE_FUNCTION = r'''hexi_node() {
+    # This node's line of HEXI_NODE_TABLE: "slurm-node-id host plan-node nproc".
+    local id=${SLURM_NODEID:?not inside a Slurm step} line node_id host plan_node nproc conf rc=0
+    line=$(awk -v id="$id" '$1 == id' <<<"$HEXI_NODE_TABLE")
+    read -r node_id host plan_node nproc <<<"$line"
+    if [[ -z "$line" || "$host" != "${SLURMD_NODENAME:-$host}" ]]; then
+        # Slurm numbered the step's nodes differently from the node lists: go by host name
+        line=$(awk -v h="${SLURMD_NODENAME:-}" '$2 == h' <<<"$HEXI_NODE_TABLE")
+        if [[ $(grep -c . <<<"$line") != 1 ]]; then
+            echo "hexi: cannot tell which plan node Slurm node ${SLURMD_NODENAME:-?} (node id $id) is" >&2
+            exit 1
+        fi
+        read -r node_id host plan_node nproc <<<"$line"
+    fi
+    export HEXI_PLAN_NODE=$plan_node
+    # The first node's agent hosts the rendezvous store and the others connect to it; said
+    # explicitly, as agents on machines that share an address would race to host it.
+    conf=$HEXI_RDZV_CONF
+    if [[ ",$conf" != *,is_host=* ]]; then conf+="${conf:+,}is_host=$((node_id == 0))"; fi
+    echo "hexi: Slurm node $host (node id $id) -> plan node $plan_node, $nproc process(es)"
+    # "$@": the entry, --hetero-cluster/--hetero-model and the training arguments
+    timeout -k 10 "$HEXI_TIMEOUT_S" "$PYTHON" -m torch.distributed.run \
+        --nnodes "$HEXI_MIN_NODES:$HEXI_NNODES" --nproc-per-node "$nproc" \
+        --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
+        --rdzv-id "$HEXI_RDZV_ID" --rdzv-conf "$conf" --max-restarts "$HEXI_MAX_RESTARTS" \
+        "$@" || rc=$?
+    echo "hexi: node exit: plan node $plan_node on $host: torchrun exit $rc"
+    return "$rc"
+}'''  # noqa: E501 - the shell text's own lines
+
+# After the elastic job's srun: the job's exit status from the nodes' "node exit" lines.
+ELASTIC_EXIT = r'''# The job's exit status: 0 when the training finished (a node's torchrun exited 0: its workers
+# ran to the end), also when other nodes failed or were lost on the way, which is said; srun's
+# status when no node finished.
+mapfile -t finished < <(awk '/^hexi: node exit: / && $NF == 0 {print $6}' "$HEXI_STEP_OUT")
+lost=()
+for p in $(awk '{print $3}' <<<"$HEXI_NODE_TABLE"); do
+    if [[ " ${finished[*]} " != *" $p "* ]]; then lost+=("$p"); fi
+done
+if ((${#finished[@]} == 0)); then
+    echo "hexi: job $SLURM_JOB_ID failed: no node finished the training (srun exit $srun_status)" >&2
+    exit $((srun_status ? srun_status : 1))
+fi
+if ((${#lost[@]})); then
+    echo "hexi: plan node(s) ${lost[*]} failed or were lost (srun exit $srun_status); the training finished on ${finished[*]}"
+fi
+echo "hexi: job $SLURM_JOB_ID finished"'''  # noqa: E501 - the shell text's own lines
+
+
 def generate_sbatch(
     plan: Plan,
     plan_path: str,
@@ -206,9 +269,12 @@ def generate_sbatch(
     cpus_per_gpu: int = 2,
     exclusive: bool = False,
     comps: Sequence[Component] | None = None,
+    elastic: ElasticLaunch | None = None,
 ) -> str:
     """The sbatch script text. `entry`: a script path, '-m module' or '--no-python program';
-    default: the installed hexi-train (common.resolve_entry)."""
+    default: the installed hexi-train (common.resolve_entry). With `elastic`, `plan` is the whole
+    cluster's plan (it gives the nodes and their process counts), `plan_path` the cluster file,
+    and the script runs an elastic job (module docstring)."""
     comps = comps if comps is not None else components(plan, partitions, gres_types)
     nodes = [n for c in comps for n in c.nodes]
     het = len(comps) > 1
@@ -223,13 +289,25 @@ def generate_sbatch(
     account = account and directive_value(account, "--account")
     time = time and directive_value(time, "--time")
 
-    L = [
-        "#!/bin/bash",
-        "# Generated by `hexi-launch slurm` (megatron-hexi). Edit freely.",
-        f"# Plan: {comment(plan_path)}",
-        f"#   {plan.world_size} rank(s) on {len(nodes)} node(s); "
-        + (f"heterogeneous job, {len(comps)} components:" if het else "plain job:"),
-    ]
+    kind = f"heterogeneous job, {len(comps)} components:" if het else "plain job:"
+    if elastic is None:
+        L = [
+            "#!/bin/bash",
+            "# Generated by `hexi-launch slurm` (megatron-hexi). Edit freely.",
+            f"# Plan: {comment(plan_path)}",
+            f"#   {plan.world_size} rank(s) on {len(nodes)} node(s); " + kind,
+        ]
+    else:
+        e = elastic
+        L = [
+            "#!/bin/bash",
+            "# Generated by `hexi-launch slurm --elastic` (megatron-hexi). Edit freely.",
+            f"# Elastic job (torch elastic): cluster {comment(e.cluster_path)}, model "
+            f"{comment(e.model)}, MIN:MAX {e.min_nodes}:{len(nodes)} nodes.",
+            "#   The workers plan at every start for the nodes that are there and resume from the",
+            "#   last checkpoint; a lost node does not end the job (see the srun step below).",
+            f"#   Whole cluster: {plan.world_size} rank(s) on {len(nodes)} node(s); " + kind,
+        ]
     for i, c in enumerate(comps):
         gpu = "/".join(sorted({n.gpu for n in c.nodes}))
         L.append(
@@ -261,42 +339,94 @@ def generate_sbatch(
             L.append(f"#SBATCH --cpus-per-task={int(cpus_per_gpu) * max(c.gpus, 1)}")
         if exclusive:
             L.append("#SBATCH --exclusive")
+        if elastic is not None:  # a node that goes down does not end the allocation
+            L.append("#SBATCH --no-kill")
     L += [
         "set -euo pipefail",
         "",
         "# ---- settings (each can be overridden from the environment) ----",
         shell_default("PYTHON", python) + "   # python with megatron-hexi and torch",
-        shell_default("MASTER_PORT", int(master_port)),
-        shell_default("HEXI_TIMEOUT_S", int(timeout_s))
-        + "   # torchrun wall limit per node, s (0: none)",
-        shell_default("HEXI_PLAN", plan_path),
-        ': "${HEXI_MASTER_ADDR:=}"   # empty: first node of component 0',
-        "export PYTHON MASTER_PORT HEXI_TIMEOUT_S HEXI_PLAN",
+    ]
+    if elastic is None:
+        L += [
+            shell_default("MASTER_PORT", int(master_port)),
+            shell_default("HEXI_TIMEOUT_S", int(timeout_s))
+            + "   # torchrun wall limit per node, s (0: none)",
+            shell_default("HEXI_PLAN", plan_path),
+            ': "${HEXI_MASTER_ADDR:=}"   # empty: first node of component 0',
+            "export PYTHON MASTER_PORT HEXI_TIMEOUT_S HEXI_PLAN",
+        ]
+    else:
+        from megatron_hexi.launch.elastic import AGENT_ENV
+
+        L += [
+            shell_default("MASTER_PORT", int(master_port)) + "   # rendezvous port",
+            shell_default("HEXI_TIMEOUT_S", int(timeout_s))
+            + "   # torchrun wall limit per node, s (0: none)",
+            shell_default("HEXI_MIN_NODES", int(elastic.min_nodes))
+            + f"   # fewest nodes to train on (at most {len(nodes)})",
+            shell_default("HEXI_MAX_RESTARTS", int(elastic.max_restarts))
+            + "   # worker-group restarts after failures",
+            shell_default("HEXI_RDZV_ID", elastic.rdzv_id)
+            + "   # rendezvous id; the job id is appended",
+            shell_default("HEXI_RDZV_CONF", elastic.rdzv_conf or "")
+            + "   # torchrun --rdzv-conf; is_host is added per node",
+            ': "${HEXI_MASTER_ADDR:=}"   # an address of the first node (empty: its host name)',
+            "export PYTHON MASTER_PORT HEXI_TIMEOUT_S HEXI_MIN_NODES HEXI_MAX_RESTARTS "
+            "HEXI_RDZV_CONF",
+            'export HEXI_RDZV_ID="$HEXI_RDZV_ID-$SLURM_JOB_ID"   # one rendezvous per job',
+            "# Every agent needs these: with the rendezvous store shared with the workers, a node",
+            "# that joins a running job hangs the rendezvous (megatron_hexi.launch.elastic).",
+            *(f"export {k}={sh(v)}" for k, v in AGENT_ENV.items()),
+        ]
+    L += [
         "",
         "# Training script (absolute), -m module or --no-python program; HEXI_ENTRY in the",
         "# environment replaces it (split at spaces, e.g. HEXI_ENTRY=\"-m my.module\").",
         bash_array("HEXI_ENTRY_WORDS", entry_words(entry)),
         'if [[ -n "${HEXI_ENTRY:-}" ]]; then read -r -a HEXI_ENTRY_WORDS <<<"$HEXI_ENTRY"; fi',
         "",
-        "# Training arguments (passed through after --hetero-plan-path):",
-        bash_array("TRAINING_ARGS", list(training_args)),
-        "",
-        "# ---- the plan's nodes per Slurm component, in plan order ----",
-        "# component i's k-th Slurm node runs word k of HEXI_PLAN_NODES[i]; a node's",
-        "# torchrun node rank is its index in plan order, its process count the plan ranks on it.",
-        "HEXI_PLAN_NODES=(",
     ]
+    if elastic is None:
+        L += [
+            "# Training arguments (passed through after --hetero-plan-path):",
+            bash_array("TRAINING_ARGS", list(training_args)),
+            "",
+            "# ---- the plan's nodes per Slurm component, in plan order ----",
+            "# component i's k-th Slurm node runs word k of HEXI_PLAN_NODES[i]; a node's",
+            "# torchrun node rank is its index in plan order, its process count the plan ranks "
+            "on it.",
+        ]
+    else:
+        L += [
+            "# What the workers plan from at every start (in place of --hetero-plan-path):",
+            bash_array("HEXI_PLAN_WORDS", elastic.training_words()),
+            "# Training arguments (passed through after them):",
+            bash_array("TRAINING_ARGS", list(training_args)),
+            "",
+            "# ---- the nodes per Slurm component, in the whole-cluster plan's order ----",
+            "# component i's k-th Slurm node is plan node word k of HEXI_PLAN_NODES[i]; its "
+            "process count",
+            "# is the whole-cluster plan's ranks on it. Each rendezvous numbers the nodes anew.",
+        ]
+    L.append("HEXI_PLAN_NODES=(")
     for i, c in enumerate(comps):
         L.append(f"    {sh(' '.join(n.name for n in c.nodes))}   # component {i}")
+    L.append(")")
+    if elastic is None:
+        L.append(
+            "declare -A HEXI_NODE_RANK=("
+            + " ".join(f"[{sh(n.name)}]={n.node_rank}" for n in nodes)
+            + ")"
+        )
+        columns, rank_column = "node-id host plan-node node-rank nproc", " ${HEXI_NODE_RANK[$p]}"
+    else:
+        columns, rank_column = "node-id host plan-node nproc", ""
     L += [
-        ")",
-        "declare -A HEXI_NODE_RANK=("
-        + " ".join(f"[{sh(n.name)}]={n.node_rank}" for n in nodes)
-        + ")",
         "declare -A HEXI_NPROC=(" + " ".join(f"[{sh(n.name)}]={n.nproc}" for n in nodes) + ")",
         f"export HEXI_NNODES={len(nodes)}",
         "",
-        "# ---- map Slurm's nodes to plan nodes: \"node-id host plan-node node-rank nproc\" ----",
+        f'# ---- map Slurm\'s nodes to plan nodes: "{columns}" ----',
         "HEXI_NODE_TABLE=\"\"",
         "node_id=0",
         "declare -A component_of=()",
@@ -323,25 +453,39 @@ def generate_sbatch(
         "            exit 1",
         "        fi",
         "        component_of[${hosts[$k]}]=$i",
-        "        HEXI_NODE_TABLE+=\"$node_id ${hosts[$k]} $p "
-        "${HEXI_NODE_RANK[$p]} ${HEXI_NPROC[$p]}\"$'\\n'",
+        "        HEXI_NODE_TABLE+=\"$node_id ${hosts[$k]} $p"
+        + rank_column
+        + " ${HEXI_NPROC[$p]}\"$'\\n'",
         "        if [[ $node_id == 0 ]]; then first_host=${hosts[$k]}; fi",
         "        node_id=$((node_id + 1))",
         "    done",
         "done",
         "export HEXI_NODE_TABLE",
         "export MASTER_ADDR=${HEXI_MASTER_ADDR:-$first_host}",
-        "echo \"hexi: job $SLURM_JOB_ID, master $MASTER_ADDR:$MASTER_PORT, nodes:\"",
-        "printf '%s' \"$HEXI_NODE_TABLE\" | sed 's/^/hexi:   /'",
-        "",
-        "# ---- per node: become the plan node, run torchrun ----",
-        NODE_FUNCTION,
-        "",
     ]
+    if elastic is None:
+        L += [
+            "echo \"hexi: job $SLURM_JOB_ID, master $MASTER_ADDR:$MASTER_PORT, nodes:\"",
+            "printf '%s' \"$HEXI_NODE_TABLE\" | sed 's/^/hexi:   /'",
+            "",
+            "# ---- per node: become the plan node, run torchrun ----",
+            NODE_FUNCTION,
+            "",
+        ]
+    else:
+        L += [
+            "echo \"hexi: job $SLURM_JOB_ID, elastic $HEXI_MIN_NODES:$HEXI_NNODES nodes, "
+            "rendezvous $HEXI_RDZV_ID at $MASTER_ADDR:$MASTER_PORT, nodes:\"",
+            "printf '%s' \"$HEXI_NODE_TABLE\" | sed 's/^/hexi:   /'",
+            "",
+            "# ---- per node: become the plan node, run an elastic torchrun agent ----",
+            ELASTIC_NODE_FUNCTION,
+            "",
+        ]
     srun = ["srun"]
     if het:
         srun.append("--het-group=0-$((SLURM_HET_SIZE - 1))")
-    srun.append("--kill-on-bad-exit=1")
+    srun.append("--kill-on-bad-exit=1" if elastic is None else "--no-kill --kill-on-bad-exit=0")
     if container_image:
         L += [
             shell_default("HEXI_CONTAINER_IMAGE", container_image),
@@ -353,11 +497,34 @@ def generate_sbatch(
             '--container-mounts="$HEXI_CONTAINER_MOUNTS"',
             '--container-workdir="$PWD"',
         ]
+    run_node = '    bash -c "$(declare -f hexi_node); hexi_node \\"\\$@\\"" hexi_node \\'
+    if elastic is None:
+        L += [
+            " ".join(srun) + " \\",
+            run_node,
+            '    "${HEXI_ENTRY_WORDS[@]}" --hetero-plan-path "$HEXI_PLAN" "${TRAINING_ARGS[@]}"',
+            'echo "hexi: job $SLURM_JOB_ID finished"',
+            "",
+        ]
+        return "\n".join(L)
     L += [
+        "# ---- run: one torchrun agent per node ----",
+        "# A node that fails does not end the job: with --no-kill and --kill-on-bad-exit=0 the",
+        "# other nodes' agents keep running, re-rendezvous within seconds and restart their",
+        "# workers, which re-plan for the nodes left and resume from the last checkpoint.",
+        "# (Requeue was rejected: it restarts the whole job from the queue and drops the",
+        "# surviving agents.) The rendezvous store lives in the agent on the first node",
+        "# ($MASTER_ADDR): that node must stay up, its loss ends the job.",
+        'HEXI_STEP_OUT=$(mktemp "${TMPDIR:-/tmp}/hexi-$SLURM_JOB_ID.XXXXXX")',
+        "trap 'rm -f \"$HEXI_STEP_OUT\"' EXIT",
+        "set +e",
         " ".join(srun) + " \\",
-        '    bash -c "$(declare -f hexi_node); hexi_node \\"\\$@\\"" hexi_node \\',
-        '    "${HEXI_ENTRY_WORDS[@]}" --hetero-plan-path "$HEXI_PLAN" "${TRAINING_ARGS[@]}"',
-        'echo "hexi: job $SLURM_JOB_ID finished"',
+        run_node,
+        '    "${HEXI_ENTRY_WORDS[@]}" "${HEXI_PLAN_WORDS[@]}" "${TRAINING_ARGS[@]}" \\',
+        '    | tee "$HEXI_STEP_OUT"',
+        "srun_status=${PIPESTATUS[0]}",
+        "set -e",
+        ELASTIC_EXIT,
         "",
     ]
     return "\n".join(L)
