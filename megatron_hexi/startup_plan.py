@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
 from megatron_hexi.arguments import PlanningInputs
 from megatron_hexi.config import CheckpointConfig
-from megatron_hexi.rank_mapping import LaunchError, local_identity
+from megatron_hexi.rank_mapping import Identity, LaunchError, local_identity
 from planner.cluster import ClusterSpec
 from planner.errors import SpecError
 from planner.membership import plan_for, present_cluster
@@ -39,9 +40,10 @@ class StartedPlan:
 def processes_per_node(cluster: ClusterSpec, device_name: str) -> dict[str, int]:
     """node -> processes on it, from one all-gather of every process's identity; a process that
     names no node of the file is a LaunchError on every rank."""
-    everyone: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local_identity(cluster, device_name))
-    unnamed = [i for i in everyone if not i.node]  # type: ignore[attr-defined]
+    gathered: list[Identity | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local_identity(cluster, device_name))
+    everyone = [i for i in gathered if i is not None]
+    unnamed = [i for i in everyone if not i.node]
     if unnamed:
         first = unnamed[0]
         raise LaunchError(
@@ -49,7 +51,7 @@ def processes_per_node(cluster: ClusterSpec, device_name: str) -> dict[str, int]
             f"of cluster {cluster.name!r}: set HEXI_PLAN_NODE to its node name, or list the "
             f"host in the cluster file's hostname(s)"
         )
-    return dict(Counter(i.node for i in everyone))  # type: ignore[attr-defined]
+    return dict(Counter(i.node for i in everyone))
 
 
 def resume_iteration(config: CheckpointConfig) -> int:
@@ -69,36 +71,51 @@ def resume_iteration(config: CheckpointConfig) -> int:
     return int(text) if text.isdigit() else 0
 
 
+@dataclass(frozen=True)
+class _Decision:
+    """What launch rank 0 broadcasts: the plan (as JSON) or the problems, and the file name."""
+
+    plan: dict[str, Any] | None = None
+    problems: tuple[str, ...] = ()
+    file_name: str | None = None
+
+
+def _decide(
+    inputs: PlanningInputs, checkpoint: CheckpointConfig, present: dict[str, int]
+) -> _Decision:
+    """Launch rank 0: plan for `present` and keep the plan under --save."""
+    nodes = ", ".join(f"{n} ({k})" for n, k in present.items())
+    try:
+        plan = plan_for(present_cluster(inputs.cluster, present), inputs.model, inputs.options)
+    except SpecError as e:
+        where = f"planning at start-up for {sum(present.values())} process(es) on nodes {nodes}"
+        return _Decision(problems=tuple(f"{where}: {p}" for p in e.problems))
+    if not checkpoint.save:
+        return _Decision(plan.to_dict())
+    name = f"plan_{resume_iteration(checkpoint)}.json"
+    try:
+        os.makedirs(os.path.join(checkpoint.save, PLANS_DIR), exist_ok=True)
+        save_plan(plan, os.path.join(checkpoint.save, PLANS_DIR, name))
+    except OSError as e:
+        return _Decision(problems=(f"--save {checkpoint.save}: cannot write the plan ({e})",))
+    return _Decision(plan.to_dict(), file_name=name)
+
+
 def plan_at_start(
     inputs: PlanningInputs, checkpoint: CheckpointConfig, device_name: str
 ) -> StartedPlan:
     """Plan for the processes present (collective: every rank returns the same plan or raises
     the same SpecError)."""
     present = processes_per_node(inputs.cluster, device_name)
-    message: list[object] = [None, None, None]  # plan dict, problems, file name
-    if dist.get_rank() == 0:
-        nodes = ", ".join(f"{n} ({k})" for n, k in present.items())
-        try:
-            plan = plan_for(present_cluster(inputs.cluster, present), inputs.model, inputs.options)
-            message[0] = plan.to_dict()
-        except SpecError as e:
-            message[1] = [
-                f"planning at start-up for {sum(present.values())} process(es) on nodes "
-                f"{nodes}: {p}"
-                for p in e.problems
-            ]
-        if message[0] is not None and checkpoint.save:
-            name = f"plan_{resume_iteration(checkpoint)}.json"
-            try:
-                os.makedirs(os.path.join(checkpoint.save, PLANS_DIR), exist_ok=True)
-                save_plan(plan, os.path.join(checkpoint.save, PLANS_DIR, name))
-                message[2] = name
-            except OSError as e:
-                message[1] = [f"--save {checkpoint.save}: cannot write the plan ({e})"]
+    message: list[_Decision | None] = [
+        _decide(inputs, checkpoint, present) if dist.get_rank() == 0 else None
+    ]
     dist.broadcast_object_list(message, src=0)
-    if message[1]:
-        raise SpecError(message[1])  # type: ignore[arg-type]
-    return StartedPlan(plan_from_dict(message[0], "start-up plan"), message[2])  # type: ignore[arg-type]
+    decision = message[0]
+    assert decision is not None  # rank 0 always sends one
+    if decision.problems or decision.plan is None:
+        raise SpecError(list(decision.problems))
+    return StartedPlan(plan_from_dict(decision.plan, "start-up plan"), decision.file_name)
 
 
 __all__ = [

@@ -880,14 +880,21 @@ def init_distributed(plan: Plan | None, config: RunConfig) -> torch.device:
 
         install(device)
     backend = rt.distributed_backend or ("nccl" if want_cuda else "gloo")
-    if not dist.is_initialized():
+    timeout = datetime.timedelta(minutes=rt.distributed_timeout_minutes)
+    if dist.is_initialized():
+        pass
+    elif "MASTER_ADDR" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":
+        # one process started without a launcher: an in-process store, no TCP port (a fixed
+        # default port fails whenever something else on the machine holds it)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    else:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        dist.init_process_group(
-            backend, timeout=datetime.timedelta(minutes=rt.distributed_timeout_minutes)
-        )
+        dist.init_process_group(backend, timeout=timeout)
     return device
 
 
