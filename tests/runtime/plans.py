@@ -5,6 +5,18 @@ from planner.models import load_model
 from planner.plan import build_plan, save_plan
 
 GLOBAL_BATCH = 8
+# A run that learns the same under any plan: mock data, a constant lr, no dropout.
+EXACT_FLAGS = [
+    "--mock-data",
+    "--lr",
+    "1e-3",
+    "--lr-decay-style",
+    "constant",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
 
 
 def cpu_cluster(world):

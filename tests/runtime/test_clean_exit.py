@@ -13,7 +13,7 @@ import math
 
 from harness import run_ranks
 from megatron_hexi.training import available_cores
-from runtime.plans import write_plan
+from runtime.plans import EXACT_FLAGS, write_plan
 
 LAUNCHES = 20
 CORES = available_cores()
@@ -24,17 +24,7 @@ TWO_STAGES = [
         "stages": [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}],
     }
 ]
-FLAGS = [
-    "--mock-data",
-    "--lr",
-    "1e-3",
-    "--lr-decay-style",
-    "constant",
-    "--attention-dropout",
-    "0",
-    "--hidden-dropout",
-    "0",
-]
+FLAGS = EXACT_FLAGS
 
 
 def launch(repo_root, args, world=2, env=None):

@@ -22,6 +22,7 @@ import time
 import pytest
 
 from harness import CPU_ONLY_ENV, THREADS_ENV, _descendants, _kill_tree, free_port
+from runtime.plans import EXACT_FLAGS
 
 NODES = ("n-0", "n-1", "n-2")
 TRAIN_ITERS = 60
@@ -38,17 +39,9 @@ TRAINING = [
     "8",
     "--seq-length",
     "128",
-    "--mock-data",
+    *EXACT_FLAGS,
     "--train-iters",
     str(TRAIN_ITERS),
-    "--lr",
-    "1e-3",
-    "--lr-decay-style",
-    "constant",
-    "--attention-dropout",
-    "0",
-    "--hidden-dropout",
-    "0",
     "--seed",
     "1234",
 ]

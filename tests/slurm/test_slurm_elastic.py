@@ -24,6 +24,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 from harness import free_port  # noqa: E402
 from hexi_launch_helpers import hexi_launch  # noqa: E402
+from runtime.plans import EXACT_FLAGS  # noqa: E402
 
 pytestmark = pytest.mark.slurm
 
@@ -116,17 +117,9 @@ def test_elastic_job_loses_a_node(slurm_cluster, tmp_path):
         "-o",
         job,
         "--",
-        "--mock-data",
+        *EXACT_FLAGS,
         "--train-iters",
         TRAIN_ITERS,
-        "--lr",
-        "1e-3",
-        "--lr-decay-style",
-        "constant",
-        "--attention-dropout",
-        "0",
-        "--hidden-dropout",
-        "0",
         "--global-batch-size",
         "8",
         "--save",
