@@ -37,6 +37,24 @@ def _defaults(
     return nodes, master_addr, python or sys.executable
 
 
+def _command(
+    env: Mapping[str, str],
+    timeout_s: int,
+    python: str,
+    torchrun_flags: Sequence[str],
+    entry: str,
+    training_words: Sequence[str],
+) -> str:
+    """One node's shell command: variables, optional wall limit, torchrun, entry, arguments.
+    `env` values and `training_words` are quoted here; `torchrun_flags` come ready."""
+    words = [f"{k}={sh(v)}" for k, v in env.items()]
+    if timeout_s:
+        words.append(f"timeout -k 10 {int(timeout_s)}")
+    words += [sh(python), "-m torch.distributed.run", *torchrun_flags]
+    words += [quote_args(entry_words(entry)), quote_args(training_words)]
+    return " ".join(w for w in words if w)
+
+
 def torchrun_commands(
     plan: Plan,
     plan_path: str,
@@ -52,26 +70,26 @@ def torchrun_commands(
     nodes, addr, python = _defaults(plan, master_addr, python)
     plan_path, entry = os.path.abspath(plan_path), resolve_entry(entry, python)
     addr_word = sh(addr) if addr else '"$MASTER_ADDR"'
-    out = []
-    for n in nodes:
-        words = [f"HEXI_PLAN_NODE={sh(n.name)}"]
-        if timeout_s:
-            words.append(f"timeout -k 10 {int(timeout_s)}")
-        words += [
-            sh(python),
-            "-m torch.distributed.run",
-            f"--nnodes {len(nodes)}",
-            f"--node-rank {n.node_rank}",
-            f"--nproc-per-node {n.nproc}",
-            f"--master-addr {addr_word}",
-            f"--master-port {int(master_port)}",
-            quote_args(entry_words(entry)),
-            f"--hetero-plan-path {sh(plan_path)}",
-        ]
-        if training_args:
-            words.append(quote_args(training_args))
-        out.append((n, " ".join(words)))
-    return out
+    return [
+        (
+            n,
+            _command(
+                {"HEXI_PLAN_NODE": n.name},
+                timeout_s,
+                python,
+                [
+                    f"--nnodes {len(nodes)}",
+                    f"--node-rank {n.node_rank}",
+                    f"--nproc-per-node {n.nproc}",
+                    f"--master-addr {addr_word}",
+                    f"--master-port {int(master_port)}",
+                ],
+                entry,
+                ["--hetero-plan-path", plan_path, *training_args],
+            ),
+        )
+        for n in nodes
+    ]
 
 
 def elastic_commands(
@@ -91,28 +109,31 @@ def elastic_commands(
     nodes, addr, python = _defaults(setup.plan, master_addr, python)
     entry = resolve_entry(entry, python)
     addr_word = sh(addr) if addr else '"$MASTER_ADDR"'
-    out = []
-    for n in nodes:
-        words = [f"HEXI_PLAN_NODE={sh(n.name)}", *(f"{k}={sh(v)}" for k, v in AGENT_ENV.items())]
-        if timeout_s:
-            words.append(f"timeout -k 10 {int(timeout_s)}")
-        words += [
-            sh(python),
-            "-m torch.distributed.run",
-            f"--nnodes {e.min_nodes}:{e.max_nodes}",
-            f"--nproc-per-node {n.nproc}",
-            "--rdzv-backend c10d",
-            f"--rdzv-endpoint {addr_word}:{int(master_port)}",
-            f"--rdzv-id {sh(e.rdzv_id)}",
-            f"--max-restarts {int(e.max_restarts)}",
-        ]
-        if e.rdzv_conf:
-            words.append(f"--rdzv-conf {sh(e.rdzv_conf)}")
-        words += [quote_args(entry_words(entry)), quote_args(e.training_words())]
-        if setup.training_args:
-            words.append(quote_args(setup.training_args))
-        out.append((n, " ".join(words)))
-    return out
+    rendezvous = [
+        "--rdzv-backend c10d",
+        f"--rdzv-endpoint {addr_word}:{int(master_port)}",
+        f"--rdzv-id {sh(e.rdzv_id)}",
+        f"--max-restarts {int(e.max_restarts)}",
+        *([f"--rdzv-conf {sh(e.rdzv_conf)}"] if e.rdzv_conf else []),
+    ]
+    return [
+        (
+            n,
+            _command(
+                {"HEXI_PLAN_NODE": n.name, **AGENT_ENV},
+                timeout_s,
+                python,
+                [
+                    f"--nnodes {e.min_nodes}:{e.max_nodes}",
+                    f"--nproc-per-node {n.nproc}",
+                    *rendezvous,
+                ],
+                entry,
+                [*e.training_words(), *setup.training_args],
+            ),
+        )
+        for n in nodes
+    ]
 
 
 def elastic_script(node: PlanNode, command: str, setup: ElasticSetup) -> str:
