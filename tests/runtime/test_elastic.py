@@ -368,23 +368,24 @@ def test_start_up_planning_errors(repo_root, tmp_path):
     )
     base = ["--hetero-cluster", tmp_path / "cluster.yaml", "--mock-data", "--train-iters", "2"]
     base += ["--lr", "1e-3", "--global-batch-size", "8"]
-    proc = _pretrain(repo_root, [*base, "--hetero-model", "tiny"], "elsewhere")
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2, err[-3000:]
+    # the three start at once (each is mostly imports)
+    unknown, unlisted, too_small = [
+        _pretrain(repo_root, [*base, "--hetero-model", model], node)
+        for model, node in (("tiny", "elsewhere"), ("tiny", None), ("llama2-7b", "n-0"))
+    ]
+    _, err = unknown.communicate(timeout=120)
+    assert unknown.returncode == 2, err[-3000:]
     assert (
         "pretrain_gpt.py: error: planning at start-up for 1 process(es) on nodes elsewhere (1): "
         "node 'elsewhere' runs processes but is not a node of cluster 'pair' (its nodes: n-0)"
     ) in err
     # without HEXI_PLAN_NODE, the host name must be one of the file's hostnames
-    proc = _pretrain(repo_root, [*base, "--hetero-model", "tiny"], None)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2, err[-3000:]
+    _, err = unlisted.communicate(timeout=120)
+    assert unlisted.returncode == 2, err[-3000:]
     assert "could not be placed on a node of cluster 'pair': set HEXI_PLAN_NODE" in err
-
     # two CPU "GPUs" of 4 GB cannot hold llama2-7b: the planner's own message, naming the gap
-    proc = _pretrain(repo_root, [*base, "--hetero-model", "llama2-7b"], "n-0")
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2, err[-3000:]
+    _, err = too_small.communicate(timeout=120)
+    assert too_small.returncode == 2, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("pretrain_gpt.py: error:")]
     assert len(lines) == 1, err[-3000:]
     assert lines[0].startswith(
