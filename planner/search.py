@@ -262,11 +262,12 @@ class Searcher:
         exhaustive: bool,
         cache: dict[tuple[Any, ...], _Solution | None],
         polish: bool = False,
+        tune_orders: bool = False,
     ) -> PipelineDraft | None:
         """Best draft for a part; solved once per interchangeable signature, then re-mapped."""
         if len(part) > self.model.num_layers:  # every unit hosts at least one stage
             return None
-        key = (tuple(sorted(u.key for u in part)), m_est, exhaustive, polish)
+        key = (tuple(sorted(u.key for u in part)), m_est, exhaustive, polish, tune_orders)
         if key in cache:
             sol = cache[key]
             if sol is None:
@@ -278,7 +279,7 @@ class Searcher:
             draft = build_pipeline(ctx, units, sol.ks, m_est)
             assert draft is not None  # laid out for another part of the same kinds
             return draft.fit(ctx.fits)
-        d = best_pipeline(ctx, part, m_est, exhaustive, polish)
+        d = best_pipeline(ctx, part, m_est, exhaustive, polish, tune_orders)
         cache[key] = None if d is None else _Solution(tuple(u.key for u in d.units), d.ks)
         return d
 
@@ -290,6 +291,7 @@ class Searcher:
         exhaustive: bool,
         cache: dict[tuple[Any, ...], _Solution | None],
         polish: bool = False,
+        tune_orders: bool = False,
     ) -> _Candidate | None:
         """Candidate for a partition (pipelines laid out, micro-batches allocated) or None."""
         U = self.gbs // mbs
@@ -301,7 +303,7 @@ class Searcher:
         drafts = []
         for p, f in zip(parts, flops):
             m_est = 2 ** round(math.log2(max(1.0, U * f / tot)))
-            d = self._pipeline(ctx, p, m_est, exhaustive, cache, polish)
+            d = self._pipeline(ctx, p, m_est, exhaustive, cache, polish, tune_orders)
             if d is None:
                 return None
             drafts.append(d)
@@ -395,10 +397,13 @@ class Searcher:
                     refined = self._refine(cand)
                     if refined is not None:
                         finals.append(refined)
-                for cand in list(finals):  # polish the finalists' pipelines
-                    polished = self.evaluate(cand.ctx, cand.parts, mbs, False, cand.cache, True)
-                    if polished is not None:
-                        finals.append(polished)
+                for cand in list(finals):  # polish the finalists' pipelines, two ways
+                    for tune_orders in (False, True):
+                        polished = self.evaluate(
+                            cand.ctx, cand.parts, mbs, False, cand.cache, True, tune_orders
+                        )
+                        if polished is not None:
+                            finals.append(polished)
                 for cand in finals:
                     if best is None or self.score(cand) < self.score(best):
                         best = cand

@@ -512,13 +512,18 @@ def best_pipeline(
     m_est: int,
     exhaustive: bool = False,
     polish: bool = False,
+    tune_orders: bool = False,
 ) -> PipelineDraft | None:
     """The best PipelineDraft for these units (None if nothing fits), fitted for the schedule.
 
     Heuristic: candidate orders = top-tau orders, their reverses, and units by memory (largest
     first: early stages hold more micro-batches); stage counts chosen per GPU type by coordinate
-    descent. Polish (the search's finalists): also every order of whole machines, when few
-    (`_block_orders`). Exhaustive: every distinct order x every per-unit stage count.
+    descent (for the best top-tau order and the memory order; the others take the counts
+    chosen so far, or with `tune_orders` are tuned too). Polish (the search's finalists): also
+    every order of whole machines, when few (`_block_orders`). The search polishes its
+    finalists with and without `tune_orders` and keeps what the simulator scores best: the
+    cheap objective that picks a pipeline's layout does not always agree with it.
+    Exhaustive: every distinct order x every per-unit stage count.
     """
     if exhaustive:
         orders, seen = [], set()
@@ -555,7 +560,14 @@ def best_pipeline(
                 if got is not None and (best is None or got.obj < best.obj):
                     best = got
             continue
-        if n_order == 0 or n_order == len(uniq) - 1:  # best top-tau order, memory order
+        if tune_orders and best is not None:
+            # every order gets its own stage counts, starting also from the counts chosen so
+            # far: scored only with another order's counts, an order was undervalued (at
+            # 10 Gbit/s the search missed a layout it found at 25 Gbit/s that is better at 10
+            # too: tests/planner/test_search_consistency.py)
+            chosen = {u.key: k for u, k in zip(best.choice.units, best.choice.ks)}
+            got = _coordinate_descent(ctx, order, opts, m_est, chosen)
+        elif n_order == 0 or n_order == len(uniq) - 1:  # best top-tau order, memory order
             got = _coordinate_descent(ctx, order, opts, m_est)
         elif best is not None:  # other orders: the chosen stage counts
             sel = {u.key: k for u, k in zip(best.choice.units, best.choice.ks)}
@@ -630,9 +642,14 @@ def _block_orders(
 
 
 def _coordinate_descent(
-    ctx: Context, order: Sequence[Unit], opts: Sequence[Sequence[int]], m_est: int
+    ctx: Context,
+    order: Sequence[Unit],
+    opts: Sequence[Sequence[int]],
+    m_est: int,
+    chosen: Mapping[tuple[str, int], int] | None = None,
 ) -> _Scored | None:
-    """Choose one stage count per unit key (GPU type) by coordinate descent from two starts."""
+    """Choose one stage count per unit key (GPU type) by coordinate descent from two starts, and
+    from `chosen` (counts per key found for another order) when given."""
     keys = sorted({u.key for u in order})
     choices = {k: opts[[u.key for u in order].index(k)] for k in keys}
     best = None
@@ -649,6 +666,8 @@ def _coordinate_descent(
             for k in keys
         }
     starts.append(most)
+    if chosen is not None:
+        starts.append({k: chosen[k] for k in keys})
     cache: dict[tuple[int, ...], _Scored | None] = {}
 
     def score(sel: Mapping[tuple[str, int], int]) -> _Scored | None:
