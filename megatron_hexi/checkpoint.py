@@ -743,6 +743,26 @@ def check_meta(meta: dict[str, Any], path: str, iteration: int) -> None:
         )
 
 
+def pointed_step(load_dir: str) -> int | None:
+    """The iteration latest_checkpointed_iteration.txt names (None: `release`); CheckpointError
+    when it is missing or corrupt."""
+    pointer = os.path.join(load_dir, TRACKER)
+    if not os.path.isfile(pointer):
+        raise CheckpointError(
+            f"{pointer}: missing (no checkpoint was completed in {load_dir}; a first run of a "
+            f"restartable job can add --hetero-load-if-exists)"
+        )
+    text = open(pointer).read().strip()
+    if text == "release":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(
+            f"{pointer}: corrupt (holds {text[:40]!r}, expected an iteration number or 'release')"
+        )
+
+
 class Checkpoint:
     """One checkpoint directory, opened and checked (no torch.distributed needed). With `verify`
     (off only to measure what verification costs), every block of a tensor that a read overlaps
@@ -756,24 +776,7 @@ class Checkpoint:
         if not os.path.isdir(load_dir):
             raise CheckpointError(f"--load {load_dir}: no such directory")
         if step is None:
-            pointer = os.path.join(load_dir, TRACKER)
-            if not os.path.isfile(pointer):
-                raise CheckpointError(
-                    f"{pointer}: missing (no checkpoint was completed in "
-                    f"{load_dir}; a first run of a restartable job can add "
-                    f"--hetero-load-if-exists)"
-                )
-            text = open(pointer).read().strip()
-            if text == "release":
-                step = None
-            else:
-                try:
-                    step = int(text)
-                except ValueError:
-                    raise CheckpointError(
-                        f"{pointer}: corrupt (holds {text[:40]!r}, expected an "
-                        f"iteration number or 'release')"
-                    )
+            step = pointed_step(load_dir)
         self.dir = os.path.join(load_dir, iteration_dir_name(step))
         aside = os.path.join(load_dir, f".{iteration_dir_name(step)}.tmp.old")
         if not os.path.isdir(self.dir) and os.path.isfile(os.path.join(aside, METADATA)):

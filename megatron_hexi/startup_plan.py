@@ -55,20 +55,18 @@ def processes_per_node(cluster: ClusterSpec, device_name: str) -> dict[str, int]
 
 
 def resume_iteration(config: CheckpointConfig) -> int:
-    """The iteration this start resumes from (0 for a fresh start), read from --load's pointer
-    without loading anything: it names the plan file."""
+    """The iteration this start resumes from (0 for a fresh start), from --load's pointer as the
+    load will read it, without loading anything: it names the plan file."""
     if not config.load or config.finetune:
         return 0
     if config.ckpt_step is not None:
         return config.ckpt_step
-    from megatron_hexi.checkpoint import TRACKER
+    from megatron_hexi.checkpoint import CheckpointError, pointed_step
 
     try:
-        with open(os.path.join(config.load, TRACKER)) as f:
-            text = f.read().strip()
-    except OSError:
+        return pointed_step(config.load) or 0  # `release`: a model imported at iteration 0
+    except CheckpointError:  # none yet (--hetero-load-if-exists), or one the load will refuse
         return 0
-    return int(text) if text.isdigit() else 0
 
 
 @dataclass(frozen=True)
