@@ -88,7 +88,14 @@ def test_profile_contents(tiny_profile):
     # contention from the runtime's own 2-rank data-parallel step against the one-rank step
     cont = data["contention"]
     train = cont["training"]
-    assert cont["procs"] == 2 and cont["slowdown"] >= 1.0 and cont["probe_slowdown"] > 0
+    assert cont["procs"] == 2 and cont["slowdown"] >= 1.0
+    # the layer probe compares with the grid's (tp 1, micro-batch 2) point; on a loaded machine
+    # --max-seconds can end the grid before it (measured with two test suites at once), and the
+    # probe then has nothing to compare with
+    if any((e["tp"], e["mbs"]) == (1, 2) for e in data["layer"]):
+        assert cont["probe_slowdown"] > 0
+    else:
+        assert cont["probe_slowdown"] is None and not data["complete"]
     assert train["step_s"] > 0 and train["one_rank_step_s"] > 0 and train["params"] > 0
     # bursts at the comm job's start, between grid rounds, before and after its TP runs: the
     # fastest is kept
