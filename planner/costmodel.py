@@ -543,78 +543,55 @@ class MemoryUse:
         }
 
 
-def rank_memory(
-    m: ModelSpec,
-    mbs: int,
-    qg: int,
-    ffn: int,
-    vocab: int,
-    n_layers: int,
-    first: bool,
-    last: bool,
-    position: int,
-    num_stages: int,
-    num_microbatches: int,
-    recompute: bool,
-    optimizer_fraction: float = 1.0,
-) -> MemoryUse:
-    """MemoryUse of one rank. `optimizer_fraction` is this rank's share of its fp32 master + Adam
-    state (1 without the distributed optimizer).
+@dataclass(frozen=True)
+class RankShape:
+    """What memory depends on besides the model and the layer count: one rank's shards, its
+    stage's place in the pipeline, the schedule and the options (rank_memory, layers_that_fit)."""
+
+    mbs: int
+    query_groups: int  # this rank's shards
+    ffn: int
+    vocab: int
+    first: bool  # the stage holds the embedding
+    last: bool  # the stage holds the output layer and the loss
+    position: int  # the stage's index in its pipeline
+    num_stages: int
+    num_microbatches: int
+    recompute: bool
+    optimizer_fraction: float = 1.0  # share of fp32 master + Adam state (distributed optimizer)
+
+
+def rank_memory(m: ModelSpec, shape: RankShape, n_layers: int) -> MemoryUse:
+    """MemoryUse of one rank holding `n_layers` layers. `shape.optimizer_fraction` is its share
+    of its fp32 master + Adam state (1 without the distributed optimizer).
 
     Activations: `in_flight_microbatches` x layers x `layer_activation_bytes`; with recompute, plus
     one layer's full activations for the micro-batch being recomputed. Logits: the last stage keeps
     [s, b, V_rank] fp32 for one micro-batch (its backward follows its forward at once).
     """
-    params = stage_params(m, qg, ffn, vocab, n_layers, first, last)
-    inflight = in_flight_microbatches(position, num_stages, num_microbatches)
-    act = inflight * n_layers * layer_activation_bytes(m, mbs, qg, ffn, recompute)
-    if recompute:
-        act += layer_activation_bytes(m, mbs, qg, ffn, False)
-    logits = m.seq_length * mbs * vocab * FP32_BYTES if last else 0.0
+    r = shape
+    params = stage_params(m, r.query_groups, r.ffn, r.vocab, n_layers, r.first, r.last)
+    inflight = in_flight_microbatches(r.position, r.num_stages, r.num_microbatches)
+    act = inflight * n_layers * layer_activation_bytes(m, r.mbs, r.query_groups, r.ffn, r.recompute)
+    if r.recompute:
+        act += layer_activation_bytes(m, r.mbs, r.query_groups, r.ffn, False)
+    logits = m.seq_length * r.mbs * r.vocab * FP32_BYTES if r.last else 0.0
     return MemoryUse(
         params * WEIGHT_BYTES_PER_PARAM,
         params * GRAD_BYTES_PER_PARAM,
-        params * OPTIMIZER_BYTES_PER_PARAM * optimizer_fraction,
+        params * OPTIMIZER_BYTES_PER_PARAM * r.optimizer_fraction,
         act,
         logits,
         FRAMEWORK_RESERVE_BYTES,
     )
 
 
-def layers_that_fit(
-    capacity: float,
-    m: ModelSpec,
-    mbs: int,
-    qg: int,
-    ffn: int,
-    vocab: int,
-    first: bool,
-    last: bool,
-    position: int,
-    num_stages: int,
-    num_microbatches: int,
-    recompute: bool,
-    optimizer_fraction: float = 1.0,
-) -> int:
-    """The most layers a rank of a stage can hold within `capacity` bytes by `rank_memory`
+def layers_that_fit(capacity: float, m: ModelSpec, shape: RankShape) -> int:
+    """The most layers a rank of this shape can hold within `capacity` bytes by `rank_memory`
     (0 when not even the stage's embedding / head fits). The search's memory limit per stage."""
 
     def total(n: int) -> float:
-        return rank_memory(
-            m,
-            mbs,
-            qg,
-            ffn,
-            vocab,
-            n,
-            first,
-            last,
-            position,
-            num_stages,
-            num_microbatches,
-            recompute,
-            optimizer_fraction,
-        ).total
+        return rank_memory(m, shape, n).total
 
     empty = total(0)
     if empty > capacity:

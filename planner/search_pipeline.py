@@ -195,21 +195,11 @@ class Context:
         key = (capacity, qg, ffn, vocab, first, last, position, num_stages)
         got = self._fit.get(key)
         if got is None:
-            got = self._fit[key] = cm.layers_that_fit(
-                capacity,
-                self.model,
-                self.mbs,
-                qg,
-                ffn,
-                vocab,
-                first,
-                last,
-                position,
-                num_stages,
-                num_stages - position,
-                self.recompute,
-                self.optimizer_fraction,
-            )
+            shape = cm.RankShape(
+                self.mbs, qg, ffn, vocab, first, last, position, num_stages,
+                num_stages - position, self.recompute, self.optimizer_fraction,
+            )  # fmt: skip
+            got = self._fit[key] = cm.layers_that_fit(capacity, self.model, shape)
         return got
 
     def unit_stage(

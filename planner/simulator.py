@@ -352,22 +352,13 @@ def _pipeline_eval(
         rows.append([c.fwd, c.bwd, c.compute, c.tp_comm, 0.0])
         seen = {}
         for i in range(len(st.ranks)):
-            args = (st.query_groups[i], st.ffn[i], st.vocab[i])
-            if args not in seen:
-                seen[args] = cm.rank_memory(
-                    m,
-                    mbs,
-                    *args,
-                    st.layers[1] - st.layers[0],
-                    first,
-                    last,
-                    k,
-                    p,
-                    nmb,
-                    recompute,
-                    optimizer_fraction=0.0,
-                )
-            mems.append(seen[args])
+            shape = cm.RankShape(
+                mbs, st.query_groups[i], st.ffn[i], st.vocab[i], first, last, k, p, nmb,
+                recompute, optimizer_fraction=0.0,
+            )  # fmt: skip
+            if shape not in seen:
+                seen[shape] = cm.rank_memory(m, shape, st.layers[1] - st.layers[0])
+            mems.append(seen[shape])
     for k in range(p - 1):
         (tf, gf), (tb, gb) = cm.boundary_times(m, mbs, stages[k].ranks, stages[k + 1].ranks, topo)
         xf.append(tf)

@@ -122,7 +122,8 @@ def test_params_and_memory():
     tied = load_model("tiny-tied")
     assert layout.total_params(tied) == 4 * 65664 + 128 * 64 + 64
     # llama2-7b, one GPU: 18 B/param
-    mem = cm.rank_memory(L7, 1, 32, 11008, 32000, 32, True, True, 0, 1, 8, False)
+    one_gpu = cm.RankShape(1, 32, 11008, 32000, True, True, 0, 1, 8, False)
+    mem = cm.rank_memory(L7, one_gpu, 32)
     P = layout.total_params(L7)
     assert P == pytest.approx(6.738e9, rel=1e-3)
     assert mem.weights + mem.grads + mem.optimizer == pytest.approx(18 * P)
@@ -141,7 +142,8 @@ def test_params_and_memory():
     assert cm.in_flight_microbatches(0, 4, 8) == 4
     assert cm.in_flight_microbatches(3, 4, 8) == 1
     assert cm.in_flight_microbatches(0, 4, 2) == 2
-    half = cm.rank_memory(L7, 1, 32, 11008, 32000, 1, False, False, 0, 1, 1, False, 0.5)
+    middle = cm.RankShape(1, 32, 11008, 32000, False, False, 0, 1, 1, False, 0.5)
+    half = cm.rank_memory(L7, middle, 1)
     assert half.optimizer == pytest.approx(12 * layout.layer_params(L7, 32, 11008) * 0.5)
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from planner import layout
 from planner.cluster import load_cluster_dict
-from planner.costmodel import layers_that_fit, rank_memory
+from planner.costmodel import RankShape, layers_that_fit, rank_memory
 from planner.models import load_model
 from planner.plan import build_plan, load_plan, plan_from_dict
 from planner.simulator import simulate
@@ -305,15 +305,9 @@ def test_layers_that_fit_is_rank_memorys_limit():
         mbs, rc = rng.choice([1, 2, 4]), rng.random() < 0.5
         frac = rng.choice([1.0, 0.5, 1 / 3])
         cap = rng.uniform(1e9, 90e9) if m.num_layers > 4 else rng.uniform(1.5e9, 1.6e9)
-        n = layers_that_fit(
-            cap, m, mbs, qg, ffn, vocab, first, last, pos, stages, stages - pos, rc, frac
-        )
-        total = [
-            rank_memory(
-                m, mbs, qg, ffn, vocab, k, first, last, pos, stages, stages - pos, rc, frac
-            ).total
-            for k in (n, n + 1)
-        ]
+        shape = RankShape(mbs, qg, ffn, vocab, first, last, pos, stages, stages - pos, rc, frac)
+        n = layers_that_fit(cap, m, shape)
+        total = [rank_memory(m, shape, k).total for k in (n, n + 1)]
         assert total[1] > cap
         assert n == 0 or total[0] <= cap
 
