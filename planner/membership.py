@@ -103,11 +103,13 @@ def _memory_order(cluster: ClusterSpec) -> list[str]:
 
 @dataclass(frozen=True)
 class SmallestFit:
-    """The fewest nodes an elastic job can train on, and the nodes that showed it."""
+    """The fewest nodes an elastic job can train on, the nodes that showed it and their plan,
+    and the whole cluster's plan (searched first: without it, nothing fits)."""
 
     count: int
     nodes: tuple[str, ...]
     plan: Plan
+    whole: Plan
 
 
 def smallest_fitting_nodes(
@@ -137,7 +139,7 @@ def smallest_fitting_nodes(
             low = mid + 1
         else:
             high, best = mid, found
-    return SmallestFit(high, tuple(order[:high]), best)
+    return SmallestFit(high, tuple(order[:high]), best, full)
 
 
 __all__ = [

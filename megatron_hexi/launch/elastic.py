@@ -25,8 +25,13 @@ from planner.plan import Plan
 # node that joins a running job waits forever for a master address that no agent publishes
 # (measured with torch 2.13 on localhost agents). Each round then gets a store of its own.
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-# Flags an elastic run needs: resume from its own checkpoints under whatever plan a start makes.
-RESUME_FLAGS = ("--save", "--load", "--hetero-load-if-exists")
+# Flags an elastic run needs (flag: its parsed name): it resumes from its own checkpoints
+# under whatever plan a start makes.
+RESUME_FLAGS = {
+    "--save": "save",
+    "--load": "load",
+    "--hetero-load-if-exists": "hetero_load_if_exists",
+}
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ def elastic_setup(
     """Check the training arguments as pretrain_gpt.py will, plan the whole cluster and find
     MIN; LaunchError or the planner's SpecError on a problem."""
     args = parse_args([*training_args, "--hetero-cluster", cluster_path, "--hetero-model", model])
-    missing = [f for f in RESUME_FLAGS if f.lstrip("-").replace("-", "_") not in _given(args)]
+    missing = [flag for flag, name in RESUME_FLAGS.items() if not getattr(args, name)]
     if missing or args.save != args.load:
         raise LaunchError(
             "an elastic job resumes from its own checkpoints after every restart: give "
@@ -78,19 +83,20 @@ def elastic_setup(
             + (f" (missing: {' '.join(missing)})" if missing else "")
         )
     inputs = planning_inputs(args)
-    plan = plan_for(inputs.cluster, inputs.model, inputs.options)
-    nodes = len({r.node for r in plan.ranks})
-    if min_nodes is None:
+    if min_nodes is None:  # its search plans the whole cluster too
         fit = smallest_fitting_nodes(inputs.cluster, inputs.model, inputs.options)
-        min_nodes = min(fit.count, nodes)
+        plan = fit.whole
+        min_nodes = min(fit.count, len({r.node for r in plan.ranks}))
         reason = (
             f"MIN {min_nodes}: the model fits on the {fit.count} node(s) with the least GPU "
             f"memory ({', '.join(fit.nodes)})"
         )
     else:
-        if not 1 <= min_nodes <= nodes:
-            raise LaunchError(f"--min-nodes {min_nodes}: must be 1..{nodes} (the job's nodes)")
+        plan = plan_for(inputs.cluster, inputs.model, inputs.options)
         reason = f"MIN {min_nodes}: given (--min-nodes)"
+    nodes = len({r.node for r in plan.ranks})
+    if not 1 <= min_nodes <= nodes:
+        raise LaunchError(f"--min-nodes {min_nodes}: must be 1..{nodes} (the job's nodes)")
     words = list(training_args)
     if not args.exit_signal_handler:
         words.append("--exit-signal-handler")
@@ -100,15 +106,6 @@ def elastic_setup(
         os.path.abspath(cluster_path), model, min_nodes, nodes, max_restarts, rdzv_id, rdzv_conf
     )
     return ElasticSetup(plan, launch, words, reason)
-
-
-def _given(args: object) -> set[str]:
-    """The destinations of the resume flags that hold a value."""
-    return {
-        name
-        for name in ("save", "load", "hetero_load_if_exists")
-        if getattr(args, name) not in (None, False)
-    }
 
 
 __all__ = ["AGENT_ENV", "ElasticLaunch", "ElasticSetup", "elastic_setup", "RESUME_FLAGS"]

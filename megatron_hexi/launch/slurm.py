@@ -346,12 +346,13 @@ def generate_sbatch(
         "",
         "# ---- settings (each can be overridden from the environment) ----",
         shell_default("PYTHON", python) + "   # python with megatron-hexi and torch",
+        shell_default("MASTER_PORT", int(master_port))
+        + ("" if elastic is None else "   # rendezvous port"),
+        shell_default("HEXI_TIMEOUT_S", int(timeout_s))
+        + "   # torchrun wall limit per node, s (0: none)",
     ]
     if elastic is None:
         L += [
-            shell_default("MASTER_PORT", int(master_port)),
-            shell_default("HEXI_TIMEOUT_S", int(timeout_s))
-            + "   # torchrun wall limit per node, s (0: none)",
             shell_default("HEXI_PLAN", plan_path),
             ': "${HEXI_MASTER_ADDR:=}"   # empty: first node of component 0',
             "export PYTHON MASTER_PORT HEXI_TIMEOUT_S HEXI_PLAN",
@@ -360,9 +361,6 @@ def generate_sbatch(
         from megatron_hexi.launch.elastic import AGENT_ENV
 
         L += [
-            shell_default("MASTER_PORT", int(master_port)) + "   # rendezvous port",
-            shell_default("HEXI_TIMEOUT_S", int(timeout_s))
-            + "   # torchrun wall limit per node, s (0: none)",
             shell_default("HEXI_MIN_NODES", int(elastic.min_nodes))
             + f"   # fewest nodes to train on (at most {len(nodes)})",
             shell_default("HEXI_MAX_RESTARTS", int(elastic.max_restarts))
