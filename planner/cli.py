@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from planner.cli_args import (
     MFU_NOTE,
+    PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER,
     ArgumentParser,
     Register,
     bounded_int,
@@ -35,11 +36,13 @@ def cmd_validate(args: argparse.Namespace) -> None:
     plan = load_plan(args.plan)
     print(
         f"{args.plan}: valid plan, {plan.world_size} ranks, {len(plan.pipelines)} pipelines, "
-        f"global batch {plan.global_batch_size}"
+        f"global batch {plan.global_batch_size}; {training_settings(plan)}"
     )
 
 
 def cmd_manual(args: argparse.Namespace) -> None:
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise SpecError(PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER)
     cluster = load_cluster(args.cluster)
     model = with_seq_length(load_model(args.model), args.seq_length)
     pipelines = read_json(args.pipelines, "pipelines file")
@@ -53,6 +56,8 @@ def cmd_manual(args: argparse.Namespace) -> None:
         recompute=args.recompute,
         use_distributed_optimizer=args.use_distributed_optimizer,
         optimizer_shard=args.optimizer_shard,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
     )
     save_plan(plan, args.output)
     print(f"wrote {args.output}: {plan.world_size} ranks, {len(plan.pipelines)} pipelines")
@@ -74,13 +79,27 @@ def _sizes(sizes: object) -> str:
     return f"{len(sizes)}x{sizes[0]}" if len(set(sizes)) == 1 and len(sizes) > 1 else str(sizes)
 
 
+def training_settings(plan: Plan) -> str:
+    """The plan's runtime settings in one line: recompute, optimizer, overlap."""
+    t = plan.training
+    optimizer = (
+        f"distributed ({t.optimizer_shard} shards)" if t.use_distributed_optimizer else "plain"
+    )
+    on = {True: "on", False: "off"}
+    return (
+        f"recompute {on[t.recompute]}, optimizer {optimizer}, overlap-grad-reduce "
+        f"{on[t.overlap_grad_reduce]}, overlap-param-gather {on[t.overlap_param_gather]}"
+    )
+
+
 def format_plan_table(plan: Plan) -> str:
     """A text table: per pipeline, its stages with ranks, GPU types, layers, shards, batches."""
     lines = [
         f"plan for cluster {plan.cluster.name!r}: {plan.world_size} ranks, model "
         f"{plan.model.name or 'custom'} ({plan.model.num_layers} layers, hidden "
         f"{plan.model.hidden_size}), global batch {plan.global_batch_size}"
-        f"{', recompute' if plan.training.recompute else ''}"
+        f"{', recompute' if plan.training.recompute else ''}",
+        f"training: {training_settings(plan)}",
     ]
     header = (
         f"  {'stage':<6}{'ranks':<16}{'gpus':<34}{'layers':<10}{'query_groups':<16}"
@@ -180,6 +199,20 @@ def build_parser() -> ArgumentParser:
         choices=["even", "memory"],
         default="even",
         help="with --use-distributed-optimizer: cut state evenly or by GPU memory",
+    )
+    p.add_argument(
+        "--overlap-grad-reduce",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="gradient collectives start as soon as the last backward has produced their "
+        "gradients (the runtime's flag of that name)",
+    )
+    p.add_argument(
+        "--overlap-param-gather",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --use-distributed-optimizer: parameter all-gathers hidden behind the next "
+        "forward (the runtime's flag of that name)",
     )
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_manual)

@@ -28,6 +28,11 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[ArgumentParser]"
 Register: TypeAlias = Callable[[Subparsers], None]
 
 
+PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER = (
+    "--overlap-param-gather: needs --use-distributed-optimizer (only the distributed optimizer "
+    "all-gathers parameters)"
+)
+
 MFU_NOTE = "MFU is printed in percent, as Megatron prints it; JSON keeps the fraction (`mfu`)."
 
 

@@ -197,6 +197,7 @@ class Topology:
         self.nic = [n.nic_bw for n in self.nodes]
         self._link: dict[tuple[Any, ...], tuple[float, float]] = {}
         self._slowest: dict[tuple[int, ...], tuple[float, float]] = {}
+        self._resources: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     def device_of(self, rank: int) -> Device:
         return self.devices[self.node_of[rank]]
@@ -267,6 +268,19 @@ class Topology:
             if len(self._slowest) > 100_000:
                 self._slowest.clear()
             got = self._slowest[key] = self._slowest_uncached(key)
+        return got
+
+    def resources(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        """What a collective over `ranks` occupies (planner.gradsync's overlap model): the NIC of
+        every machine it touches (resource = node index), or, inside one machine, that machine's
+        intra-node link (resource = number of nodes + node index)."""
+        got = self._resources.get(ranks)
+        if got is None:
+            if len(self._resources) > 100_000:
+                self._resources.clear()
+            nodes = sorted(set(map(self.node_of.__getitem__, ranks)))
+            got = tuple(nodes) if len(nodes) > 1 else (len(self.nodes) + nodes[0],)
+            self._resources[ranks] = got
         return got
 
     def _slowest_uncached(self, ranks: tuple[int, ...]) -> tuple[float, float]:

@@ -30,6 +30,9 @@ class PlanningOptions:
     use_distributed_optimizer: bool = False
     strategy: str = "hexi"
     seed: int = 0
+    # the runtime's --overlap-grad-reduce / --overlap-param-gather (the plan records them)
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
 
 
 def plan_for(
@@ -46,6 +49,8 @@ def plan_for(
         seed=options.seed,
         use_distributed_optimizer=options.use_distributed_optimizer,
         progress=progress,
+        overlap_grad_reduce=options.overlap_grad_reduce,
+        overlap_param_gather=options.overlap_param_gather,
     )
 
 

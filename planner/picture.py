@@ -266,6 +266,8 @@ def plan_figure(plan: Plan) -> Figure:
         for name, on in (
             ("recompute", plan.training.recompute),
             ("distributed optimizer", plan.training.use_distributed_optimizer),
+            ("overlap grad reduce", plan.training.overlap_grad_reduce),
+            ("overlap param gather", plan.training.overlap_param_gather),
         )
         if on
     ]

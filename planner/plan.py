@@ -42,7 +42,14 @@ _TOP_KEYS = {
     "estimate",
     "comment",
 }
-_TRAINING_KEYS = {"global_batch_size", "recompute", "use_distributed_optimizer", "optimizer_shard"}
+_TRAINING_KEYS = {
+    "global_batch_size",
+    "recompute",
+    "use_distributed_optimizer",
+    "optimizer_shard",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+}
 _PIPELINE_KEYS = {"micro_batch_size", "num_microbatches", "stages"}
 _STAGE_KEYS = {"ranks", "layers", "shards"}
 _RANK_KEYS = {"rank", "node", "local_rank", "gpu"}
@@ -111,6 +118,10 @@ class Training:
     recompute: bool = False
     use_distributed_optimizer: bool = False
     optimizer_shard: str = "even"
+    # Gradient collectives start during the last backward; parameter all-gathers of the
+    # distributed optimizer during the next forward. Absent in a plan: off (serial, as before).
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -120,6 +131,10 @@ class Training:
         if self.use_distributed_optimizer:
             d["use_distributed_optimizer"] = True
             d["optimizer_shard"] = self.optimizer_shard
+        if self.overlap_grad_reduce:
+            d["overlap_grad_reduce"] = True
+        if self.overlap_param_gather:
+            d["overlap_param_gather"] = True
         return d
 
 
@@ -424,9 +439,21 @@ def validate_plan_dict(data: object) -> list[str]:
         if bad:
             problems.append(bad)
             gbs = None
-        for k in ("recompute", "use_distributed_optimizer"):
+        for k in (
+            "recompute",
+            "use_distributed_optimizer",
+            "overlap_grad_reduce",
+            "overlap_param_gather",
+        ):
             if k in training and not isinstance(training[k], bool):
                 problems.append(f"training.{k}: must be true or false, got {training[k]!r}")
+        if training.get("overlap_param_gather") is True and not training.get(
+            "use_distributed_optimizer"
+        ):
+            problems.append(
+                "training.overlap_param_gather: needs use_distributed_optimizer (only the "
+                "distributed optimizer all-gathers parameters)"
+            )
         if training.get("optimizer_shard", "even") not in ("even", "memory"):
             problems.append("training.optimizer_shard: must be even or memory")
 
@@ -573,6 +600,8 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         t.get("recompute", False),
         t.get("use_distributed_optimizer", False),
         t.get("optimizer_shard", "even"),
+        t.get("overlap_grad_reduce", False),
+        t.get("overlap_param_gather", False),
     )
     pipelines = [
         Pipeline(
@@ -621,6 +650,8 @@ def build_plan(
     estimate: dict[str, Any] | None = None,
     use_distributed_optimizer: bool = False,
     optimizer_shard: str = "even",
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
 ) -> Plan:
     """A complete plan from a `pipelines` array (the plan's own shape, as dicts).
 
@@ -649,7 +680,12 @@ def build_plan(
         "format_version": FORMAT_VERSION,
         "model": model.to_dict(),
         "training": Training(
-            global_batch_size, recompute, use_distributed_optimizer, optimizer_shard
+            global_batch_size,
+            recompute,
+            use_distributed_optimizer,
+            optimizer_shard,
+            overlap_grad_reduce,
+            overlap_param_gather,
         ).to_dict(),
         "cluster": cluster.to_dict(),
         "pipelines": pipelines,

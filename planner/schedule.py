@@ -61,9 +61,20 @@ def simulate_1f1b(
     is max(dependency end + transfer, previous operation on the stage) + duration, the same
     max-plus recurrence as `simulate_1f1b_sweep`, bit for bit, without its readiness checks.
     """
-    p = len(fwd)
-    if m <= 0 or p == 0:
+    if m <= 0 or not fwd:
         return 0.0
+    return max(_end_times(fwd, bwd, xfer_f, xfer_b, m))
+
+
+def _end_times(
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    xfer_f: Sequence[float],
+    xfer_b: Sequence[float],
+    m: int,
+) -> list[float]:
+    """End of every operation (index as in `_plan`; one extra slot, 0.0, at the end)."""
+    p = len(fwd)
     plan = _plan(p, m)
     durs = list(fwd) + list(bwd)
     xs = [0.0] + list(xfer_f) + list(xfer_b)
@@ -72,7 +83,41 @@ def simulate_1f1b(
         a = end[dep] + xs[xi]
         b = end[prev]
         end[o] = (a if a > b else b) + durs[di]
-    return max(end)
+    return end
+
+
+def last_backward_ends(
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    xfer_f: Sequence[float],
+    xfer_b: Sequence[float],
+    m: int,
+) -> tuple[float, ...]:
+    """Per stage, when its last backward (micro-batch m - 1) ends: when the stage's gradients
+    are complete. The last stage finishes first and stage 0 last, at `pipeline_time`.
+
+    Up to the simulated count (`pipeline_time`'s cap) this is the event simulation's own end
+    times. Beyond it, each stage keeps its distance to stage 0's end from the simulation at
+    the cap (the cool-down after the periodic regime does not depend on m), and stage 0 ends
+    at the extrapolated `pipeline_time`.
+    """
+    p = len(fwd)
+    if m <= 0 or p == 0:
+        return (0.0,) * p
+    cap = max(SIMULATED_MICROBATCHES_MIN, SIMULATED_MICROBATCHES_PER_STAGE * p)
+    n = min(m, cap)
+    key = (tuple(fwd), tuple(bwd), tuple(xfer_f), tuple(xfer_b), n, "ends")
+    last = _TIMES.get(key)
+    if last is None:
+        end = _end_times(fwd, bwd, xfer_f, xfer_b, n)
+        last = tuple(end[p * n + k * n + n - 1] for k in range(p))
+        if len(_TIMES) > _MEMO_MAX:
+            _TIMES.clear()
+        _TIMES[key] = last
+    if m <= cap:
+        return cast(tuple[float, ...], last)
+    total = pipeline_time(fwd, bwd, xfer_f, xfer_b, m)
+    return tuple(total - (last[0] - e) for e in last)
 
 
 # One operation of `_plan`: (op, dependency, transfer index, previous op, duration index).

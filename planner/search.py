@@ -10,6 +10,9 @@ Strategies (all scored by the same simulator):
 - `exhaustive`: every partition of the units, every unit order and every per-unit stage count of
   hexi's search space; refused above a size limit.
 The outer loop covers micro-batch size and recompute. Deterministic for a seed.
+
+With overlap_grad_reduce / overlap_param_gather the candidates are ranked and scored with the
+overlapped gradient sync (planner.gradsync's overlap model) and the plan records both settings.
 """
 
 from __future__ import annotations
@@ -25,10 +28,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from planner import costmodel as cm
+from planner.cli_args import PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER
 from planner.errors import SpecError
-from planner.gradsync import StageLayout, rank_sets, sync_time
+from planner.gradsync import (
+    StageLayout,
+    collectives,
+    overlapped_sync_time,
+    rank_sets,
+    stage_timings,
+    sync_time,
+)
 from planner.layout import even_split, total_params
 from planner.plan import build_plan
+from planner.schedule import last_backward_ends
 from planner.search_partition import (
     Evaluation,
     greedy_partition,
@@ -166,7 +178,7 @@ class _Candidate:
     ctx: Context  # the context, partition and pipeline cache it came from,
     parts: list[list[Unit]]  # so that it can be refined and polished
     cache: dict[tuple[Any, ...], _Solution | None]
-    sync: float | None = None  # serial gradient sync seconds (`Searcher.proxy`)
+    sync: float | None = None  # exposed gradient sync seconds (`Searcher.proxy`)
     estimate: Estimate | None = None  # the simulator's Estimate (`Searcher.score`)
 
     def layouts(self, model: ModelSpec) -> list[list[StageLayout]]:
@@ -212,9 +224,15 @@ class Searcher:
         seed: int = 0,
         use_distributed_optimizer: bool = False,
         progress: bool = False,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
     ):
         if recompute not in ("auto", "on", "off"):
             raise SpecError(f"--recompute: must be auto, on or off, got {recompute!r}")
+        if overlap_param_gather and not use_distributed_optimizer:
+            raise SpecError(PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
         if global_batch_size < 1:
             raise SpecError("--global-batch-size: must be a positive integer")
         self.cluster, self.model, self.gbs = cluster, model, global_batch_size
@@ -322,7 +340,26 @@ class Searcher:
         )
 
     def proxy(self, cand: _Candidate) -> float:
-        """Pipelines' time + serial gradient sync: ranks candidates before the exact score."""
+        """Pipelines' time + exposed gradient sync: ranks candidates before the exact score."""
+        if cand.sync is None and (self.overlap_grad_reduce or self.overlap_param_gather):
+            layouts = cand.layouts(self.model)
+            ends, fwd, bwd = [], [], []
+            for d, m in zip(cand.drafts, cand.ms):
+                f, b = d.fwd_bwd()
+                e = last_backward_ends(f, b, d.xf, d.xb, m)
+                shift = d.fixed + d.rate * m - e[0]  # end where the draft's fit ends it
+                ends.append([x + shift for x in e])
+                fwd.append(f)
+                bwd.append(b)
+            cand.sync = overlapped_sync_time(
+                collectives(self.model, layouts, self.dist_opt),
+                self.topo,
+                self.dist_opt,
+                stage_timings(layouts, ends, fwd, bwd),
+                cand.pipe_time,
+                self.overlap_grad_reduce,
+                self.overlap_param_gather,
+            ).exposed
         if cand.sync is None:
             cand.sync = sync_time(
                 rank_sets(self.model, cand.layouts(self.model), self.dist_opt),
@@ -345,6 +382,8 @@ class Searcher:
                 "even",
                 self.topo,
                 self.simulations,
+                self.overlap_grad_reduce,
+                self.overlap_param_gather,
             )
         e = cand.estimate
         return (not e.fits_memory, e.iteration_time_s)
@@ -550,6 +589,8 @@ class Searcher:
                             "even",
                             self.topo,
                             self.simulations,
+                            self.overlap_grad_reduce,
+                            self.overlap_param_gather,
                         )
                         key = (not e.fits_memory, e.iteration_time_s)
                         if best is None or key < best.key:
@@ -576,6 +617,8 @@ class Searcher:
                 cand.pipelines(self.model),
                 recompute=cand.recompute,
                 use_distributed_optimizer=self.dist_opt,
+                overlap_grad_reduce=self.overlap_grad_reduce,
+                overlap_param_gather=self.overlap_param_gather,
             )
         elif fitting_uni is not None:
             # hexi keeps the uniform layout as one of its seeds: it never does worse
@@ -586,6 +629,8 @@ class Searcher:
                 fitting_uni.pipelines,
                 recompute=fitting_uni.recompute,
                 use_distributed_optimizer=self.dist_opt,
+                overlap_grad_reduce=self.overlap_grad_reduce,
+                overlap_param_gather=self.overlap_param_gather,
             )
         else:
             raise SpecError(self.explain_infeasible(strategy))
@@ -689,6 +734,16 @@ def _set_partitions(items: Sequence[_T]) -> Iterator[list[list[_T]]]:
     yield from rec(0, 0)
 
 
+def overlap_by_default(cluster: ClusterSpec) -> bool:
+    """Whether `hexi-plan plan` overlaps the gradient sync when no flag says: on clusters of real
+    GPUs; off where a node is a CPU (the catalog's CPU row, or a CPU profile), whose runs
+    exercise the code path with gloo and keep the serial sync unless asked."""
+    for d in cm.Topology(cluster).devices:
+        if d.name == "CPU" or (d.profile is not None and d.profile.profile.is_cpu):
+            return False
+    return True
+
+
 def search_plan(
     cluster: ClusterSpec,
     model: ModelSpec,
@@ -699,8 +754,14 @@ def search_plan(
     seed: int = 0,
     use_distributed_optimizer: bool = False,
     progress: bool = False,
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
 ) -> Plan:
-    """The best plan under `strategy`, validated and with `estimate` filled; SpecError if none."""
+    """The best plan under `strategy`, validated and with `estimate` filled; SpecError if none.
+
+    `overlap_grad_reduce`, `overlap_param_gather`: the runtime settings the plan is made for
+    (written into its `training`); the caller picks them (`overlap_by_default` is the CLI's
+    default)."""
     s = Searcher(
         cluster,
         model,
@@ -710,6 +771,8 @@ def search_plan(
         seed,
         use_distributed_optimizer,
         progress,
+        overlap_grad_reduce,
+        overlap_param_gather,
     )
     # The search allocates millions of small tuples and no reference cycles to speak of: the
     # cyclic collector's generation scans would cost up to a fifth of the time on large clusters.
@@ -722,4 +785,11 @@ def search_plan(
             gc.enable()
 
 
-__all__ = ["search_plan", "Searcher", "allocate", "rebalance", "STRATEGIES"]
+__all__ = [
+    "search_plan",
+    "overlap_by_default",
+    "Searcher",
+    "allocate",
+    "rebalance",
+    "STRATEGIES",
+]

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from planner.cli_args import (
     MFU_NOTE,
+    PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER,
     Subparsers,
     bounded_int,
     percent,
@@ -15,24 +16,29 @@ from planner.cli_args import (
 )
 from planner.cluster import load_cluster
 from planner.costmodel import Topology
+from planner.errors import SpecError
 from planner.limits import MAX_BATCH, MAX_SEED, MAX_SEQ_LENGTH
 from planner.membership import PlanningOptions, plan_for, smallest_fitting_nodes
 from planner.models import load_model
 from planner.plan import load_plan, save_plan
 from planner.profile import cost_sources
-from planner.search import STRATEGIES
+from planner.search import STRATEGIES, overlap_by_default
 from planner.simulator import simulate
 
 if TYPE_CHECKING:
+    from planner.cluster import ClusterSpec
     from planner.plan import Plan
     from planner.simulator import Estimate
 
 
 def format_estimate(plan: Plan, est: Estimate) -> str:
     """Human-readable report of a simulated plan."""
+    sync = f"gradient sync {est.grad_sync_time_s:.4g} s"
+    if est.overlapped:
+        sync += f" exposed of {est.grad_sync_serial_s:.4g} s overlapped"
     lines = [
         f"iteration time   {est.iteration_time_s:.4g} s  (slowest pipeline "
-        f"{max(est.pipeline_time_s):.4g} s + gradient sync {est.grad_sync_time_s:.4g} s + "
+        f"{max(est.pipeline_time_s):.4g} s + {sync} + "
         f"optimizer step {est.optimizer_step_time_s:.4g} s)",
         f"throughput       {est.tokens_per_s:.4g} tokens/s",
         f"MFU              {percent(est.mfu)}  (model FLOPs without recompute / sum of used peaks)",
@@ -58,23 +64,36 @@ def cmd_simulate(args: argparse.Namespace) -> None:
             print(f"cost source      {group}: {line}")
 
 
-def planning_options(args: argparse.Namespace) -> PlanningOptions:
-    """The search options of `plan` and `min-nodes` (add_planning_flags)."""
+def planning_options(args: argparse.Namespace, cluster: ClusterSpec) -> PlanningOptions:
+    """The search options of `plan` and `min-nodes` (add_planning_flags). The overlap flags,
+    when not given, follow `overlap_by_default(cluster)`; the parameter gather's only with
+    --use-distributed-optimizer."""
+    dist_opt = args.use_distributed_optimizer
+    if args.overlap_param_gather and not dist_opt:
+        raise SpecError(PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER)
+    overlap_grad, overlap_gather = args.overlap_grad_reduce, args.overlap_param_gather
+    if overlap_grad is None or overlap_gather is None:
+        auto = overlap_by_default(cluster)
+        if overlap_grad is None:
+            overlap_grad = auto
+        if overlap_gather is None:
+            overlap_gather = auto and dist_opt
     return PlanningOptions(
         global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
         recompute=args.recompute,
-        use_distributed_optimizer=args.use_distributed_optimizer,
+        use_distributed_optimizer=dist_opt,
         strategy=args.strategy,
         seed=args.seed,
+        overlap_grad_reduce=overlap_grad,
+        overlap_param_gather=overlap_gather,
     )
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    plan = plan_for(
-        load_cluster(args.cluster), load_model(args.model), planning_options(args), progress=True
-    )
+    cluster = load_cluster(args.cluster)
+    plan = plan_for(cluster, load_model(args.model), planning_options(args, cluster), progress=True)
     save_plan(plan, args.output)
     e = plan.estimate
     assert e is not None  # search_plan fills it
@@ -87,7 +106,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 def cmd_min_nodes(args: argparse.Namespace) -> None:
     cluster = load_cluster(args.cluster)
-    fit = smallest_fitting_nodes(cluster, load_model(args.model), planning_options(args))
+    fit = smallest_fitting_nodes(cluster, load_model(args.model), planning_options(args, cluster))
     print(
         f"{fit.count} of {len(cluster.nodes)} nodes: the model fits on the {fit.count} "
         f"node(s) with the least GPU memory ({', '.join(fit.nodes)}), so on any {fit.count}; "
@@ -119,6 +138,21 @@ def add_planning_flags(p: argparse.ArgumentParser) -> None:
         "--use-distributed-optimizer",
         action="store_true",
         help="shard fp32 master weights and Adam state over each segment's ranks",
+    )
+    p.add_argument(
+        "--overlap-grad-reduce",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan for gradient collectives that start as soon as the last backward has "
+        "produced their gradients (default: on, off where nodes use a CPU profile)",
+    )
+    p.add_argument(
+        "--overlap-param-gather",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --use-distributed-optimizer: plan for parameter all-gathers hidden behind "
+        "the next forward (default: on with the distributed optimizer, off where nodes use a "
+        "CPU profile)",
     )
 
 

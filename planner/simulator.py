@@ -1,9 +1,13 @@
 """Simulator: score any valid plan with the cost model and say what limits it.
 
 iteration time = the slowest pipeline's 1F1B time (each stage's own forward/backward, boundary
-transfers and all-gathers) + the serial weighted gradient sync across pipelines + the optimizer
-step (the slowest rank). MFU = model FLOPs without recompute / (iteration time x the sum of the
-used GPUs' catalog peaks). Memory is checked per rank against the device's capacity.
+transfers and all-gathers) + the exposed part of the weighted gradient sync across pipelines + the
+optimizer step (the slowest rank). The gradient sync is serial after the last backward (all of it
+exposed), or, with the plan's training.overlap_grad_reduce / overlap_param_gather, overlapped with
+the backward and the next forward as planner.gradsync describes (`overlapped_sync_time`); the
+stages' last-backward end times come from the same 1F1B simulation. MFU = model FLOPs without
+recompute / (iteration time x the sum of the used GPUs' catalog peaks). Memory is checked per rank
+against the device's capacity.
 
 CPU contention (profiled CPU nodes only): processes that share a node slow each other only while
 they compute. The pipelines are evaluated once at the node's full contention; each rank then
@@ -23,19 +27,34 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from planner import costmodel as cm
 from planner.flops import model_flops_per_sample
-from planner.gradsync import Layout, StageLayout, optimizer_elements, rank_sets, sync_time
+from planner.gradsync import (
+    BUCKET_ELEMENTS,
+    Layout,
+    StageLayout,
+    collectives,
+    optimizer_elements,
+    overlapped_sync_time,
+    rank_sets,
+    stage_timings,
+    sync_time,
+)
 from planner.layout import optimizer_weight
 from planner.profile import step_overhead
-from planner.schedule import pipeline_time
+from planner.schedule import last_backward_ends, pipeline_time
 
 if TYPE_CHECKING:
     from planner.cluster import ClusterSpec
     from planner.models import ModelSpec
     from planner.plan import Plan
 
+# The 1F1B schedule's inputs: per stage forward and backward seconds, per boundary transfer
+# seconds forward and back (planner.schedule.pipeline_time's arguments, without m).
+ScheduleInputs: TypeAlias = tuple[
+    tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]
+]
 # One pipeline's evaluation: (1F1B seconds, per stage (fwd, bwd, compute, tp_comm, p2p_in), per
-# rank MemoryUse without optimizer state, ranks in stage order).
-PipelineEval: TypeAlias = tuple[float, list[tuple[float, ...]], list[cm.MemoryUse]]
+# rank MemoryUse without optimizer state, the schedule's inputs).
+PipelineEval: TypeAlias = tuple[float, list[tuple[float, ...]], list[cm.MemoryUse], ScheduleInputs]
 
 
 class SimulationCache:
@@ -46,6 +65,8 @@ class SimulationCache:
 
     def __init__(self) -> None:
         self.pipelines: dict[tuple[Any, ...], PipelineEval] = {}
+        # per pipeline (same keys): its stages' last-backward end times (overlapped sync only)
+        self.ends: dict[tuple[Any, ...], tuple[float, ...]] = {}
         self.optimizer: dict[tuple[Any, ...], dict[int, int]] = {}
 
 
@@ -70,11 +91,14 @@ class Estimate:
     memory_capacity_gb: list[float]
     memory_terms_gb: list[dict[str, float]]  # per rank {term: GB}
     pipeline_time_s: list[float]
-    grad_sync_time_s: float
+    grad_sync_time_s: float  # exposed: what the gradient sync adds to the iteration
     optimizer_step_time_s: float
     bottleneck: str
     fits_memory: bool
     stages: list[StageReport] = field(default_factory=list)
+    # all gradient collectives one after another (= grad_sync_time_s when nothing overlaps)
+    grad_sync_serial_s: float = 0.0
+    overlapped: bool = False  # whether the sync was modelled as overlapped
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's `estimate` object (JSON keys are a contract)."""
@@ -89,6 +113,15 @@ class Estimate:
             "grad_sync_time_s": self.grad_sync_time_s,
             "optimizer_step_time_s": self.optimizer_step_time_s,
             "bottleneck": self.bottleneck,
+            # written only for an overlapped sync, so that serial plans' estimates keep their keys
+            **(
+                {
+                    "grad_sync_exposed_s": self.grad_sync_time_s,
+                    "grad_sync_serial_s": self.grad_sync_serial_s,
+                }
+                if self.overlapped
+                else {}
+            ),
         }
 
 
@@ -112,9 +145,13 @@ def layouts_of(plan: Plan) -> list[list[StageLayout]]:
 
 
 def simulate(
-    plan: Plan, topo: cm.Topology | None = None, cache: SimulationCache | None = None
+    plan: Plan,
+    topo: cm.Topology | None = None,
+    cache: SimulationCache | None = None,
+    bucket_elements: int = BUCKET_ELEMENTS,
 ) -> Estimate:
-    """Estimate of a validated Plan."""
+    """Estimate of a validated Plan; `bucket_elements`: the runtime's --ddp-bucket-size (its
+    default is BUCKET_ELEMENTS), which bounds the overlapped buckets."""
     return simulate_layout(
         plan.model,
         plan.cluster,
@@ -125,6 +162,9 @@ def simulate(
         plan.training.optimizer_shard,
         topo,
         cache,
+        plan.training.overlap_grad_reduce,
+        plan.training.overlap_param_gather,
+        bucket_elements,
     )
 
 
@@ -145,21 +185,52 @@ def simulate_layout(
     optimizer_shard: str = "even",
     topo: cm.Topology | None = None,
     cache: SimulationCache | None = None,
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
+    bucket_elements: int = BUCKET_ELEMENTS,
 ) -> Estimate:
     """Estimate of a layout: `layouts` as from layouts_of, `batches` [(mbs, num_microbatches)].
 
-    `cache`: a SimulationCache shared by the calls of one search (None: a fresh one)."""
+    `cache`: a SimulationCache shared by the calls of one search (None: a fresh one).
+    `overlap_grad_reduce`, `overlap_param_gather`: the plan's training settings of those names
+    (the latter counts only with the distributed optimizer)."""
     m = model
     topo = topo or cm.Topology(cluster)
     cache = cache if cache is not None else SimulationCache()
-    sets = rank_sets(m, layouts, distributed_optimizer)
-    sync, worst_sync = sync_time(sets, topo, distributed_optimizer)
-    ptimes, reports, ranks_all, mems_all = _pipelines(m, topo, layouts, batches, recompute, cache)
+    overlapped = overlap_grad_reduce or (overlap_param_gather and distributed_optimizer)
+    ptimes, reports, ranks_all, mems_all, scheds, ends = _pipelines(
+        m, topo, layouts, batches, recompute, cache, None, overlapped
+    )
+    if overlapped:
+        colls = collectives(m, layouts, distributed_optimizer)
+
+        def overlapped_sync() -> tuple[float, float, tuple[float, tuple[int, ...]]]:
+            timing = stage_timings(layouts, ends, [x[0] for x in scheds], [x[1] for x in scheds])
+            got = overlapped_sync_time(
+                colls,
+                topo,
+                distributed_optimizer,
+                timing,
+                max(ptimes),
+                overlap_grad_reduce,
+                overlap_param_gather,
+                bucket_elements,
+            )
+            return got.exposed, got.serial, got.worst
+
+        sync, serial, worst_sync = overlapped_sync()
+    else:
+        sync, worst_sync = sync_time(
+            rank_sets(m, layouts, distributed_optimizer), topo, distributed_optimizer
+        )
+        serial = sync
     slow = _shared_node_slowdowns(topo, reports, batches, max(ptimes) + sync)
     if slow:
-        ptimes, reports, ranks_all, mems_all = _pipelines(
-            m, topo, layouts, batches, recompute, cache, slow
+        ptimes, reports, ranks_all, mems_all, scheds, ends = _pipelines(
+            m, topo, layouts, batches, recompute, cache, slow, overlapped
         )
+        if overlapped:
+            sync, serial, worst_sync = overlapped_sync()
     nonopt = dict(zip(ranks_all, mems_all))  # rank -> MemoryUse without optimizer state
     node_of, devices = topo.node_of, topo.devices
 
@@ -204,7 +275,16 @@ def simulate_layout(
     tokens = samples * m.seq_length
     mfu = samples * model_flops_per_sample(m) / (iteration * used_peak)
     bottleneck = _bottleneck(
-        topo, reports, ptimes, batches, sync, worst_sync, opt_time, iteration, worst_mem
+        topo,
+        reports,
+        ptimes,
+        batches,
+        sync,
+        worst_sync,
+        opt_time,
+        iteration,
+        worst_mem,
+        serial if overlapped else None,
     )
     return Estimate(
         iteration,
@@ -219,6 +299,8 @@ def simulate_layout(
         bottleneck,
         fits,
         reports,
+        serial,
+        overlapped,
     )
 
 
@@ -247,16 +329,28 @@ def _pipelines(
     recompute: bool,
     sim_cache: SimulationCache,
     slow: Mapping[int, float] | None = None,
-) -> tuple[list[float], list[StageReport], list[int], list[cm.MemoryUse]]:
-    """(1F1B time per pipeline, StageReports, ranks in stage order, their MemoryUse); `slow`:
-    {rank: compute slowdown} replacing the node's full contention for those ranks."""
-    cache = sim_cache.pipelines
+    with_ends: bool = False,
+) -> tuple[
+    list[float],
+    list[StageReport],
+    list[int],
+    list[cm.MemoryUse],
+    list[ScheduleInputs],
+    list[tuple[float, ...]],
+]:
+    """(1F1B time per pipeline, StageReports, ranks in stage order, their MemoryUse, schedule
+    inputs per pipeline, and with `with_ends` per pipeline its stages' last-backward end times);
+    `slow`: {rank: compute slowdown} replacing the node's full contention for those ranks."""
+    cache, ends_cache = sim_cache.pipelines, sim_cache.ends
     if len(cache) > sim_cache.MAX_ENTRIES:
         cache.clear()
+        ends_cache.clear()
+    ends: list[tuple[float, ...]] = []
     ptimes: list[float] = []
     reports: list[StageReport] = []
     ranks_all: list[int] = []
     mems_all: list[cm.MemoryUse] = []
+    scheds: list[ScheduleInputs] = []
     for pi, (stages, (mbs, nmb)) in enumerate(zip(layouts, batches)):
         ranks = [r for st in stages for r in st.ranks]
         mine = tuple(slow.get(r) for r in ranks) if slow else ()
@@ -272,13 +366,19 @@ def _pipelines(
         got = cache.get(key)
         if got is None:
             got = cache[key] = _pipeline_eval(m, topo, stages, mbs, nmb, recompute, slow)
-        ptime, stage_rows, mems = got
+        ptime, stage_rows, mems, sched = got
         ptimes.append(ptime)
+        scheds.append(sched)
+        if with_ends:
+            e = ends_cache.get(key)
+            if e is None:
+                e = ends_cache[key] = last_backward_ends(*sched, nmb)
+            ends.append(e)
         for k, (st, row) in enumerate(zip(stages, stage_rows)):
             reports.append(StageReport(pi, k, st.ranks, *row))
             ranks_all.extend(st.ranks)
         mems_all.extend(mems)
-    return ptimes, reports, ranks_all, mems_all
+    return ptimes, reports, ranks_all, mems_all, scheds, ends
 
 
 def _shared_node_slowdowns(
@@ -329,7 +429,7 @@ def _pipeline_eval(
     slow: Mapping[int, float] | None = None,
 ) -> PipelineEval:
     """(1F1B seconds, per stage (fwd, bwd, compute, tp_comm, p2p_in), per rank MemoryUse
-    without optimizer state, ranks in stage order) of one pipeline."""
+    without optimizer state, the schedule's inputs) of one pipeline."""
     p = len(stages)
     fwd, bwd, xf, xb, rows, mems = [], [], [], [], [], []
     for k, st in enumerate(stages):
@@ -368,7 +468,8 @@ def _pipeline_eval(
         rows[k + 1][0] += gf
         rows[k][1] += gb
         rows[k + 1][4] = tf + gf + tb + gb
-    return pipeline_time(fwd, bwd, xf, xb, nmb), [tuple(r) for r in rows], mems
+    sched = (tuple(fwd), tuple(bwd), tuple(xf), tuple(xb))
+    return pipeline_time(fwd, bwd, xf, xb, nmb), [tuple(r) for r in rows], mems, sched
 
 
 def _bottleneck(
@@ -381,8 +482,11 @@ def _bottleneck(
     opt_time: float,
     iteration: float,
     worst_mem: tuple[float, int, dict[str, float]] | None,
+    serial: float | None = None,
 ) -> str:
-    """One line naming what limits the plan: memory, a stage (and why), or a link."""
+    """One line naming what limits the plan: memory, a stage (and why), or a link. `serial`:
+    the collectives' serial seconds when the sync is overlapped (`sync` is then its exposed
+    part), None when it is serial."""
     if worst_mem is not None:
         over, r, t = worst_mem
         term = max((k for k in t if k != "reserve"), key=lambda k: t[k])
@@ -394,9 +498,15 @@ def _bottleneck(
     if sync > 0.5 * (iteration - opt_time) or sync >= ptimes[slow]:
         _, ranks = worst_sync
         bw, _ = topo.slowest(ranks)
+        if serial is None:
+            return (
+                f"gradient sync: {sync:.3g} s of {iteration:.3g} s; largest all-reduce over "
+                f"{len(ranks)} ranks ({_gpu_label(topo, ranks)}) at {bw / 1e9:.3g} GB/s"
+            )
         return (
-            f"gradient sync: {sync:.3g} s of {iteration:.3g} s; largest all-reduce over "
-            f"{len(ranks)} ranks ({_gpu_label(topo, ranks)}) at {bw / 1e9:.3g} GB/s"
+            f"gradient sync: {sync:.3g} s exposed of {iteration:.3g} s ({serial:.3g} s of "
+            f"collectives, overlapped); last to finish: the collective over {len(ranks)} ranks "
+            f"({_gpu_label(topo, ranks)}) at {bw / 1e9:.3g} GB/s"
         )
     stages = [r for r in reports if r.pipeline == slow]
     st = max(stages, key=lambda r: r.fwd + r.bwd)

@@ -143,6 +143,25 @@ def test_plan_cli_prints_mfu_in_percent(hexi_plan, tmp_path, examples_dir):
     assert not re.search(r"MFU 0\.\d{3}\b", stdout)
 
 
+@pytest.mark.parametrize("command", ["plan", "manual"])
+def test_plan_and_manual_take_the_overlap_flags(command):
+    """Both flags and their --no- forms parse; plan leaves them to its default (None), manual
+    defaults them off."""
+    from planner.cli import build_parser
+
+    base = ["--cluster", "c.yaml", "--model", "tiny", "--global-batch-size", "8", "-o", "p.json"]
+    if command == "manual":
+        base += ["--pipelines", "p.json"]
+    parse = build_parser().parse_args
+    args = parse([command, *base])
+    default = None if command == "plan" else False
+    assert (args.overlap_grad_reduce, args.overlap_param_gather) == (default, default)
+    args = parse([command, *base, "--overlap-grad-reduce", "--overlap-param-gather"])
+    assert (args.overlap_grad_reduce, args.overlap_param_gather) == (True, True)
+    args = parse([command, *base, "--no-overlap-grad-reduce", "--no-overlap-param-gather"])
+    assert (args.overlap_grad_reduce, args.overlap_param_gather) == (False, False)
+
+
 @pytest.mark.parametrize("program", ["hexi-train", "pretrain_gpt.py"])
 def test_training_help_shows_a_runnable_example(program):
     """hexi-train and pretrain_gpt.py (the same parser): the example plans a cluster of the

@@ -42,7 +42,8 @@ def test_manual_validate_show_hetero_4rank(hexi_plan, examples_dir, tmp_path):
     )
     assert hexi_plan("validate", out) == (
         0,
-        f"{out}: valid plan, 4 ranks, 2 pipelines, global batch 8\n",
+        f"{out}: valid plan, 4 ranks, 2 pipelines, global batch 8; recompute off, optimizer "
+        "plain, overlap-grad-reduce off, overlap-param-gather off\n",
         "",
     )
     code, table, err = hexi_plan("show", out)
@@ -51,6 +52,11 @@ def test_manual_validate_show_hetero_4rank(hexi_plan, examples_dir, tmp_path):
     assert lines[0] == (
         "plan for cluster 'mini-hetero': 4 ranks, model tiny (4 layers, hidden 64), global batch 8"
     )
+    assert lines[1] == (
+        "training: recompute off, optimizer plain, overlap-grad-reduce off, "
+        "overlap-param-gather off"
+    )
+    del lines[1]
     assert lines[1] == (
         "pipeline 0: 2 stages, micro_batch_size 1 x 6 micro-batches = samples [0, 6)"
     )
@@ -84,7 +90,8 @@ def test_manual_validate_show_mixed_lab(hexi_plan, examples_dir, tmp_path):
     )
     assert hexi_plan("validate", out)[:2] == (
         0,
-        f"{out}: valid plan, 36 ranks, 3 pipelines, global batch 64\n",
+        f"{out}: valid plan, 36 ranks, 3 pipelines, global batch 64; recompute off, optimizer "
+        "plain, overlap-grad-reduce off, overlap-param-gather off\n",
     )
     plan = load_plan(out)
     assert [(r.node, r.local_rank, r.gpu) for r in plan.ranks][6:10] == [

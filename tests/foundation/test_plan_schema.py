@@ -73,6 +73,18 @@ def test_built_plans_validate(validator, examples_dir):
         },
     )
     assert _errors(validator, plan.to_dict()) == []
+    overlapped = build_plan(
+        load_cluster(examples_dir / "clusters" / "mixed-lab.yaml"),
+        load_model("llama3-8b"),
+        64,
+        json.loads((examples_dir / "pipelines" / "mixed-lab.json").read_text()),
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+    ).to_dict()
+    assert overlapped["training"]["overlap_grad_reduce"] is True
+    assert overlapped["training"]["overlap_param_gather"] is True
+    assert _errors(validator, overlapped) == []
 
 
 @pytest.mark.parametrize("name", sorted(k for k, v in BROKEN.items() if v["schema_rejects"]))
@@ -106,6 +118,8 @@ def test_semantically_broken_plans_pass_the_schema(name, validator):
         (("cluster", "links"), [{"between": ["a100"], "bandwidth": "1 GB/s"}]),
         (("model", "swiglu"), "yes"),
         (("training", "optimizer_shard"), "random"),
+        (("training", "overlap_grad_reduce"), "yes"),
+        (("training", "overlap_param_gather"), 1),
         (("estimate",), {"mfu": "high"}),
     ],
 )

@@ -1,11 +1,13 @@
 """What the heterogeneous distributed optimizer buys on the paper's clusters (planner predictions).
 
-    python tools/bench/distributed_optimizer.py [--gbs 64]
+    python tools/bench/distributed_optimizer.py [--gbs 64] [--no-overlap]
 
 For Llama-2 7B and 13B on each example cluster, plan with `hexi` twice, without and with
 --use-distributed-optimizer (fp32 master weights and Adam state sharded over each gradient
 segment's ranks), and print the pipelines found, their depth, recompute, memory per rank and the
-predicted MFU. A cluster where only the sharded plan fits shows "no fit" on the left.
+predicted MFU. A cluster where only the sharded plan fits shows "no fit" on the left. Both plans
+overlap the gradient sync with the backward, and the sharded one its parameter all-gather with
+the next forward, as `hexi-plan plan` does by default on GPUs (--no-overlap: both serial).
 """
 
 import argparse
@@ -43,6 +45,7 @@ def mfu_change(before, after):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gbs", type=int, default=64)
+    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     print(
         f"global batch {args.gbs}, micro-batch 1; pipelines x [stages per pipeline], rc = recompute"
@@ -63,6 +66,8 @@ def main():
                             args.gbs,
                             micro_batch_size=1,
                             use_distributed_optimizer=sharded,
+                            overlap_grad_reduce=args.overlap,
+                            overlap_param_gather=args.overlap and sharded,
                         )
                     )
                 except SpecError:
@@ -70,7 +75,7 @@ def main():
             cells = [describe(p) if p else "no fit" for p in plans]
             change = mfu_change(*plans) if all(plans) else "-"
             print(f"| {name} | {mname} | {cells[0]} | {cells[1]} | {change} |", flush=True)
-    fast_networks()
+    fast_networks(overlap=args.overlap)
 
 
 FAST_CLUSTERS = [
@@ -80,7 +85,7 @@ FAST_CLUSTERS = [
 ]
 
 
-def fast_networks(gbs=512):
+def fast_networks(gbs=512, overlap=True):
     """Where data parallelism pays (200 Gbit/s, large batch), sharding opens more pipelines."""
     from planner.cluster import load_cluster_dict
 
@@ -111,6 +116,8 @@ def fast_networks(gbs=512):
                     gbs,
                     micro_batch_size=1,
                     use_distributed_optimizer=sharded,
+                    overlap_grad_reduce=overlap,
+                    overlap_param_gather=overlap and sharded,
                 )
                 for sharded in (False, True)
             ]

@@ -1,8 +1,10 @@
 """Predicted MFU on the paper's settings: hexi vs uniform per cluster and model (markdown).
 
-    python tools/bench/paper_settings.py [--gbs 64]
+    python tools/bench/paper_settings.py [--gbs 64] [--no-overlap-grad-reduce]
 
 One table row per cluster (CLUSTERS, from examples/clusters) and model (MODELS), micro-batch 1.
+Gradient sync overlapped with the backward as `hexi-plan plan` plans it by default on GPUs
+(--no-overlap-grad-reduce: serial, as plans were before the overlap model).
 """
 
 import argparse
@@ -11,7 +13,7 @@ import os
 from planner.cluster import load_cluster
 from planner.errors import SpecError
 from planner.models import load_model
-from planner.search import search_plan
+from planner.search import overlap_by_default, search_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTERS = [
@@ -27,6 +29,12 @@ MODELS = ["llama2-7b", "llama2-13b", "llama-30b"]
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gbs", type=int, default=64)
+    ap.add_argument(
+        "--overlap-grad-reduce",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan for the overlapped gradient sync (default: on, as hexi-plan plan on GPUs)",
+    )
     args = ap.parse_args()
     print(
         "| cluster | GPUs | peak PFLOPS | model | hexi MFU | uniform MFU | hexi tokens/s | "
@@ -45,7 +53,14 @@ def main():
             plan_h = None
             for strategy in ("hexi", "uniform"):
                 try:
-                    p = search_plan(c, m, args.gbs, strategy=strategy, micro_batch_size=1)
+                    p = search_plan(
+                        c,
+                        m,
+                        args.gbs,
+                        strategy=strategy,
+                        micro_batch_size=1,
+                        overlap_grad_reduce=args.overlap_grad_reduce and overlap_by_default(c),
+                    )
                     row.append(f"{p.estimate['mfu']:.1%}")
                     if strategy == "hexi":
                         plan_h = p
