@@ -28,6 +28,7 @@ from megatron_hexi.config import (
     TrainingConfig,
 )
 from megatron_hexi.tokenizer import TOKENIZER_FILES, TOKENIZER_TYPES
+from planner.cli_args import PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER
 from planner.cluster import ClusterSpec, load_cluster
 from planner.errors import SpecError
 from planner.membership import PlanningOptions
@@ -117,6 +118,7 @@ RANGES = {
     "ckpt_step": Range(0),
     "eval_interval": Range(1),
     "eval_iters": Range(0),
+    "ddp_bucket_size": Range(1),
 }
 
 
@@ -240,6 +242,28 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["even", "memory"],
         default=None,
         help="how optimizer state is cut over a segment's ranks (the plan says)",
+    )
+    b.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        default=None,
+        help="start each gradient bucket's collective during the last backward pass "
+        "(the plan must assume it)",
+    )
+    b.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        default=None,
+        help="distributed optimizer: all-gather updated parameters during the next forward "
+        "(the plan must assume it)",
+    )
+    b.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        metavar="ELEMENTS",
+        help="most gradient elements per bucket (default: 40,000,000, Megatron-LM's floor, "
+        "with --overlap-grad-reduce; else one bucket per rank set)",
     )
     b.add_argument("--bf16", action="store_true")
     b.add_argument("--seed", type=int, default=1234)
@@ -449,6 +473,8 @@ def planning_inputs(args: argparse.Namespace) -> PlanningInputs:
     `hexi-plan plan` takes. Without --recompute-granularity the planner may choose recompute
     (its `auto`): a run that shrinks to fewer nodes may need it to fit."""
     seq = args.seq_length if args.seq_length is not None else args.max_position_embeddings
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise SpecError(PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER)
     return PlanningInputs(
         load_cluster(args.hetero_cluster),
         load_model(args.hetero_model),
@@ -458,6 +484,8 @@ def planning_inputs(args: argparse.Namespace) -> PlanningInputs:
             seq_length=seq,
             recompute="on" if args.recompute_granularity == "full" else "auto",
             use_distributed_optimizer=bool(args.use_distributed_optimizer),
+            overlap_grad_reduce=bool(args.overlap_grad_reduce),
+            overlap_param_gather=bool(args.overlap_param_gather),
         ),
     )
 
@@ -536,6 +564,14 @@ def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
             f"(use_distributed_optimizer: {str(t.use_distributed_optimizer).lower()}, "
             f"optimizer_shard: {t.optimizer_shard})"
         )
+    for flag, field in (
+        ("--overlap-grad-reduce", "overlap_grad_reduce"),
+        ("--overlap-param-gather", "overlap_param_gather"),
+    ):
+        if getattr(args, field) and not getattr(t, field):
+            problems.append(
+                f"{flag} contradicts the plan ({field}: false); re-plan with hexi-plan ... {flag}"
+            )
     wants_recompute = args.recompute_granularity == "full"
     if args.recompute_granularity is not None and wants_recompute != plan.training.recompute:
         problems.append("--recompute-granularity full contradicts the plan (recompute: false)")
@@ -568,6 +604,8 @@ NOT_IN_RUN_CONFIG = frozenset(
         "global_batch_size",
         "use_distributed_optimizer",
         "hetero_optimizer_shard",
+        "overlap_grad_reduce",
+        "overlap_param_gather",
         "optimizer",  # adam only
     }
 )
@@ -644,5 +682,6 @@ def run_config(args: argparse.Namespace) -> RunConfig:
             device=args.hetero_device,
             distributed_backend=args.distributed_backend,
             distributed_timeout_minutes=args.distributed_timeout_minutes,
+            ddp_bucket_size=args.ddp_bucket_size,
         ),
     )

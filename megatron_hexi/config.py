@@ -182,6 +182,9 @@ class RuntimeConfig:
     """gloo or nccl; None: nccl on cuda, gloo on cpu."""
     distributed_timeout_minutes: float = 10.0
     """Collective timeout: a dead or hung peer fails every rank within it."""
+    ddp_bucket_size: int | None = None
+    """Most gradient elements per bucket; None: 40,000,000 with overlapped gradient sync (the
+    plan's `training.overlap_grad_reduce`), else one bucket per rank set."""
 
 
 @dataclass(frozen=True)

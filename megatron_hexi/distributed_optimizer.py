@@ -13,6 +13,13 @@ rule the planner's memory estimate uses (`optimizer_elements`). Per step, for ev
 2. each holder steps Adam on its parts' fp32 master weights;
 3. the updated parts are all-gathered back into every holder's parameters.
 
+The optimizer is the collective of the gradient sync's buckets (grad_sync.BucketCollective), so
+with the plan's `overlap_grad_reduce` each bucket's reduce-scatter starts during the last
+backward. With `overlap_param_gather` the all-gathers start after the step and each module's
+next forward waits for the buckets that hold its parameters. Buckets cut at `--ddp-bucket-size`
+cut a segment into pieces, each split among its holders by the same rule (the ownership then
+differs from the planner's estimate by rounding only).
+
 Every gradient element is owned by exactly one rank, so the norm for clipping is exact. Parts
 are ranges of the canonical tensor (`MasterPart.name/dim/global_start/length`), which is what
 checkpoints store.
@@ -20,14 +27,16 @@ checkpoints store.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
-from megatron_hexi.grad_sync import global_norm
+from megatron_hexi.grad_sync import Pending, global_norm
 from megatron_hexi.process_groups import group_order
 from planner.layout import optimizer_weight, weighted_split
 
@@ -52,6 +61,13 @@ class MasterPart:
 
     def param_view(self) -> torch.Tensor:
         return self.param.narrow(self.dim, self.local_start, self.length)
+
+
+class _Gather(NamedTuple):
+    """A bucket's all-gather in flight: one chunk per member (group rank order)."""
+
+    chunks: list[torch.Tensor]
+    work: dist.Work | None
 
 
 @dataclass
@@ -85,9 +101,14 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         config: OptimizerConfig,
         shard_mode: str,
         device: torch.device,
+        model: torch.nn.Module | None = None,
     ):
+        """`model`: this rank's stage, hooked to wait for the parameter all-gathers when the
+        plan's `training.overlap_param_gather` is on."""
         self.plan, self.grad_sync, self.rank = plan, grad_sync, grad_sync.plan_rank
         self.device = device
+        self.overlap_param_gather = plan.training.overlap_param_gather
+        self._gathers: dict[int, _Gather] = {}  # bucket index -> all-gather in flight
         self.parts: list[MasterPart] = []  # this rank's
         self.sets: list[_RankSet] = []  # one per gradient bucket
         for bucket in grad_sync.buckets:
@@ -152,67 +173,131 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         super().__init__(inner, config, lambda o: None)
         self.is_stub_optimizer = False
         self._found_grads = False
+        grad_sync.collective = self
+        if self.overlap_param_gather:
+            if model is None:
+                raise ValueError("overlap_param_gather needs the model to hook its forward")
+            self._hook_param_gather(model)
 
-    # -- gradients ---------------------------------------------------------------------------
+    # -- gradients: grad_sync's BucketCollective for the buckets it starts -----------------
     @torch.no_grad()
     def reduce_scatter_grads(self, num_tokens: float) -> None:
-        """Sum each part over its holders into the owner's master gradient, divided by tokens."""
-        for rs in self.sets:
-            ranks, group, slots, regions, me = rs.ranks, rs.group, rs.slots, rs.regions, rs.me
-            width = max(r.numel for r in regions)
-            buf = torch.zeros(width * len(ranks), dtype=torch.float32, device=slots[0].param.device)
-            for region in regions:
-                offset = region.position * width
-                for k, start, n, numel in region.pieces:
-                    slot = slots[k]
-                    if slot.contributes and n:
-                        # fp32 `main_grad` under bf16 (grad_sync.FP32MainGrads), else `.grad`
-                        g = slot.grad().narrow(slot.dim, slot.start + start, n)
-                        buf[offset : offset + numel].copy_(g.reshape(-1))
-                    offset += numel
-            if group is None:
-                mine = buf
-            elif dist.get_backend(group) == "nccl":
-                mine = torch.empty(width, dtype=buf.dtype, device=buf.device)
-                dist.reduce_scatter_tensor(mine, buf, group=group)
-            else:  # gloo: no reduce-scatter
-                dist.all_reduce(buf, group=group)
-                at = regions[me].position * width
-                mine = buf[at : at + width]
-            mine = mine / num_tokens
-            offset = 0
-            for part, (_, _, n, numel) in zip(rs.mine, regions[me].pieces):
-                if n:
-                    part.master.grad = mine[offset : offset + numel].view_as(part.master).clone()
-                offset += numel
-        self._found_grads = True
+        """Sum each part over its holders into the owner's master gradient, divided by tokens:
+        the gradient sync (grad_sync.GradientSync.sync) with this optimizer as its collective."""
+        self.grad_sync.sync(num_tokens)
 
     @torch.no_grad()
+    def start_bucket(self, index: int) -> Pending:
+        """Lay the bucket's gradients out member by member and start the reduce-scatter."""
+        rs = self.sets[index]
+        ranks, group, slots, regions = rs.ranks, rs.group, rs.slots, rs.regions
+        width = max(r.numel for r in regions)
+        buf = self.grad_sync.buffers.get(index, width * len(ranks), slots[0].param.device)
+        buf.zero_()
+        for region in regions:
+            offset = region.position * width
+            for k, start, n, numel in region.pieces:
+                slot = slots[k]
+                if slot.contributes and n:
+                    # fp32 `main_grad` under bf16 (grad_sync.FP32MainGrads), else `.grad`
+                    g = slot.grad().narrow(slot.dim, slot.start + start, n)
+                    buf[offset : offset + numel].copy_(g.reshape(-1))
+                offset += numel
+        if group is None:
+            return Pending(buf, None)
+        if dist.get_backend(group) == "nccl":
+            mine = torch.empty(width, dtype=buf.dtype, device=buf.device)
+            return Pending(mine, dist.reduce_scatter_tensor(mine, buf, group=group, async_op=True))
+        # gloo: no reduce-scatter; an all-reduce of the same buffer stands in
+        return Pending(buf, dist.all_reduce(buf, group=group, async_op=True))
+
+    @torch.no_grad()
+    def finish_bucket(self, index: int, pending: Pending, num_tokens: float) -> None:
+        """Wait, divide by the token count, and make this rank's part its masters' gradient."""
+        rs = self.sets[index]
+        buf, work = pending
+        width = max(r.numel for r in rs.regions)
+        if work is not None:
+            work.wait()
+        if buf.numel() > width:  # the whole buffer (gloo, or this rank alone): take my chunk
+            at = rs.regions[rs.me].position * width
+            buf = buf[at : at + width]
+        mine = buf / num_tokens
+        offset = 0
+        for part, (_, _, n, numel) in zip(rs.mine, rs.regions[rs.me].pieces):
+            if n:
+                part.master.grad = mine[offset : offset + numel].view_as(part.master).clone()
+            offset += numel
+        self._found_grads = True
+
+    # -- parameters ------------------------------------------------------------------------
+    @torch.no_grad()
     def all_gather_params(self) -> None:
-        """Every holder gets every part's updated values."""
-        for rs in self.sets:
-            ranks, group, slots, regions = rs.ranks, rs.group, rs.slots, rs.regions
-            width = max(r.numel for r in regions)
-            dtype = slots[0].param.dtype
-            mine = torch.zeros(width, dtype=dtype, device=slots[0].param.device)
+        """Every holder gets every part's updated values (waits for all of them)."""
+        self.start_param_gather()
+        self.finish_param_gather()
+
+    @torch.no_grad()
+    def start_param_gather(self) -> None:
+        """Start every bucket's all-gather of updated parts, in forward order (the reverse of
+        the buckets' global order, so again one order on every rank)."""
+        for i in reversed(range(len(self.sets))):
+            rs = self.sets[i]
+            width = max(r.numel for r in rs.regions)
+            mine = torch.zeros(width, dtype=rs.slots[0].param.dtype, device=self.device)
             offset = 0
-            for part, (_, _, n, numel) in zip(rs.mine, regions[rs.me].pieces):
+            for part, (_, _, n, numel) in zip(rs.mine, rs.regions[rs.me].pieces):
                 if n:
                     mine[offset : offset + numel].copy_(part.master.reshape(-1))
                 offset += numel
-            if group is None:
-                gathered = [mine]
+            if rs.group is None:
+                self._gathers[i] = _Gather([mine], None)
             else:
-                gathered = [torch.empty_like(mine) for _ in ranks]
-                dist.all_gather(gathered, mine, group=group)
-            for region in regions:
+                gathered = [torch.empty_like(mine) for _ in rs.ranks]
+                work = dist.all_gather(gathered, mine, group=rs.group, async_op=True)
+                self._gathers[i] = _Gather(gathered, work)
+
+    @torch.no_grad()
+    def finish_param_gather(self, indices: Iterable[int] | None = None) -> None:
+        """Wait for the all-gathers of buckets `indices` (None: all started) and write them
+        into the parameters. A bucket already written is skipped."""
+        for i in list(self._gathers) if indices is None else indices:
+            got = self._gathers.pop(i, None)
+            if got is None:
+                continue
+            if got.work is not None:
+                got.work.wait()
+            rs = self.sets[i]
+            for region in rs.regions:
                 offset = 0
+                chunk = got.chunks[0] if rs.group is None else got.chunks[region.position]
                 for k, start, n, numel in region.pieces:
-                    slot = slots[k]
+                    slot = rs.slots[k]
                     if n:
                         view = slot.param.data.narrow(slot.dim, slot.start + start, n)
-                        view.copy_(gathered[region.position][offset : offset + numel].view_as(view))
+                        view.copy_(chunk[offset : offset + numel].view_as(view))
                     offset += numel
+
+    def _wait_before_forward(
+        self, indices: tuple[int, ...], module: torch.nn.Module, args: Any
+    ) -> None:
+        """Forward pre-hook: the module's parameters must hold this step's values."""
+        if self._gathers:
+            self.finish_param_gather(indices)
+
+    def _hook_param_gather(self, model: torch.nn.Module) -> None:
+        """Each module that owns parameters waits, just before its forward, for the
+        all-gathers of the buckets that hold them (as Megatron-LM's overlapped param gather)."""
+        sets_of: dict[int, set[int]] = {}
+        for i, rs in enumerate(self.sets):
+            for slot in rs.slots:
+                sets_of.setdefault(id(slot.param), set()).add(i)
+        for module in model.modules():
+            needed = sorted(
+                {i for p in module.parameters(recurse=False) for i in sets_of.get(id(p), ())}
+            )
+            if needed:
+                module.register_forward_pre_hook(partial(self._wait_before_forward, tuple(needed)))
 
     # -- MegatronOptimizer interface ---------------------------------------------------------
     def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
@@ -229,7 +314,10 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
 
     def step_with_ready_grads(self) -> bool:
         self.optimizer.step()
-        self.all_gather_params()
+        if self.overlap_param_gather:
+            self.start_param_gather()  # waited on by the next forward (or finish_param_gather)
+        else:
+            self.all_gather_params()
         return True
 
     @torch.no_grad()
@@ -266,6 +354,7 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         return torch.ones(1)
 
     def reload_model_params(self, state_dict: dict | None = None) -> None:
+        self.finish_param_gather()
         for p in self.parts:
             p.master.copy_(p.param_view().float())
 

@@ -5,7 +5,9 @@ micro-batches' gradients. Each atomic segment (planner.layout.gradient_segments)
 over the ranks that hold it, one per pipeline (TP replicas of norms contribute once), and divided
 by the global token count: exactly the gradient of the mean loss over the global batch. Segments
 with the same rank set share one buffer and one all-reduce, and the all-reduces run in one global
-order on every rank, so overlapping groups cannot deadlock.
+order on every rank, so overlapping groups cannot deadlock. With the plan's overlap_grad_reduce
+each bucket's collective starts during the last backward, as soon as its gradients are final
+(`GradientSync`).
 
 Under bf16 the gradients are summed in fp32 (`FP32MainGrads`, megatron-core's `main_grad`): the
 micro-batches' gradients accumulate there, the sync and the norm read and write it, and the fp32
@@ -14,13 +16,15 @@ master weights take it as their gradient. Nothing is rounded to bf16 on the way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
+from planner.gradsync import BUCKET_ELEMENTS
 from planner.layout import reduced_together
 
 if TYPE_CHECKING:
@@ -92,8 +96,62 @@ class Bucket(NamedTuple):
     slots: list[Slot]  # this rank's slices, in buffer order
 
 
+class FlatBuffers:
+    """fp32 buffers the buckets are reduced in, one per bucket. On CPU each is kept from step to
+    step: a fresh large buffer there costs a page fault per 4 KiB page (55 ms per 100 MB on a
+    test machine, more than the copies into it), a cost GPUs do not have and the planner does
+    not charge. On CUDA they are fresh each step: the caching allocator reuses the memory, and
+    the buffers take no memory outside the sync."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, torch.Tensor] = {}
+
+    def get(self, index: int, numel: int, device: torch.device) -> torch.Tensor:
+        """An uninitialised fp32 buffer of `numel` elements for bucket `index`."""
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=torch.float32, device=device)
+        got = self._kept.get(index)
+        if got is None or got.numel() != numel:
+            got = self._kept[index] = torch.empty(numel, dtype=torch.float32, device=device)
+        return got
+
+
+class Pending(NamedTuple):
+    """A bucket's collective in flight: the buffer it reduces into and its handle (None when
+    nothing was sent: a bucket of this rank alone)."""
+
+    buffer: torch.Tensor | None
+    work: dist.Work | None
+
+
+class BucketCollective(Protocol):
+    """How a bucket's gradients are summed over its holders: started (asynchronously), then
+    finished (waited, divided by the global token count, written where the optimizer reads)."""
+
+    def start_bucket(self, index: int) -> Pending: ...
+
+    def finish_bucket(self, index: int, pending: Pending, num_tokens: float) -> None: ...
+
+
 class GradientSync:
-    """This rank's gradient buckets, built from the plan's segments, and the sync over them."""
+    """This rank's gradient buckets, built from the plan's segments, and the sync over them.
+
+    Serial (the default): after the last backward, one collective per rank set, one after
+    another in the plan's segment order.
+
+    Overlapped (`overlap=True`, the plan's `training.overlap_grad_reduce`): buckets hold at most
+    `bucket_size` elements and are ordered by when the backward pass produces them: segments in
+    reverse plan order (output layer and last layer first, embedding last), each bucket placed
+    by its last segment. A hook on every parameter counts its gradient as final once the last
+    micro-batch's backward has accumulated it (megatron-core's schedule brackets the other
+    micro-batches with `no_sync`); a bucket is ready when all its parameters are, and ready
+    buckets start their collective in bucket order only, never out of it. Every holder derives
+    the same buckets from the same plan, so every rank issues its collectives as a subsequence
+    of one global order: two ranks never wait on two groups in opposite orders, which is what
+    would deadlock overlapping rank sets (on NCCL as on gloo). `sync` then starts what is left
+    (a parameter that got no gradient), waits for every bucket in the same order, and divides
+    by the global token count after the wait, so the result is the serial sum bit for bit.
+    """
 
     def __init__(
         self,
@@ -102,16 +160,18 @@ class GradientSync:
         segments: Sequence[Segment],
         groups: HeteroGroups,
         shard_optimizer_state: bool = False,
+        overlap: bool = False,
+        bucket_size: int | None = None,
     ):
         self.plan_rank = plan_rank
         self.launch_of = groups.launch_of  # plan rank -> launch rank
+        self.overlap = overlap
         by_name = {shard.name: [] for shard, _ in params}
         for shard, p in params:
             by_name[shard.name].append(p)
-        self.buckets: list[Bucket] = []  # in global order
         self.owned: list[Slot] = []  # Slots this rank counts in the gradient norm
-        index: dict[tuple[int, ...], int] = {}
-        for seg in segments:
+        placed: list[_Placed] = []  # this rank's slots with their rank set and global position
+        for position, seg in enumerate(segments):
             mine = [ls for r, ls in seg.members if r == plan_rank]
             if not mine:
                 continue
@@ -129,52 +189,203 @@ class GradientSync:
                 plan_rank in seg.contributors or not together,
             )
             key = seg.ranks if together else (plan_rank,)
-            if key not in index:
-                index[key] = len(self.buckets)
-                self.buckets.append(Bucket(key, groups.segment_groups.get(key), []))
-            self.buckets[index[key]].slots.append(slot)
+            placed.append(_Placed(key, position, slot))
             if seg.owner == plan_rank:
                 self.owned.append(slot)
+        if overlap and bucket_size is None:
+            bucket_size = BUCKET_ELEMENTS  # Megatron-LM's floor; the planner costs the same
+        self.buckets: list[Bucket] = (  # in global order
+            _bounded_buckets(placed, bucket_size, groups)
+            if bucket_size is not None
+            else _rank_set_buckets(placed, groups)
+        )
+        self.collective: BucketCollective = self  # the distributed optimizer puts itself here
+        self.buffers = FlatBuffers()
         self.bytes_per_step = 0
+        self.started_in_backward = 0  # of last step's buckets, started before `sync` (overlap)
+        self._bytes = 0
+        self._buckets_of: dict[int, list[int]] = {}  # id(param) -> buckets holding a slice of it
+        for b, bucket in enumerate(self.buckets):
+            for s in bucket.slots:
+                ids = self._buckets_of.setdefault(id(s.param), [])
+                if b not in ids:
+                    ids.append(b)
+        self._params = {id(s.param): s.param for b in self.buckets for s in b.slots}
+        self._reset()
+        if overlap:
+            for p in self._params.values():
+                # after FP32MainGrads' hook (registered first), so `main_grad` is complete
+                p.register_post_accumulate_grad_hook(self._gradient_final)
 
+    # -- overlap ---------------------------------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """megatron-core's `config.no_sync_func`: gradients accumulated inside are not final
+        (the schedule leaves it just before the last micro-batch's backward)."""
+        self._armed = False
+        try:
+            yield
+        finally:
+            self._armed = True
+
+    def _gradient_final(self, param: torch.Tensor) -> None:
+        if not self._armed or id(param) in self._final:
+            return
+        self._final.add(id(param))
+        for b in self._buckets_of[id(param)]:
+            self._waiting[b] -= 1
+        self._start_ready()
+
+    def _start_ready(self) -> None:
+        """Start every bucket that is ready and whose predecessors have started, in order."""
+        while self._next < len(self.buckets) and self._waiting[self._next] == 0:
+            self._pending.append(self.collective.start_bucket(self._next))
+            self._next += 1
+
+    def _reset(self) -> None:
+        self._armed = False
+        self._final: set[int] = set()
+        self._waiting = [
+            len({id(s.param) for s in bucket.slots}) for bucket in self.buckets
+        ]  # parameters each bucket still waits for
+        self._next = 0  # the first bucket not started
+        self._pending: list[Pending] = []
+
+    # -- the sync --------------------------------------------------------------------------
     @torch.no_grad()
     def sync(self, num_tokens: float) -> None:
-        """Sum every segment over its holders and divide by the global token count."""
-        for p in {id(s.param): s.param for _, _, slots in self.buckets for s in slots}.values():
+        """Sum every segment over its holders and divide by the global token count: start the
+        buckets not started yet, in order, and finish all of them in the same order."""
+        for p in self._params.values():
             if param_grad(p) is None:
                 p.grad = torch.zeros_like(p)
-        total = 0
-        for _, group, slots in self.buckets:
-            if group is None:  # this rank alone: scale its slices in place (no copy)
-                for s in slots:
-                    if s.contributes:
-                        s.grad_view().div_(num_tokens)
-                    else:
-                        s.grad_view().zero_()
-                continue
-            flat = torch.cat(
-                [
-                    s.grad_view().reshape(-1).float()
-                    if s.contributes
-                    else torch.zeros(s.grad_view().numel(), device=s.param.device)
-                    for s in slots
-                ]
-            )
-            dist.all_reduce(flat, group=group)
-            total += flat.numel() * flat.element_size()
-            flat.div_(num_tokens)
-            offset = 0
+        if self.overlap:
+            self.started_in_backward = self._next
+            self._waiting = [0] * len(self.buckets)
+            self._start_ready()
+            for b, pending in enumerate(self._pending):
+                self.collective.finish_bucket(b, pending, num_tokens)
+        else:
+            for b in range(len(self.buckets)):
+                self.collective.finish_bucket(b, self.collective.start_bucket(b), num_tokens)
+        self.bytes_per_step, self._bytes = self._bytes, 0
+        self._reset()
+
+    @torch.no_grad()
+    def start_bucket(self, index: int) -> Pending:
+        """All-reduce of the bucket's contributing slices, as fp32, in one flat buffer."""
+        _, group, slots = self.buckets[index]
+        if group is None:
+            return Pending(None, None)
+        numel = sum(s.grad_view().numel() for s in slots)
+        flat = self.buffers.get(index, numel, slots[0].param.device)
+        offset = 0
+        for s in slots:
+            view = s.grad_view()
+            part = flat[offset : offset + view.numel()]
+            if s.contributes:
+                part.view(view.shape).copy_(view)
+            else:
+                part.zero_()
+            offset += view.numel()
+        self._bytes += flat.numel() * flat.element_size()
+        return Pending(flat, dist.all_reduce(flat, group=group, async_op=True))
+
+    @torch.no_grad()
+    def finish_bucket(self, index: int, pending: Pending, num_tokens: float) -> None:
+        """Wait, divide by the token count, and write the sums back into the gradients."""
+        slots = self.buckets[index].slots
+        flat, work = pending
+        if flat is None:  # this rank alone: scale its slices in place (no copy)
             for s in slots:
-                view = s.grad_view()
-                view.copy_(flat[offset : offset + view.numel()].view_as(view))
-                offset += view.numel()
-        self.bytes_per_step = total
+                if s.contributes:
+                    s.grad_view().div_(num_tokens)
+                else:
+                    s.grad_view().zero_()
+            return
+        work.wait()
+        flat.div_(num_tokens)
+        offset = 0
+        for s in slots:
+            view = s.grad_view()
+            view.copy_(flat[offset : offset + view.numel()].view_as(view))
+            offset += view.numel()
 
     def owned_grads(self) -> list[torch.Tensor]:
         """Views of the gradient slices this rank counts in the global norm (each element once).
         A slice along dim 1 (a column range of `linear_proj` or `linear_fc2`) is strided: it goes
         to `global_norm` only, never to a fused multi-tensor kernel, which would refuse it."""
         return [s.grad_view() for s in self.owned]
+
+
+class _Placed(NamedTuple):
+    """A slot of this rank, the rank set that sums it and its segment's place in the plan's
+    global segment order."""
+
+    key: tuple[int, ...]
+    position: int
+    slot: Slot
+
+
+def _rank_set_buckets(placed: Sequence[_Placed], groups: HeteroGroups) -> list[Bucket]:
+    """One bucket per rank set, in the order of each set's first segment (serial sync)."""
+    index: dict[tuple[int, ...], int] = {}
+    buckets: list[Bucket] = []
+    for key, _, slot in placed:
+        if key not in index:
+            index[key] = len(buckets)
+            buckets.append(Bucket(key, groups.segment_groups.get(key), []))
+        buckets[index[key]].slots.append(slot)
+    return buckets
+
+
+def _bounded_buckets(placed: Sequence[_Placed], bound: int, groups: HeteroGroups) -> list[Bucket]:
+    """Buckets of at most `bound` elements per rank set, in backward-production order.
+
+    Slots are taken in reverse segment order; each rank set fills one bucket at a time, and a
+    slot that does not fit is cut along its split dimension (whole rows; a single row larger
+    than `bound` forms a bucket of its own). Buckets are ordered by the global position of their
+    last slice, which every holder computes alike: that is the order they become ready in."""
+    done: list[tuple[tuple[int, int], Bucket]] = []
+    open_: dict[tuple[int, ...], tuple[Bucket, int, tuple[int, int]]] = {}
+
+    def close(key: tuple[int, ...]) -> None:
+        bucket, _, last = open_.pop(key)
+        done.append((last, bucket))
+
+    for key, position, slot in reversed(placed):
+        row = slot.param.numel() // slot.param.shape[slot.dim]
+        taken = 0
+        while taken < slot.length:
+            if key not in open_:
+                open_[key] = (Bucket(key, groups.segment_groups.get(key), []), 0, (0, 0))
+            bucket, numel, _ = open_[key]
+            rows = min(slot.length - taken, max((bound - numel) // row, 0))
+            if rows == 0 and numel == 0:
+                rows = 1  # a row larger than the bound
+            if rows == 0:
+                close(key)
+                continue
+            piece = (
+                slot
+                if rows == slot.length
+                else replace(
+                    slot,
+                    start=slot.start + taken,
+                    global_start=slot.global_start + taken,
+                    length=rows,
+                )
+            )
+            bucket.slots.append(piece)
+            # reverse order: a later segment (and a later row of it) is produced earlier
+            open_[key] = (bucket, numel + rows * row, (-position, taken))
+            taken += rows
+            if numel + rows * row >= bound:
+                close(key)
+    for key in list(open_):
+        close(key)
+    done.sort(key=lambda item: (item[0], item[1].ranks))
+    return [bucket for _, bucket in done]
 
 
 @torch.no_grad()

@@ -127,7 +127,7 @@ def build_optimizer(
 
         device = next(model.parameters()).device
         opt = HeteroDistributedOptimizer(
-            plan, grad_sync, core, plan.training.optimizer_shard, device
+            plan, grad_sync, core, plan.training.optimizer_shard, device, model
         )
     else:
         inner = torch.optim.AdamW(

@@ -102,10 +102,18 @@ class Trainer:
         # bf16: gradients accumulate, sync and reach the fp32 masters in fp32 `main_grad`
         self.main_grads = FP32MainGrads(self.model.parameters()) if bf16 else None
         self.grad_sync = GradientSync(
-            self.rank, self.params, segments, self.groups, shard_optimizer_state=shard
+            self.rank,
+            self.params,
+            segments,
+            self.groups,
+            shard_optimizer_state=shard,
+            overlap=plan.training.overlap_grad_reduce,
+            bucket_size=config.runtime.ddp_bucket_size,
         )
         self.optimizer, self.scheduler = build_optimizer(self.model, self.grad_sync, config, plan)
         tc.finalize_model_grads_func = self._finalize_grads
+        if plan.training.overlap_grad_reduce:
+            tc.no_sync_func = self.grad_sync.no_sync
         tc.grad_scale_func = None
         pipe = plan.pipelines[view.pipeline]
         numel = plan.model.seq_length * view.micro_batch_size * plan.model.hidden_size
@@ -168,10 +176,10 @@ class Trainer:
         self.global_tokens = self._tokens.item()
         if self.global_tokens <= 0:
             raise RuntimeError("the global batch has no tokens with a loss mask")
-        if self.plan.training.use_distributed_optimizer:
-            self.optimizer.reduce_scatter_grads(self.global_tokens)
-        else:
-            self.grad_sync.sync(self.global_tokens)
+        # the distributed optimizer is the sync's collective (reduce-scatter into its masters)
+        self.grad_sync.sync(self.global_tokens)
+        synchronize(self.device)
+        self._sync_end = time.perf_counter()
 
     def _start_token_count(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """Start the all-reduce of the global batch's loss-masked tokens before the forward
@@ -246,13 +254,15 @@ class Trainer:
         # One small all-reduce: loss sum (last stages, TP rank 0), each rank's times and memory.
         # The grad norm is all-reduced already: the same on every rank.
         world = self.plan.world_size
-        stats = torch.zeros(1 + 3 * world, dtype=torch.float64, device=self.device)
+        stats = torch.zeros(1 + 4 * world, dtype=torch.float64, device=self.device)
         if v.holds_output and v.tp_rank == 0:
             stats[0] = float(sum(s["lm loss"][0] for s in store))
-        per_rank = stats[1:].view(3, world)
+        per_rank = stats[1:].view(4, world)
         per_rank[0, self.rank] = pipeline_time
         per_rank[1, self.rank] = step_time
         per_rank[2, self.rank] = peak_memory_gb(self.device)
+        # end of this rank's last backward to the end of its gradient sync
+        per_rank[3, self.rank] = self._sync_end - self._pipeline_end
         dist.all_reduce(stats)
         loss = stats[0].item() / self.global_tokens
         pipelines = [max(per_rank[0, r].item() for r in p.ranks) for p in self.plan.pipelines]
@@ -261,6 +271,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "success": bool(success),
             "step_time_s": per_rank[1].max().item(),
+            "grad_sync_exposed_s": per_rank[3].max().item(),
             "peak_memory_gb": per_rank[2].tolist(),
             "pipelines": pipelines,
             "tokens": self.global_tokens,
@@ -336,10 +347,17 @@ class Trainer:
             dp_cp=SingleRank(),
         )
 
+    def settle_parameters(self) -> None:
+        """Finish the parameter all-gathers still in flight (the plan's overlap_param_gather
+        leaves them to the next forward): before anything reads the parameters otherwise."""
+        if self.plan.training.overlap_param_gather:
+            self.optimizer.finish_param_gather()
+
     def full_parameters(self) -> dict[str, torch.Tensor] | None:
         """Gather every parameter to its full canonical tensor (for tests and export)."""
         from megatron_hexi.gather import gather_full_parameters
 
+        self.settle_parameters()
         return gather_full_parameters(self.plan, self.rank, self.params, self.groups)
 
 
@@ -471,7 +489,14 @@ class IntervalLog:
             f"lm loss: {sum(r['lm_loss'] for r in rows) / n:.6E} | loss scale: 1.0 | "
             f"grad norm: {last['grad_norm']:.3f} | number of skipped iterations: {skipped:>3d} | "
             f"number of nan iterations: {nan:>3d} | tokens/s: {tokens / seconds:.1f} | "
-            f"MFU: {mfu * 100:.2f}% | elapsed: {_clock(elapsed)} | ETA: {_clock(eta)} |"
+            f"MFU: {mfu * 100:.2f}% | "
+            + (
+                f"grad sync exposed (ms): "
+                f"{sum(r['grad_sync_exposed_s'] for r in rows) / n * 1000:.1f} | "
+                if plan.training.overlap_grad_reduce
+                else ""
+            )
+            + f"elapsed: {_clock(elapsed)} | ETA: {_clock(eta)} |"
         )
 
 
@@ -591,6 +616,7 @@ def _save(trainer: Trainer, iteration: int) -> None:
     from megatron_hexi import checkpoint
 
     save = trainer.config.checkpoint.save
+    trainer.settle_parameters()
     seconds, size = checkpoint.save(trainer, save, iteration)
     trainer.checkpoint_events.append(
         {"save_iteration": iteration, "seconds": seconds, "bytes": size}
@@ -711,6 +737,7 @@ def _train(
                     )
                 break
         last = first + len(history)
+        trainer.settle_parameters()
         if ckpt.save and history and saved != last:
             _save(trainer, last)
         if ev.batches and not signalled:  # a signalled run has seconds left: save, then go

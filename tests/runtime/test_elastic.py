@@ -409,6 +409,18 @@ def test_start_up_planning_errors(repo_root, tmp_path):
             ["--hetero-cluster", "c.yaml", "--hetero-model", "tiny"],
             "--hetero-cluster needs --global-batch-size",
         ),
+        (
+            [
+                "--hetero-cluster",
+                "c.yaml",
+                "--hetero-model",
+                "tiny",
+                "--global-batch-size",
+                "8",
+                "--overlap-param-gather",
+            ],
+            "--overlap-param-gather: needs --use-distributed-optimizer",
+        ),
     ],
 )
 def test_plan_source_flags(flags, message, capsys):

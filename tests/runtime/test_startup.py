@@ -74,6 +74,7 @@ def test_flag_errors(repo_root, plan_path, flags, message):
         (["--split", "abc"], "--split 'abc': give up to three non-negative weights"),
         (["--split", "1,nan,0"], "--split '1,nan,0': give up to three non-negative weights"),
         (["--hidden-size", "x"], "argument --hidden-size: invalid int value: 'x'"),
+        (["--ddp-bucket-size", "0"], "--ddp-bucket-size must be >= 1, got 0"),
     ],
 )
 def test_bad_flag_values(flags, message):
@@ -86,6 +87,27 @@ def test_bad_flag_values(flags, message):
     assert e.value.problems == [e.value.problems[0]] and message in e.value.problems[0], (
         e.value.problems
     )
+
+
+@pytest.mark.parametrize("field", ["overlap_grad_reduce", "overlap_param_gather"])
+def test_overlap_flags_follow_the_plan(plan_path, field):
+    """--overlap-grad-reduce / --overlap-param-gather are the plan's to decide: given against a
+    plan without them, one clear error; against a plan with them, accepted."""
+    import dataclasses
+
+    from megatron_hexi.arguments import check_against_plan, parse_args
+    from planner.errors import SpecError
+
+    flag = "--" + field.replace("_", "-")
+    args = parse_args(["--hetero-plan-path", str(plan_path), *REPO_FLAGS, flag])
+    plan = load_plan(plan_path)
+    with pytest.raises(SpecError) as e:
+        check_against_plan(args, plan)
+    assert e.value.problems == [
+        f"{flag} contradicts the plan ({field}: false); re-plan with hexi-plan ... {flag}"
+    ]
+    training = dataclasses.replace(plan.training, use_distributed_optimizer=True, **{field: True})
+    check_against_plan(args, dataclasses.replace(plan, training=training))
 
 
 def test_bad_flag_value_is_one_line(repo_root, plan_path):

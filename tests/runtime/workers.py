@@ -109,6 +109,7 @@ def train(plan_path, defect=None, extra_flags=()):
     out = {
         "losses": [h["lm_loss"] for h in history],
         "grad_norms": [h["grad_norm"] for h in history],
+        "grad_sync_exposed_s": [h["grad_sync_exposed_s"] for h in history],
         "sync_bytes": trainer.grad_sync.bytes_per_step,
         "plan_rank": trainer.rank,
     }
@@ -302,3 +303,44 @@ def _pipeline_mean_evaluation(enabled):
         yield
     finally:
         training.Trainer.evaluate = real_evaluate
+
+
+def train_each(runs):
+    """`train` once per (plan path, extra flags) in `runs`, one after another in the same
+    processes (one launch checks several plans); per run, `train`'s result plus, per plan rank,
+    the gradient buckets and how many of them started during the backward pass."""
+    import torch.distributed as dist
+
+    made = _record_trainers()
+    results = []
+    for plan_path, extra_flags in runs:
+        out = train(plan_path, extra_flags=extra_flags)
+        sync = made[-1].grad_sync
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(
+            everyone,
+            (made[-1].rank, len(sync.buckets), sync.started_in_backward),
+        )
+        out["buckets"] = {r: n for r, n, _ in everyone}
+        out["started_in_backward"] = {r: n for r, _, n in everyone}
+        results.append(out)
+    return results
+
+
+def train_listing_buckets(plan_path, extra_flags=()):
+    """`train`, plus every plan rank's gradient buckets in the order it starts them: per bucket
+    its rank set and the canonical slices it holds ((name, dim, start, length) each)."""
+    import torch.distributed as dist
+
+    made = _record_trainers()
+    out = train(plan_path, extra_flags=extra_flags)
+    trainer = made[0]
+    mine = [
+        (b.ranks, tuple((s.name, s.dim, s.global_start, s.length) for s in b.slots))
+        for b in trainer.grad_sync.buckets
+    ]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (trainer.rank, mine, trainer.grad_sync.started_in_backward))
+    out["bucket_order"] = {r: order for r, order, _ in everyone}
+    out["started_in_backward"] = {r: n for r, _, n in everyone}
+    return out

@@ -6,7 +6,8 @@
 1. Profile the local device with `hexi-profile` (the bench model, --comm-procs 2, the runtime's
    thread setting: OMP_NUM_THREADS=1 per process, as torchrun and the test harness run ranks),
    unless --profile gives one.
-2. For each plan below (all fit 2 cores: at most 2 processes), build the plan over a one-node
+2. For each plan below (all fit 2 cores: at most 2 processes; the two data-parallel ones also
+   with `overlap_grad_reduce`), build the plan over a one-node
    cluster whose group references the profile (gpus_per_node = the plan's processes, which sets
    the profile's contention model), predict the iteration time with the simulator (also with the
    catalog figures, no profile), then train it with the runtime (tests/harness.run_distributed,
@@ -148,10 +149,28 @@ PLANS = {
         False,
     ),
 }
+# The data-parallel plans again with the gradient sync overlapped (the plan's training field),
+# in buckets of OVERLAP_BUCKET elements (--ddp-bucket-size; about a third of a layer of the bench
+# model, whose 4.7 M parameters Megatron-LM's 40 M default would put in one bucket, ready only at
+# the end of the backward). The runs and the predictions use the same bound.
+OVERLAPPED = {"DP2": "DP2 overlap", "2 pipelines 6x1 | 1x2": "2 pipelines overlap"}
+PLANS.update({new: PLANS[old] for old, new in OVERLAPPED.items()})
+OVERLAP_BUCKET = 250_000
 
 
-def run_config(iters, device_type):
-    """The runs' settings: mock data, Adam at a constant lr, no dropout, on `device_type`."""
+def _training(name):
+    """The plan's `training` settings besides recompute."""
+    return {"overlap_grad_reduce": True} if name in OVERLAPPED.values() else {}
+
+
+def _bucket_size(name):
+    """The runtime's --ddp-bucket-size for plan `name` (None: its default)."""
+    return OVERLAP_BUCKET if name in OVERLAPPED.values() else None
+
+
+def run_config(iters, device_type, bucket_size=None):
+    """The runs' settings: mock data, Adam at a constant lr, no dropout, on `device_type`;
+    `bucket_size`: --ddp-bucket-size."""
     from megatron_hexi.config import (
         DataConfig,
         DropoutConfig,
@@ -168,7 +187,7 @@ def run_config(iters, device_type):
         lr_schedule=LRScheduleConfig(lr_decay_style="constant"),
         dropout=DropoutConfig(attention_dropout=0.0, hidden_dropout=0.0),
         data=DataConfig(mock_data=True),
-        runtime=RuntimeConfig(device=device_type),
+        runtime=RuntimeConfig(device=device_type, ddp_bucket_size=bucket_size),
     )
 
 
@@ -211,13 +230,13 @@ class _SavedBytes:
         return x.t if hasattr(x, "t") and not hasattr(x, "shape") else x
 
 
-def train_rank(plan, iters, device_type, measure_memory):
+def train_rank(plan, iters, device_type, measure_memory, bucket_size=None):
     import torch
     import torch.distributed as dist
 
     from megatron_hexi.training import Trainer, init_distributed
 
-    config = run_config(iters, device_type)
+    config = run_config(iters, device_type, bucket_size)
     device = init_distributed(plan, config)
     trainer = Trainer(plan, config, device)
     times = []
@@ -368,6 +387,7 @@ def main(argv=None):
     import fidelity as this
     from harness import run_distributed
     from planner.costmodel import Topology
+    from planner.gradsync import BUCKET_ELEMENTS
     from planner.models import load_model
     from planner.plan import build_plan
     from planner.profile import cost_sources
@@ -396,6 +416,7 @@ def main(argv=None):
                 GLOBAL_BATCH,
                 PLANS[name][0],
                 recompute=PLANS[name][1],
+                **_training(name),
             )
             for name in names
         }
@@ -410,6 +431,7 @@ def main(argv=None):
                     a.warmup + a.steps,
                     a.device,
                     rnd == 0,
+                    _bucket_size(name),
                     timeout=a.timeout,
                     env={"OMP_NUM_THREADS": "1"},
                     hide_cuda=a.device == "cpu",
@@ -427,11 +449,18 @@ def main(argv=None):
             pipelines, recompute = PLANS[name]
             world = _world(pipelines)
             plan = plans[name]
-            est = simulate(plan)
+            est = simulate(plan, bucket_elements=_bucket_size(name) or BUCKET_ELEMENTS)
             cat_plan = build_plan(
-                _cluster(world, None), model, GLOBAL_BATCH, pipelines, recompute=recompute
+                _cluster(world, None),
+                model,
+                GLOBAL_BATCH,
+                pipelines,
+                recompute=recompute,
+                **_training(name),
             )
-            catalog = simulate(cat_plan).iteration_time_s
+            catalog = simulate(
+                cat_plan, bucket_elements=_bucket_size(name) or BUCKET_ELEMENTS
+            ).iteration_time_s
             if not rows:
                 for line in cost_sources(Topology(plan.cluster), model).values():
                     print(f"cost source: {line}", flush=True)
