@@ -16,8 +16,7 @@ master weights take it as their gradient. Nothing is rounded to bf16 on the way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -218,15 +217,11 @@ class GradientSync:
                 p.register_post_accumulate_grad_hook(self._gradient_final)
 
     # -- overlap ---------------------------------------------------------------------------
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> _NotFinal:
         """megatron-core's `config.no_sync_func`: gradients accumulated inside are not final
-        (the schedule leaves it just before the last micro-batch's backward)."""
-        self._armed = False
-        try:
-            yield
-        finally:
-            self._armed = True
+        (the schedule leaves it just before the last micro-batch's backward; a forward-only
+        schedule never leaves it, and the next training schedule enters it again)."""
+        return _NotFinal(self)
 
     def _gradient_final(self, param: torch.Tensor) -> None:
         if not self._armed or id(param) in self._final:
@@ -316,6 +311,19 @@ class GradientSync:
         A slice along dim 1 (a column range of `linear_proj` or `linear_fc2`) is strided: it goes
         to `global_norm` only, never to a fused multi-tensor kernel, which would refuse it."""
         return [s.grad_view() for s in self.owned]
+
+
+class _NotFinal:
+    """The context of `GradientSync.no_sync`: gradients are not final inside it."""
+
+    def __init__(self, sync: GradientSync) -> None:
+        self.sync = sync
+
+    def __enter__(self) -> None:
+        self.sync._armed = False
+
+    def __exit__(self, *exc: object) -> None:
+        self.sync._armed = True
 
 
 class _Placed(NamedTuple):
