@@ -16,6 +16,7 @@ from planner.cli_args import (
     PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER,
     ArgumentParser,
     Register,
+    add_attention_backend_flag,
     bounded_int,
     percent,
     with_examples,
@@ -58,6 +59,7 @@ def cmd_manual(args: argparse.Namespace) -> None:
         optimizer_shard=args.optimizer_shard,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
+        attention_backend=args.attention_backend,
     )
     save_plan(plan, args.output)
     print(f"wrote {args.output}: {plan.world_size} ranks, {len(plan.pipelines)} pipelines")
@@ -80,7 +82,7 @@ def _sizes(sizes: object) -> str:
 
 
 def training_settings(plan: Plan) -> str:
-    """The plan's runtime settings in one line: recompute, optimizer, overlap."""
+    """The plan's runtime settings in one line: recompute, optimizer, overlap, attention."""
     t = plan.training
     optimizer = (
         f"distributed ({t.optimizer_shard} shards)" if t.use_distributed_optimizer else "plain"
@@ -88,7 +90,8 @@ def training_settings(plan: Plan) -> str:
     on = {True: "on", False: "off"}
     return (
         f"recompute {on[t.recompute]}, optimizer {optimizer}, overlap-grad-reduce "
-        f"{on[t.overlap_grad_reduce]}, overlap-param-gather {on[t.overlap_param_gather]}"
+        f"{on[t.overlap_grad_reduce]}, overlap-param-gather {on[t.overlap_param_gather]}, "
+        f"attention {t.attention_backend}"
     )
 
 
@@ -214,6 +217,7 @@ def build_parser() -> ArgumentParser:
         help="with --use-distributed-optimizer: parameter all-gathers hidden behind the next "
         "forward (the runtime's flag of that name)",
     )
+    add_attention_backend_flag(p)
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_manual)
 

@@ -11,6 +11,7 @@ import textwrap
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeAlias
 
+from planner.attention import ATTENTION_BACKENDS, CLI_DEFAULT_BACKEND
 from planner.errors import SpecError
 from planner.limits import MAX_NUMBER_CHARS
 from planner.models import ModelSpec, model_from_dict
@@ -65,6 +66,18 @@ def with_examples(*commands: str, note: str = "", width: int = 96) -> dict[str, 
             cur += unit + " "
         lines.append(cur.rstrip())
     return {"epilog": "\n".join(lines), "formatter_class": argparse.RawDescriptionHelpFormatter}
+
+
+def add_attention_backend_flag(p: argparse.ArgumentParser) -> None:
+    """--attention-backend of `plan`, `min-nodes` and `manual`: the runtime's flag of that name,
+    which the plan records (`training.attention_backend`) and the cost model follows."""
+    p.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default=CLI_DEFAULT_BACKEND,
+        help="the attention the runtime will run: auto, flash and fused keep no s x s scores; "
+        f"unfused and local (megatron-core's) keep them (default: {CLI_DEFAULT_BACKEND})",
+    )
 
 
 def bounded_int(lo: int, hi: int) -> Callable[[str], int]:

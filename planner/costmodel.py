@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from planner.attention import PLAN_DEFAULT_BACKEND, keeps_scores, unfused_attention_times
 from planner.catalog import get_gpu
 from planner.errors import SpecError
 from planner.flops import attention_flops, head_flops, mlp_flops
@@ -54,10 +55,12 @@ ADAM_STEP_BYTES_PER_PARAM = 30
 # assumption, one value for every device.
 FRAMEWORK_RESERVE_BYTES = 1.5e9
 
-# The runtime builds megatron-core's local attention (DotProductAttention), which keeps the s x s
-# softmax, its dropout mask and output for backward: the 5as/h term of Korthikanti et al.'s
-# formula applies. A flash/fused attention (Transformer Engine) would drop it.
-FLASH_ATTENTION = False
+# Attention follows the plan's `training.attention_backend` (planner.attention): an unfused one
+# (megatron-core's DotProductAttention) keeps the s x s softmax output, its dropout mask and the
+# dropout output for backward, the 5as/h term below, and moves its s x s tensors through device
+# memory (planner.attention.unfused_attention_times, with its sourced byte counts); a fused one
+# (scaled_dot_product_attention's flash or memory-efficient kernel) keeps neither and is timed by
+# its FLOPs alone.
 
 # Korthikanti et al. 2022 (Reducing Activation Recomputation in Large Transformer Models), Sec. 4.1,
 # activation bytes per layer without sequence parallelism: s*b*h*(34 + 5*a*s/h). Split into the
@@ -70,7 +73,7 @@ FLASH_ATTENTION = False
 ACT_REPLICATED = 10
 ACT_ATTENTION_SHARDED = 8
 ACT_MLP_BYTES_PER_FFN_COLUMN = {False: 4, True: 8}  # by swiglu
-ACT_SCORES_PER_AS_OVER_H = 5
+ACT_SCORES_PER_AS_OVER_H = 5  # unfused attention only (planner.attention.keeps_scores)
 
 # Vocabulary-parallel cross entropy: three small all-reduces of [s, b] fp32 in forward (max,
 # sum of exp, target logit), megatron-core's tensor_parallel.cross_entropy.
@@ -395,8 +398,15 @@ class AnalyticCosts:
     """Per micro-batch costs of a TP group from FLOPs at each device's sustained rate and ring
     collectives on the group's slowest link."""
 
-    def __init__(self, m: ModelSpec, devices: Sequence[Device], tp_link: tuple[float, float]):
+    def __init__(
+        self,
+        m: ModelSpec,
+        devices: Sequence[Device],
+        tp_link: tuple[float, float],
+        attention_backend: str = PLAN_DEFAULT_BACKEND,
+    ):
         self.m, self.devices, self.tp_link = m, devices, tp_link
+        self.unfused = keeps_scores(attention_backend)
 
     def layer_times(
         self, mbs: int, qg: Sequence[int], ffn: Sequence[int], recompute: bool
@@ -407,18 +417,27 @@ class AnalyticCosts:
         to its FFN columns; the group waits for the slowest rank at each of the two all-reduces
         per pass (after attention and after the MLP, [s, b, h] bf16 each). Backward = 2 x
         forward compute and 2 all-reduces; full recompute adds one forward (compute and its
-        all-reduces) to backward.
+        all-reduces) to backward. Unfused attention adds its score traffic
+        (`unfused_attention_times`) to each rank's attention share.
         """
         m, devices = self.m, self.devices
         g, f = m.num_query_groups, m.ffn_hidden_size
         att, mlp = attention_flops(m, mbs), mlp_flops(m, mbs)
-        c_att = max(att * q / g / dev.flops for q, dev in zip(qg, devices))
         c_mlp = max(mlp * x / f / dev.flops for x, dev in zip(ffn, devices))
-        cf = c_att + c_mlp
         t = len(devices)
         ar = ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t, *self.tp_link)
         tf = 2 * ar
-        cb, tb = 2 * cf, 2 * ar
+        if self.unfused:
+            att_f = att_b = 0.0
+            for q, dev in zip(qg, devices):
+                xf, xb = unfused_attention_times(m, mbs, q, dev.mem_bw)
+                c = att * q / g / dev.flops
+                att_f, att_b = max(att_f, c + xf), max(att_b, 2 * c + xb)
+            cf = att_f + c_mlp
+            cb, tb = att_b + 2 * c_mlp, 2 * ar
+        else:
+            cf = max(att * q / g / dev.flops for q, dev in zip(qg, devices)) + c_mlp
+            cb, tb = 2 * cf, 2 * ar
         if recompute:
             cb, tb = cb + cf, tb + tf
         return cf, tf, cb, tb
@@ -454,14 +473,18 @@ class AnalyticCosts:
 
 
 def group_costs(
-    m: ModelSpec, devices: Sequence[Device], tp_link: tuple[float, float]
+    m: ModelSpec,
+    devices: Sequence[Device],
+    tp_link: tuple[float, float],
+    attention_backend: str = PLAN_DEFAULT_BACKEND,
 ) -> AnalyticCosts | MeasuredCosts:
     """The cost source of one TP group, chosen once: measured times (planner.profile) when a
     device carries a detailed profile, else FLOPs and ring collectives (`AnalyticCosts`). Both
-    answer layer_times, embedding_times, head_times and extra."""
+    answer layer_times, embedding_times, head_times and extra. `attention_backend`: the plan's;
+    an unfused one adds its score traffic wherever a layer is timed from FLOPs."""
     if any(d.profile is not None for d in devices):
-        return MeasuredCosts(m, devices, tp_link)
-    return AnalyticCosts(m, devices, tp_link)
+        return MeasuredCosts(m, devices, tp_link, attention_backend)
+    return AnalyticCosts(m, devices, tp_link, attention_backend)
 
 
 def stage_cost(
@@ -474,9 +497,10 @@ def stage_cost(
     last: bool,
     tp_link: tuple[float, float],
     recompute: bool,
+    attention_backend: str = PLAN_DEFAULT_BACKEND,
 ) -> StageCost:
     """StageCost of a stage holding `n_layers` layers (+ embedding if first, + head if last)."""
-    costs = group_costs(m, devices, tp_link)
+    costs = group_costs(m, devices, tp_link, attention_backend)
     cf, tf, cb, tb = costs.layer_times(mbs, shards["query_groups"], shards["ffn"], recompute)
     fwd, bwd = n_layers * (cf + tf), n_layers * (cb + tb)
     compute, tp = n_layers * (cf + cb), n_layers * (tf + tb)
@@ -499,13 +523,20 @@ def stage_cost(
 # ---------------------------------------------------------------------------------------- memory
 
 
-def layer_activation_bytes(m: ModelSpec, mbs: int, qg: int, ffn: int, recompute: bool) -> float:
+def layer_activation_bytes(
+    m: ModelSpec,
+    mbs: int,
+    qg: int,
+    ffn: int,
+    recompute: bool,
+    attention_backend: str = PLAN_DEFAULT_BACKEND,
+) -> float:
     """Bytes one layer keeps for backward per in-flight micro-batch on a rank (Korthikanti 2022).
 
-    s*b*h*(10 + 8*qg/g) + s*b*ffn*(8 SwiGLU | 4 GeLU) [+ 5*a*s^2*b*qg/g without flash
-    attention]: the published s*b*h*(34 + 5as/h) (GeLU, F = 4h) with the TP-sharded terms scaled by
-    this rank's share and the MLP term per FFN column. With full recompute only the layer input
-    [s, b, h] bf16 is kept.
+    s*b*h*(10 + 8*qg/g) + s*b*ffn*(8 SwiGLU | 4 GeLU) [+ 5*a*s^2*b*qg/g with an unfused
+    attention backend]: the published s*b*h*(34 + 5as/h) (GeLU, F = 4h) with the TP-sharded terms
+    scaled by this rank's share and the MLP term per FFN column. With full recompute only the
+    layer input [s, b, h] bf16 is kept.
     """
     s, h, a = m.seq_length, m.hidden_size, m.num_attention_heads
     sbh = s * mbs * h
@@ -514,7 +545,7 @@ def layer_activation_bytes(m: ModelSpec, mbs: int, qg: int, ffn: int, recompute:
     qf = qg / m.num_query_groups
     act = sbh * (ACT_REPLICATED + ACT_ATTENTION_SHARDED * qf)
     act += s * mbs * ffn * ACT_MLP_BYTES_PER_FFN_COLUMN[m.swiglu]
-    if not FLASH_ATTENTION:
+    if keeps_scores(attention_backend):
         act += ACT_SCORES_PER_AS_OVER_H * a * s * s * mbs * qf
     return act
 
@@ -573,6 +604,7 @@ class RankShape:
     num_microbatches: int
     recompute: bool
     optimizer_fraction: float = 1.0  # share of fp32 master + Adam state (distributed optimizer)
+    attention_backend: str = PLAN_DEFAULT_BACKEND  # the plan's (planner.attention)
 
 
 def rank_memory(m: ModelSpec, shape: RankShape, n_layers: int) -> MemoryUse:
@@ -586,9 +618,11 @@ def rank_memory(m: ModelSpec, shape: RankShape, n_layers: int) -> MemoryUse:
     r = shape
     params = stage_params(m, r.query_groups, r.ffn, r.vocab, n_layers, r.first, r.last)
     inflight = in_flight_microbatches(r.position, r.num_stages, r.num_microbatches)
-    act = inflight * n_layers * layer_activation_bytes(m, r.mbs, r.query_groups, r.ffn, r.recompute)
+    backend = r.attention_backend
+    per_layer = layer_activation_bytes(m, r.mbs, r.query_groups, r.ffn, r.recompute, backend)
+    act = inflight * n_layers * per_layer
     if r.recompute:
-        act += layer_activation_bytes(m, r.mbs, r.query_groups, r.ffn, False)
+        act += layer_activation_bytes(m, r.mbs, r.query_groups, r.ffn, False, backend)
     logits = m.seq_length * r.mbs * r.vocab * FP32_BYTES if r.last else 0.0
     return MemoryUse(
         params * WEIGHT_BYTES_PER_PARAM,

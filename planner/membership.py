@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from planner.attention import PLAN_DEFAULT_BACKEND
 from planner.cli_args import with_seq_length
 from planner.cluster import ClusterSpec, LinkOverride
 from planner.errors import ClusterError, SpecError
@@ -33,6 +34,8 @@ class PlanningOptions:
     # the runtime's --overlap-grad-reduce / --overlap-param-gather (the plan records them)
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    # the runtime's --attention-backend (planner.attention's names; the plan records it)
+    attention_backend: str = PLAN_DEFAULT_BACKEND
 
 
 def plan_for(
@@ -51,6 +54,7 @@ def plan_for(
         progress=progress,
         overlap_grad_reduce=options.overlap_grad_reduce,
         overlap_param_gather=options.overlap_param_gather,
+        attention_backend=options.attention_backend,
     )
 
 

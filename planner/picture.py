@@ -268,6 +268,7 @@ def plan_figure(plan: Plan) -> Figure:
             ("distributed optimizer", plan.training.use_distributed_optimizer),
             ("overlap grad reduce", plan.training.overlap_grad_reduce),
             ("overlap param gather", plan.training.overlap_param_gather),
+            (f"{plan.training.attention_backend} attention", True),
         )
         if on
     ]

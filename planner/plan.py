@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from planner.attention import ATTENTION_BACKENDS, PLAN_DEFAULT_BACKEND
 from planner.cluster import ClusterSpec, load_cluster_dict
 from planner.errors import PlanError, SpecError
 from planner.inputs import (
@@ -49,6 +50,7 @@ _TRAINING_KEYS = {
     "optimizer_shard",
     "overlap_grad_reduce",
     "overlap_param_gather",
+    "attention_backend",
 }
 _PIPELINE_KEYS = {"micro_batch_size", "num_microbatches", "stages"}
 _STAGE_KEYS = {"ranks", "layers", "shards"}
@@ -122,6 +124,8 @@ class Training:
     # distributed optimizer during the next forward. Absent in a plan: off (serial, as before).
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    # planner.attention's names; absent in a plan: unfused (what plans meant before the field)
+    attention_backend: str = PLAN_DEFAULT_BACKEND
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -135,6 +139,8 @@ class Training:
             d["overlap_grad_reduce"] = True
         if self.overlap_param_gather:
             d["overlap_param_gather"] = True
+        if self.attention_backend != PLAN_DEFAULT_BACKEND:
+            d["attention_backend"] = self.attention_backend
         return d
 
 
@@ -456,6 +462,12 @@ def validate_plan_dict(data: object) -> list[str]:
             )
         if training.get("optimizer_shard", "even") not in ("even", "memory"):
             problems.append("training.optimizer_shard: must be even or memory")
+        backend = training.get("attention_backend", PLAN_DEFAULT_BACKEND)
+        if not isinstance(backend, str) or backend not in ATTENTION_BACKENDS:
+            problems.append(
+                f"training.attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {short(backend)}"
+            )
 
     pipelines = data["pipelines"]
     owner: dict[int, str] = {}
@@ -602,6 +614,7 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         t.get("optimizer_shard", "even"),
         t.get("overlap_grad_reduce", False),
         t.get("overlap_param_gather", False),
+        t.get("attention_backend", PLAN_DEFAULT_BACKEND),
     )
     pipelines = [
         Pipeline(
@@ -652,6 +665,7 @@ def build_plan(
     optimizer_shard: str = "even",
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
+    attention_backend: str = PLAN_DEFAULT_BACKEND,
 ) -> Plan:
     """A complete plan from a `pipelines` array (the plan's own shape, as dicts).
 
@@ -686,6 +700,7 @@ def build_plan(
             optimizer_shard,
             overlap_grad_reduce,
             overlap_param_gather,
+            attention_backend,
         ).to_dict(),
         "cluster": cluster.to_dict(),
         "pipelines": pipelines,

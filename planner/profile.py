@@ -16,6 +16,12 @@ A node group's `profile: path.json` (planner/costmodel.device_for) may be
   all-reduces lose to the compute beside them (and what compute loses to polling collectives).
   For another model it falls back to `matmul_tflops`.
 
+Attention backend (the plan's `training.attention_backend`): a measured layer time is taken as
+it was measured, whichever attention the profiling run used; an unfused backend's s x s traffic
+(planner/attention.unfused_attention_times) is added only to layers timed from FLOPs (a device
+without a detailed profile, or one measured for another model). Memory follows the plan's
+backend everywhere.
+
 CPU contention (stated model): a node of a CPU profile runs `gpus_per_node` processes of `threads`
 threads on `cpu_cores` cores. With k processes the compute slows by the measured `contention`
 slowdown at the profiled process count (interpolated linearly from 1.0 at one process), and beyond
@@ -37,6 +43,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from planner.attention import PLAN_DEFAULT_BACKEND, keeps_scores, unfused_attention_times
 from planner.errors import SpecError
 from planner.flops import attention_flops, attention_fraction, head_flops, mlp_flops
 from planner.inputs import is_number, read_json
@@ -295,8 +302,17 @@ class MeasuredCosts:
     measurements (in-situ TP runs, the all-reduce curve or its fit).
     """
 
-    def __init__(self, m: ModelSpec, devices: Sequence[Device], tp_link: Sequence[float]):
+    def __init__(
+        self,
+        m: ModelSpec,
+        devices: Sequence[Device],
+        tp_link: Sequence[float],
+        attention_backend: str = PLAN_DEFAULT_BACKEND,
+    ):
         self.m, self.devices, self.tp_link = m, devices, tuple(tp_link)
+        # an unfused backend's score traffic is added where a layer is timed from FLOPs; a
+        # measured layer time holds whatever its attention moved
+        self.unfused = keeps_scores(attention_backend)
         self.measured = [
             d.profile if d.profile is not None and d.profile.profile.matches(m) else None
             for d in devices
@@ -320,7 +336,12 @@ class MeasuredCosts:
                 )
             else:
                 fw = (attention_flops(m, mbs) * q / g + mlp_flops(m, mbs) * x / f) / dev.flops
-                bw = fw * (3 if recompute else 2)
+                bw = fw * 2
+                if self.unfused:
+                    xf, xb = unfused_attention_times(m, mbs, q, dev.mem_bw)
+                    fw, bw = fw + xf, bw + xb
+                if recompute:
+                    bw += fw
             cf, cb = max(cf, fw), max(cb, bw)
         t, prof = len(self.devices), self.comm
         if t > 1 and prof.in_situ_tp(m, t, self.tp_link):

@@ -12,7 +12,9 @@ Strategies (all scored by the same simulator):
 The outer loop covers micro-batch size and recompute. Deterministic for a seed.
 
 With overlap_grad_reduce / overlap_param_gather the candidates are ranked and scored with the
-overlapped gradient sync (planner.gradsync's overlap model) and the plan records both settings.
+overlapped gradient sync (planner.gradsync's overlap model) and the plan records both settings;
+likewise every candidate is costed (time and memory) with the given attention backend, which the
+plan records.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from planner import costmodel as cm
+from planner.attention import ATTENTION_BACKENDS, PLAN_DEFAULT_BACKEND, keeps_scores
 from planner.cli_args import PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER
 from planner.errors import SpecError
 from planner.gradsync import (
@@ -226,9 +229,16 @@ class Searcher:
         progress: bool = False,
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
+        attention_backend: str = PLAN_DEFAULT_BACKEND,
     ):
         if recompute not in ("auto", "on", "off"):
             raise SpecError(f"--recompute: must be auto, on or off, got {recompute!r}")
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise SpecError(
+                f"--attention-backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {attention_backend!r}"
+            )
+        self.attention_backend = attention_backend
         if overlap_param_gather and not use_distributed_optimizer:
             raise SpecError(PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER)
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -262,7 +272,9 @@ class Searcher:
         fraction = 1 / K if self.dist_opt else 1.0
         key = (mbs, rc, fraction)
         if key not in self._contexts:
-            self._contexts[key] = Context(self.model, self.topo, mbs, rc, fraction, self._fits)
+            self._contexts[key] = Context(
+                self.model, self.topo, mbs, rc, fraction, self._fits, self.attention_backend
+            )
         return self._contexts[key]
 
     def chunk_levels(self) -> list[int]:
@@ -384,6 +396,7 @@ class Searcher:
                 self.simulations,
                 self.overlap_grad_reduce,
                 self.overlap_param_gather,
+                attention_backend=self.attention_backend,
             )
         e = cand.estimate
         return (not e.fits_memory, e.iteration_time_s)
@@ -591,6 +604,7 @@ class Searcher:
                             self.simulations,
                             self.overlap_grad_reduce,
                             self.overlap_param_gather,
+                            attention_backend=self.attention_backend,
                         )
                         key = (not e.fits_memory, e.iteration_time_s)
                         if best is None or key < best.key:
@@ -619,6 +633,7 @@ class Searcher:
                 use_distributed_optimizer=self.dist_opt,
                 overlap_grad_reduce=self.overlap_grad_reduce,
                 overlap_param_gather=self.overlap_param_gather,
+                attention_backend=self.attention_backend,
             )
         elif fitting_uni is not None:
             # hexi keeps the uniform layout as one of its seeds: it never does worse
@@ -631,6 +646,7 @@ class Searcher:
                 use_distributed_optimizer=self.dist_opt,
                 overlap_grad_reduce=self.overlap_grad_reduce,
                 overlap_param_gather=self.overlap_param_gather,
+                attention_backend=self.attention_backend,
             )
         else:
             raise SpecError(self.explain_infeasible(strategy))
@@ -676,12 +692,16 @@ class Searcher:
             )
         mbs = min(self.mbs_list)
         rc = max(self.rc_list)
-        act = cm.layer_activation_bytes(m, mbs, m.num_query_groups, m.ffn_hidden_size, rc)
+        act = cm.layer_activation_bytes(
+            m, mbs, m.num_query_groups, m.ffn_hidden_size, rc, self.attention_backend
+        )
         hints = []
         if not rc:
             hints.append("--recompute on")
         if mbs > 1:
             hints.append("--micro-batch-size 1")
+        if keeps_scores(self.attention_backend):
+            hints.append("--attention-backend auto (keeps no s x s scores)")
         hints.append("more GPUs")
         if not self.dist_opt:
             hints.append("--use-distributed-optimizer")
@@ -756,12 +776,14 @@ def search_plan(
     progress: bool = False,
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
+    attention_backend: str = PLAN_DEFAULT_BACKEND,
 ) -> Plan:
     """The best plan under `strategy`, validated and with `estimate` filled; SpecError if none.
 
-    `overlap_grad_reduce`, `overlap_param_gather`: the runtime settings the plan is made for
-    (written into its `training`); the caller picks them (`overlap_by_default` is the CLI's
-    default)."""
+    `overlap_grad_reduce`, `overlap_param_gather`, `attention_backend`: the runtime settings the
+    plan is made for (written into its `training`, every candidate costed with them); the caller
+    picks them (`overlap_by_default` and planner.attention.CLI_DEFAULT_BACKEND are the CLI's
+    defaults)."""
     s = Searcher(
         cluster,
         model,
@@ -773,6 +795,7 @@ def search_plan(
         progress,
         overlap_grad_reduce,
         overlap_param_gather,
+        attention_backend,
     )
     # The search allocates millions of small tuples and no reference cycles to speak of: the
     # cyclic collector's generation scans would cost up to a fifth of the time on large clusters.

@@ -10,6 +10,7 @@ from planner.cli_args import (
     MFU_NOTE,
     PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER,
     Subparsers,
+    add_attention_backend_flag,
     bounded_int,
     percent,
     with_examples,
@@ -88,6 +89,7 @@ def planning_options(args: argparse.Namespace, cluster: ClusterSpec) -> Planning
         seed=args.seed,
         overlap_grad_reduce=overlap_grad,
         overlap_param_gather=overlap_gather,
+        attention_backend=args.attention_backend,
     )
 
 
@@ -154,6 +156,7 @@ def add_planning_flags(p: argparse.ArgumentParser) -> None:
         "the next forward (default: on with the distributed optimizer, off where nodes use a "
         "CPU profile)",
     )
+    add_attention_backend_flag(p)
 
 
 def register_commands(sub: Subparsers) -> None:

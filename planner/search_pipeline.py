@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 from planner import costmodel as cm
+from planner.attention import PLAN_DEFAULT_BACKEND
 from planner.layout import proportional_split
 from planner.schedule import linear_fit, pipeline_time, steady_period
 
@@ -105,7 +106,8 @@ class PipelineDraft:
 
 class Context:
     """Inputs and caches of one search for one (micro-batch, recompute, optimizer share) knob:
-    model, topology, batch knobs; `fits` is shared by the search's contexts.
+    model, topology, batch knobs, the attention backend (one per search); `fits` is shared by
+    the search's contexts.
 
     `optimizer_fraction`: the share of its optimizer state a rank is assumed to hold while
     stages are laid out (1, or 1/K for the distributed optimizer over K pipelines); the
@@ -119,8 +121,10 @@ class Context:
         recompute: bool,
         optimizer_fraction: float,
         fits: Fits,
+        attention_backend: str = PLAN_DEFAULT_BACKEND,
     ):
         self.model, self.topo, self.mbs, self.recompute = model, topo, mbs, recompute
+        self.attention_backend = attention_backend
         self.optimizer_fraction = optimizer_fraction
         self.fits = fits
         # best pipeline per part signature (planner.search keeps its own entries)
@@ -150,7 +154,7 @@ class Context:
             "ffn": tuple(proportional_split(m.ffn_hidden_size, speeds)),
             "vocab": tuple(proportional_split(m.vocab_size, speeds)),
         }
-        costs = cm.group_costs(m, devs, topo.slowest(ranks))
+        costs = cm.group_costs(m, devs, topo.slowest(ranks), self.attention_backend)
         cf, tf, cb, tb = costs.layer_times(
             self.mbs, shards["query_groups"], shards["ffn"], self.recompute
         )
@@ -198,6 +202,7 @@ class Context:
             shape = cm.RankShape(
                 self.mbs, qg, ffn, vocab, first, last, position, num_stages,
                 num_stages - position, self.recompute, self.optimizer_fraction,
+                self.attention_backend,
             )  # fmt: skip
             got = self._fit[key] = cm.layers_that_fit(capacity, self.model, shape)
         return got

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from planner import costmodel as cm
+from planner.attention import PLAN_DEFAULT_BACKEND
 from planner.flops import model_flops_per_sample
 from planner.gradsync import (
     BUCKET_ELEMENTS,
@@ -165,6 +166,7 @@ def simulate(
         plan.training.overlap_grad_reduce,
         plan.training.overlap_param_gather,
         bucket_elements,
+        plan.training.attention_backend,
     )
 
 
@@ -188,18 +190,19 @@ def simulate_layout(
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
     bucket_elements: int = BUCKET_ELEMENTS,
+    attention_backend: str = PLAN_DEFAULT_BACKEND,
 ) -> Estimate:
     """Estimate of a layout: `layouts` as from layouts_of, `batches` [(mbs, num_microbatches)].
 
     `cache`: a SimulationCache shared by the calls of one search (None: a fresh one).
-    `overlap_grad_reduce`, `overlap_param_gather`: the plan's training settings of those names
-    (the latter counts only with the distributed optimizer)."""
+    `overlap_grad_reduce`, `overlap_param_gather`, `attention_backend`: the plan's training
+    settings of those names (the parameter gather counts only with the distributed optimizer)."""
     m = model
     topo = topo or cm.Topology(cluster)
     cache = cache if cache is not None else SimulationCache()
     overlapped = overlap_grad_reduce or (overlap_param_gather and distributed_optimizer)
     ptimes, reports, ranks_all, mems_all, scheds, ends = _pipelines(
-        m, topo, layouts, batches, recompute, cache, None, overlapped
+        m, topo, layouts, batches, recompute, cache, None, overlapped, attention_backend
     )
     if overlapped:
         colls = collectives(m, layouts, distributed_optimizer)
@@ -227,7 +230,7 @@ def simulate_layout(
     slow = _shared_node_slowdowns(topo, reports, batches, max(ptimes) + sync)
     if slow:
         ptimes, reports, ranks_all, mems_all, scheds, ends = _pipelines(
-            m, topo, layouts, batches, recompute, cache, slow, overlapped
+            m, topo, layouts, batches, recompute, cache, slow, overlapped, attention_backend
         )
         if overlapped:
             sync, serial, worst_sync = overlapped_sync()
@@ -330,6 +333,7 @@ def _pipelines(
     sim_cache: SimulationCache,
     slow: Mapping[int, float] | None = None,
     with_ends: bool = False,
+    attention_backend: str = PLAN_DEFAULT_BACKEND,
 ) -> tuple[
     list[float],
     list[StageReport],
@@ -362,10 +366,13 @@ def _pipelines(
             nmb,
             recompute,
             mine,
+            attention_backend,
         )
         got = cache.get(key)
         if got is None:
-            got = cache[key] = _pipeline_eval(m, topo, stages, mbs, nmb, recompute, slow)
+            got = cache[key] = _pipeline_eval(
+                m, topo, stages, mbs, nmb, recompute, slow, attention_backend
+            )
         ptime, stage_rows, mems, sched = got
         ptimes.append(ptime)
         scheds.append(sched)
@@ -427,6 +434,7 @@ def _pipeline_eval(
     nmb: int,
     recompute: bool,
     slow: Mapping[int, float] | None = None,
+    attention_backend: str = PLAN_DEFAULT_BACKEND,
 ) -> PipelineEval:
     """(1F1B seconds, per stage (fwd, bwd, compute, tp_comm, p2p_in), per rank MemoryUse
     without optimizer state, the schedule's inputs) of one pipeline."""
@@ -446,6 +454,7 @@ def _pipeline_eval(
             last,
             link,
             recompute,
+            attention_backend,
         )
         fwd.append(c.fwd)
         bwd.append(c.bwd)
@@ -454,7 +463,7 @@ def _pipeline_eval(
         for i in range(len(st.ranks)):
             shape = cm.RankShape(
                 mbs, st.query_groups[i], st.ffn[i], st.vocab[i], first, last, k, p, nmb,
-                recompute, optimizer_fraction=0.0,
+                recompute, optimizer_fraction=0.0, attention_backend=attention_backend,
             )  # fmt: skip
             if shape not in seen:
                 seen[shape] = cm.rank_memory(m, shape, st.layers[1] - st.layers[0])

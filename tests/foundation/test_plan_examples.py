@@ -25,6 +25,10 @@ def _manual(hexi_plan, examples_dir, out, cluster, model, gbs, pipelines):
         examples_dir / "pipelines" / pipelines,
         "-o",
         out,
+        # the checked-in examples predate the attention backend: unfused, written without the
+        # field (the default is auto: tests/planner/test_attention_backend.py)
+        "--attention-backend",
+        "unfused",
     )
     assert (code, err) == (0, ""), err
     return stdout
@@ -43,7 +47,7 @@ def test_manual_validate_show_hetero_4rank(hexi_plan, examples_dir, tmp_path):
     assert hexi_plan("validate", out) == (
         0,
         f"{out}: valid plan, 4 ranks, 2 pipelines, global batch 8; recompute off, optimizer "
-        "plain, overlap-grad-reduce off, overlap-param-gather off\n",
+        "plain, overlap-grad-reduce off, overlap-param-gather off, attention unfused\n",
         "",
     )
     code, table, err = hexi_plan("show", out)
@@ -54,7 +58,7 @@ def test_manual_validate_show_hetero_4rank(hexi_plan, examples_dir, tmp_path):
     )
     assert lines[1] == (
         "training: recompute off, optimizer plain, overlap-grad-reduce off, "
-        "overlap-param-gather off"
+        "overlap-param-gather off, attention unfused"
     )
     del lines[1]
     assert lines[1] == (
@@ -91,7 +95,7 @@ def test_manual_validate_show_mixed_lab(hexi_plan, examples_dir, tmp_path):
     assert hexi_plan("validate", out)[:2] == (
         0,
         f"{out}: valid plan, 36 ranks, 3 pipelines, global batch 64; recompute off, optimizer "
-        "plain, overlap-grad-reduce off, overlap-param-gather off\n",
+        "plain, overlap-grad-reduce off, overlap-param-gather off, attention unfused\n",
     )
     plan = load_plan(out)
     assert [(r.node, r.local_rank, r.gpu) for r in plan.ranks][6:10] == [

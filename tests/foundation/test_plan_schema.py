@@ -75,11 +75,12 @@ def test_built_plans_validate(validator, examples_dir):
     assert _errors(validator, plan.to_dict()) == []
     # the overlap settings, as a plan written through the planner's own Training
     training = dataclasses.replace(
-        plan.training, overlap_grad_reduce=True, overlap_param_gather=True
+        plan.training, overlap_grad_reduce=True, overlap_param_gather=True, attention_backend="auto"
     )
     overlapped = dataclasses.replace(plan, training=training).to_dict()
     assert overlapped["training"]["overlap_grad_reduce"] is True
     assert overlapped["training"]["overlap_param_gather"] is True
+    assert overlapped["training"]["attention_backend"] == "auto"
     assert _errors(validator, overlapped) == []
 
 
@@ -116,6 +117,8 @@ def test_semantically_broken_plans_pass_the_schema(name, validator):
         (("training", "optimizer_shard"), "random"),
         (("training", "overlap_grad_reduce"), "yes"),
         (("training", "overlap_param_gather"), 1),
+        (("training", "attention_backend"), "flashy"),
+        (("training", "attention_backend"), True),
         (("estimate",), {"mfu": "high"}),
     ],
 )

@@ -103,7 +103,8 @@ def test_proportional_split():
 
 def test_uneven_tp_shards_cost_in_proportion():
     dev = cm.device_for("A100-SXM-80GB")
-    costs = cm.group_costs(TINY, [dev, dev], (1e9, 0.0))
+    # fused attention: FLOPs alone (tests/planner/test_attention_backend.py: the unfused term)
+    costs = cm.group_costs(TINY, [dev, dev], (1e9, 0.0), "auto")
     assert isinstance(costs, cm.AnalyticCosts)
     cf, tf, cb, tb = costs.layer_times(1, [3, 1], [192, 64], False)
     expect = (
@@ -128,8 +129,8 @@ def test_params_and_memory():
     assert P == pytest.approx(6.738e9, rel=1e-3)
     assert mem.weights + mem.grads + mem.optimizer == pytest.approx(18 * P)
     sbh = 4096 * 4096
-    # unfused attention (FLASH_ATTENTION False): + 5as/h = 5 * 32 * 4096 / 4096 = 160
-    assert not cm.FLASH_ATTENTION
+    # unfused attention (a plan's default backend): + 5as/h = 5 * 32 * 4096 / 4096 = 160
+    assert one_gpu.attention_backend == "unfused"
     # SwiGLU MLP: 8 bytes per FFN column per token (gate, up, SiLU(gate), product, bf16)
     sbf = 4096 * 11008
     assert cm.layer_activation_bytes(L7, 1, 32, 11008, False) == (18 + 160) * sbh + 8 * sbf

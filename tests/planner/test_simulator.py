@@ -47,7 +47,10 @@ def test_single_gpu_by_hand():
     dev = cm.device_for("A100-SXM-80GB")
     fwd = (4 * flops.layer_flops(m, 2) + flops.head_flops(m, 2)) / dev.flops
     opt = total_params(m) * 30 / (2039e9)
-    assert est.iteration_time_s == pytest.approx(2 * 3 * fwd + opt)
+    # unfused attention (the plan's default): its s x s tensors' traffic, 13 B forward and 19 B
+    # backward per element of [b, a, s, s] = [2, 4, 32, 32], per layer, at 2039 GB/s
+    scores = 4 * (13 + 19) * 2 * 4 * 32 * 32 / 2039e9
+    assert est.iteration_time_s == pytest.approx(2 * (3 * fwd + scores) + opt)
     assert est.mfu == pytest.approx(
         4 * flops.model_flops_per_sample(m) / (est.iteration_time_s * 312e12)
     )

@@ -1,15 +1,19 @@
 """Predicted MFU on the paper's settings: hexi vs uniform per cluster and model (markdown).
 
     python tools/bench/paper_settings.py [--gbs 64] [--no-overlap-grad-reduce]
+        [--attention-backend auto|flash|fused|unfused|local]
 
 One table row per cluster (CLUSTERS, from examples/clusters) and model (MODELS), micro-batch 1.
 Gradient sync overlapped with the backward as `hexi-plan plan` plans it by default on GPUs
-(--no-overlap-grad-reduce: serial, as plans were before the overlap model).
+(--no-overlap-grad-reduce: serial, as plans were before the overlap model). Attention as
+`hexi-plan plan` plans it by default (auto: a fused kernel, no s x s scores); unfused costs
+megatron-core's local attention.
 """
 
 import argparse
 import os
 
+from planner.attention import ATTENTION_BACKENDS, CLI_DEFAULT_BACKEND
 from planner.cluster import load_cluster
 from planner.errors import SpecError
 from planner.models import load_model
@@ -34,6 +38,13 @@ def main():
         action=argparse.BooleanOptionalAction,
         default=True,
         help="plan for the overlapped gradient sync (default: on, as hexi-plan plan on GPUs)",
+    )
+    ap.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default=CLI_DEFAULT_BACKEND,
+        help=f"the attention the plans are made for (default: {CLI_DEFAULT_BACKEND}, as "
+        "hexi-plan plan)",
     )
     args = ap.parse_args()
     print(
@@ -60,6 +71,7 @@ def main():
                         strategy=strategy,
                         micro_batch_size=1,
                         overlap_grad_reduce=args.overlap_grad_reduce and overlap_by_default(c),
+                        attention_backend=args.attention_backend,
                     )
                     row.append(f"{p.estimate['mfu']:.1%}")
                     if strategy == "hexi":
