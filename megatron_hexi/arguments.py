@@ -28,6 +28,7 @@ from megatron_hexi.config import (
     TrainingConfig,
 )
 from megatron_hexi.tokenizer import TOKENIZER_FILES, TOKENIZER_TYPES
+from planner.attention import ATTENTION_BACKENDS, CLI_DEFAULT_BACKEND
 from planner.cli_args import PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER
 from planner.cluster import ClusterSpec, load_cluster
 from planner.errors import SpecError
@@ -203,6 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--normalization", choices=["RMSNorm", "LayerNorm"], default=None)
     m.add_argument("--position-embedding-type", choices=["rope"], default=None)
     m.add_argument("--disable-bias-linear", action="store_true", default=None)
+    m.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default=None,
+        help="the plan's training.attention_backend: auto, flash and fused run torch's fused "
+        "attention (no s x s tensor), unfused and local megatron-core's DotProductAttention",
+    )
+    m.add_argument(
+        "--use-flash-attn", action="store_true", default=None, help="as --attention-backend flash"
+    )
     m.add_argument("--attention-dropout", type=finite_float, default=0.1)
     m.add_argument("--hidden-dropout", type=finite_float, default=0.1)
     m.add_argument("--recompute-activations", action="store_true")
@@ -486,6 +497,7 @@ def planning_inputs(args: argparse.Namespace) -> PlanningInputs:
             use_distributed_optimizer=bool(args.use_distributed_optimizer),
             overlap_grad_reduce=bool(args.overlap_grad_reduce),
             overlap_param_gather=bool(args.overlap_param_gather),
+            attention_backend=attention_backend(args) or CLI_DEFAULT_BACKEND,
         ),
     )
 
@@ -500,6 +512,15 @@ def check_tokenizer_flags(args: argparse.Namespace) -> None:
     missing = [f for f in needs if not getattr(args, f.lstrip("-").replace("-", "_"))]
     if missing:
         raise SpecError(f"--tokenizer-type {args.tokenizer_type} needs {' and '.join(missing)}")
+
+
+def attention_backend(args: argparse.Namespace) -> str | None:
+    """--attention-backend, or flash for --use-flash-attn (None: neither given)."""
+    if args.use_flash_attn and args.attention_backend not in (None, "flash"):
+        raise SpecError(
+            f"--use-flash-attn contradicts --attention-backend {args.attention_backend}"
+        )
+    return "flash" if args.use_flash_attn else args.attention_backend
 
 
 def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
@@ -572,6 +593,12 @@ def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
             problems.append(
                 f"{flag} contradicts the plan ({field}: false); re-plan with hexi-plan ... {flag}"
             )
+    backend = attention_backend(args)
+    if backend is not None and backend != t.attention_backend:
+        problems.append(
+            f"--attention-backend {backend} contradicts the plan (attention_backend: "
+            f"{t.attention_backend}); re-plan with hexi-plan ... --attention-backend {backend}"
+        )
     wants_recompute = args.recompute_granularity == "full"
     if args.recompute_granularity is not None and wants_recompute != plan.training.recompute:
         problems.append("--recompute-granularity full contradicts the plan (recompute: false)")
@@ -606,6 +633,8 @@ NOT_IN_RUN_CONFIG = frozenset(
         "hetero_optimizer_shard",
         "overlap_grad_reduce",
         "overlap_param_gather",
+        "attention_backend",
+        "use_flash_attn",
         "optimizer",  # adam only
     }
 )

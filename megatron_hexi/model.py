@@ -28,12 +28,13 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
+from megatron_hexi.attention import local_layer_spec
 from megatron_hexi.process_groups import SingleRank
+from planner.attention import keeps_scores
 from planner.layout import canonical_shards, rank_param_shards
 
 if TYPE_CHECKING:
@@ -105,8 +106,12 @@ def build_stage_model(
     tp_group: dist.ProcessGroup | None,
     config: TransformerConfig,
     device: torch.device,
+    *,
+    attention_backend: str,
 ) -> GPTModel:
-    """A GPTModel holding exactly `view`'s layers and shards, on `device`, not yet initialised."""
+    """A GPTModel holding exactly `view`'s layers and shards, on `device`, not yet initialised.
+    `attention_backend`: the plan's (planner.attention): fused ones run megatron_hexi.attention's
+    SDPAttention, unfused ones megatron-core's DotProductAttention."""
     m, tp = plan.model, view.tp_size
     pg = ProcessGroupCollection(tp=tp_group, cp=SingleRank(), pp=None, embd=None, pos_embd=None)
     vocab = view.vocab[0] * tp if view.vocab else m.vocab_size
@@ -114,7 +119,9 @@ def build_stage_model(
         parallel_state._set_global_memory_buffer()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=m.normalization),
+        transformer_layer_spec=local_layer_spec(
+            m.normalization, not keeps_scores(attention_backend)
+        ),
         vocab_size=vocab,
         max_sequence_length=m.seq_length,
         pre_process=view.holds_embedding,

@@ -91,7 +91,10 @@ class Trainer:
             attention_dropout=config.dropout.attention_dropout,
             recompute=plan.training.recompute,
         )
-        self.model = build_stage_model(plan, view, self.groups.tp, tc, device)
+        backend = plan.training.attention_backend
+        self.model = build_stage_model(
+            plan, view, self.groups.tp, tc, device, attention_backend=backend
+        )
         self.params = local_parameters(plan, self.rank, self.model)
         initialise_weights(plan, self.params, config.training.seed)
         per_rank = [rank_params(plan, r) for r in range(plan.world_size)]

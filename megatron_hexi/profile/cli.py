@@ -128,6 +128,7 @@ def profile(
         "format": FORMAT,
         "device": name,
         "dtype": str(dtype).replace("torch.", ""),
+        "attention_backend": measure.ATTENTION_BACKEND,
         "threads": threads,
         "cpu_cores": os.cpu_count(),
         "host": platform.node(),

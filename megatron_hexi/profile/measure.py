@@ -8,6 +8,11 @@ Statistic: the fastest of repeated runs after warm-up (and, in hexi-profile, the
 several rounds spread over the run). A shared machine has slow spells of seconds, in which every
 run is 30-50 % slower (measured on a 2-core VM); a median taken inside one spell keeps the whole
 slowdown, the minimum over spread-out runs does not. What is predicted is the undisturbed cost.
+
+Attention: every stage runs ATTENTION_BACKEND, the backend `hexi-plan` plans for by default
+(fused: torch's scaled_dot_product_attention). A profile records it (`attention_backend`); the
+planner charges unfused attention's extra memory traffic only where it estimates layer times
+from FLOPs, not on a profile's measured layers.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import torch
 from megatron_hexi.grad_sync import param_grad
 from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.model import build_stage_model, stage_config
+from planner.attention import CLI_DEFAULT_BACKEND
+
+ATTENTION_BACKEND = CLI_DEFAULT_BACKEND
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -103,7 +111,9 @@ class Stage:
     ) -> None:
         plan = types.SimpleNamespace(model=model)
         self.cfg = stage_config(plan, view, params_dtype=dtype, recompute=recompute)
-        self.net = build_stage_model(plan, view, group or _world(), self.cfg, device)
+        self.net = build_stage_model(
+            plan, view, group or _world(), self.cfg, device, attention_backend=ATTENTION_BACKEND
+        )
         with torch.no_grad():
             for p in self.net.parameters():
                 p.normal_(0.0, 0.02) if p.ndim > 1 else p.fill_(1.0)

@@ -49,6 +49,7 @@ def _cluster(device_type: str, procs: int, profile_path: str | None = None) -> C
 def _one_stage_plans(
     cluster: ClusterSpec, model: ModelSpec, mbs: int, nmb: int, pipelines: int
 ) -> Plan:
+    from megatron_hexi.profile.measure import ATTENTION_BACKEND
     from planner.plan import build_plan
 
     return build_plan(
@@ -63,6 +64,7 @@ def _one_stage_plans(
             }
             for r in range(pipelines)
         ],
+        attention_backend=ATTENTION_BACKEND,  # as the profile's layer stages
     )
 
 

@@ -110,6 +110,51 @@ def test_overlap_flags_follow_the_plan(plan_path, field):
     check_against_plan(args, dataclasses.replace(plan, training=training))
 
 
+@pytest.mark.parametrize(
+    "flags, plan_backend, message",
+    [
+        (
+            ["--attention-backend", "flash"],
+            "unfused",
+            "--attention-backend flash contradicts the plan (attention_backend: unfused); "
+            "re-plan with hexi-plan ... --attention-backend flash",
+        ),
+        (
+            ["--use-flash-attn"],
+            "auto",
+            "--attention-backend flash contradicts the plan (attention_backend: auto)",
+        ),
+        (
+            ["--use-flash-attn", "--attention-backend", "unfused"],
+            "flash",
+            "--use-flash-attn contradicts --attention-backend unfused",
+        ),
+        (["--attention-backend", "auto"], "auto", None),
+        (["--use-flash-attn"], "flash", None),
+        ([], "unfused", None),
+    ],
+)
+def test_attention_backend_follows_the_plan(plan_path, flags, plan_backend, message):
+    """--attention-backend (and --use-flash-attn, Megatron-LM's alias of flash) must name the
+    plan's training.attention_backend."""
+    import dataclasses
+
+    from megatron_hexi.arguments import check_against_plan, parse_args
+    from planner.errors import SpecError
+
+    args = parse_args(["--hetero-plan-path", str(plan_path), *REPO_FLAGS, *flags])
+    plan = load_plan(plan_path)
+    plan = dataclasses.replace(
+        plan, training=dataclasses.replace(plan.training, attention_backend=plan_backend)
+    )
+    if message is None:
+        check_against_plan(args, plan)
+        return
+    with pytest.raises(SpecError) as e:
+        check_against_plan(args, plan)
+    assert len(e.value.problems) == 1 and message in e.value.problems[0], e.value.problems
+
+
 def test_bad_flag_value_is_one_line(repo_root, plan_path):
     code, err = run_entry(repo_root, "--hetero-plan-path", plan_path, *REPO_FLAGS, "--lr", "nan")
     assert code == 2 and err == (

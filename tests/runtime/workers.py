@@ -308,7 +308,8 @@ def _pipeline_mean_evaluation(enabled):
 def train_each(runs):
     """`train` once per (plan path, extra flags) in `runs`, one after another in the same
     processes (one launch checks several plans); per run, `train`'s result plus, per plan rank,
-    the gradient buckets and how many of them started during the backward pass."""
+    the gradient buckets and how many of them started during the backward pass, and the core
+    attention modules launch rank 0 built."""
     import torch.distributed as dist
 
     made = _record_trainers()
@@ -323,6 +324,14 @@ def train_each(runs):
         )
         out["buckets"] = {r: n for r, n, _ in everyone}
         out["started_in_backward"] = {r: n for r, _, n in everyone}
+        out["core_attention"] = sorted(
+            {
+                type(m).__name__
+                for m in made[-1].model.modules()
+                if m._get_name().endswith("Attention")
+            }
+            - {"SelfAttention"}
+        )
         results.append(out)
     return results
 

@@ -159,8 +159,12 @@ OVERLAP_BUCKET = 250_000
 
 
 def _training(name):
-    """The plan's `training` settings besides recompute."""
-    return {"overlap_grad_reduce": True} if name in OVERLAPPED.values() else {}
+    """The plan's `training` settings besides recompute: the attention the profile measured
+    (megatron_hexi.profile.measure.ATTENTION_BACKEND), and the overlap where the name says."""
+    from megatron_hexi.profile.measure import ATTENTION_BACKEND
+
+    overlap = {"overlap_grad_reduce": True} if name in OVERLAPPED.values() else {}
+    return {"attention_backend": ATTENTION_BACKEND, **overlap}
 
 
 def _bucket_size(name):
@@ -283,6 +287,16 @@ def train_rank(plan, iters, device_type, measure_memory, bucket_size=None):
 
 
 # --------------------------------------------------------------------------------- driver
+
+
+def report_load():
+    """Print the load average before a timed run, with a warning on a busy machine (a ratio
+    taken on a loaded machine can point the wrong way)."""
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0]
+    print(f"load average {load:.1f} on {cores} CPUs before the run", flush=True)
+    if load > 0.5 * cores:
+        print("WARNING: the machine is busy; the step-time ratios may point the wrong way")
 
 
 def _cluster(world, profile):

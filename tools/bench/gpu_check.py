@@ -12,6 +12,8 @@ sees, trained by `torchrun --nproc-per-node 1 pretrain_gpt.py --hetero-device cu
   bf16       bf16 with fp32 master weights
   distopt    bf16, distributed optimizer (the plan's training.use_distributed_optimizer)
   recompute  bf16, full activation recompute (the plan's training.recompute)
+  sdpa       bf16, fused attention (the plan's training.attention_backend auto: torch's
+             scaled_dot_product_attention in the local spec; the other cases run unfused)
   save       bf16, saves at iteration K and runs to N      } deterministic algorithms requested
   resume     bf16, loads iteration K of `save`, runs to N  } (and CUBLAS_WORKSPACE_CONFIG)
   cpu        the fp32 plan on the CPU (gloo, CPU patches), one iteration
@@ -107,7 +109,7 @@ TOLERANCES = {
         "cpu_vs_device": 1e-5,
     },
 }
-CASES = ("fp32", "bf16", "distopt", "recompute", "save", "resume", "cpu")
+CASES = ("fp32", "bf16", "distopt", "recompute", "sdpa", "save", "resume", "cpu")
 FLAGS = [
     "--mock-data",
     "--lr",
@@ -248,6 +250,7 @@ def make_plans(preset, gpu, folder):
         "plain": {},
         "distopt": {"use_distributed_optimizer": True},
         "recompute": {"recompute": True},
+        "sdpa": {"attention_backend": "auto"},
     }.items():
         plan = build_plan(cluster, model, mbs * nmb, pipelines, **kw)
         est = simulate(plan)
@@ -326,6 +329,7 @@ def cases(device, preset, plans, work):
             ["--hetero-plan-path", plans["recompute"], "--bf16", *base],
             dev_env,
         ),
+        "sdpa": (pretrain, ["--hetero-plan-path", plans["sdpa"], "--bf16", *base], dev_env),
         "save": (
             this,
             [
@@ -448,6 +452,8 @@ def evaluate(result):
         "distributed optimizer vs bf16", "distopt", "bf16", tol["same_math"], f"iterations 1-{n}"
     )
     compare("recompute vs bf16", "recompute", "bf16", tol["same_math"], f"iterations 1-{n}")
+    # other attention kernels: the same model to bf16 precision at the first iteration
+    compare("fused attention vs bf16", "sdpa", "bf16", tol["bf16_vs_fp32"], "iteration 1", True)
     compare(
         "bf16 vs fp32, grad norm",
         "bf16",
@@ -506,6 +512,15 @@ def evaluate(result):
             "iteration 1",
             first_only=True,
         )
+    if device == "cuda" and complete.get("sdpa") and complete.get("bf16"):
+        peak = {
+            c: max(r["peak_memory_gb"][0] for r in runs[c]["metrics"]) for c in ("bf16", "sdpa")
+        }
+        add(
+            "fused attention uses less memory",
+            peak["sdpa"] < peak["bf16"],
+            f"peak {peak['sdpa']:.2f} GB vs {peak['bf16']:.2f} GB (unfused)",
+        )
     if device == "cuda" and complete.get("recompute") and complete.get("bf16"):
         peak = {
             c: max(r["peak_memory_gb"][0] for r in runs[c]["metrics"])
@@ -527,6 +542,7 @@ def performance(result):
         "bf16": "plain",
         "distopt": "distopt",
         "recompute": "recompute",
+        "sdpa": "sdpa",
         "save": None,
         "resume": None,
         "cpu": None,

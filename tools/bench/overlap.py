@@ -84,17 +84,14 @@ def main(argv=None):
     import yaml
 
     import overlap as this
-    from fidelity import _cluster, _profile
+    from fidelity import _cluster, _profile, report_load
     from harness import run_distributed
+    from megatron_hexi.profile.measure import ATTENTION_BACKEND
     from planner.models import load_model
     from planner.plan import build_plan
     from planner.simulator import simulate
 
-    cores = os.cpu_count() or 1
-    load = os.getloadavg()[0]
-    print(f"load average {load:.1f} on {cores} CPUs before the run", flush=True)
-    if load > 0.5 * cores:
-        print("WARNING: the machine is busy; the ratios below may point the wrong way", flush=True)
+    report_load()
     with tempfile.TemporaryDirectory(prefix="hexi-overlap-") as tmp:
         tmp = Path(tmp)
         model_path = tmp / "model.yaml"
@@ -104,7 +101,14 @@ def main(argv=None):
         if not a.profile:
             _profile(model_path, prof, a.max_profile_seconds, "cpu")
         plans = {
-            name: build_plan(_cluster(2, prof), model, 2, PIPELINES, overlap_grad_reduce=overlapped)
+            name: build_plan(
+                _cluster(2, prof),
+                model,
+                2,
+                PIPELINES,
+                overlap_grad_reduce=overlapped,
+                attention_backend=ATTENTION_BACKEND,  # what the profile measured
+            )
             for name, overlapped in VARIANTS.items()
         }
         steps = {name: [] for name in VARIANTS}
