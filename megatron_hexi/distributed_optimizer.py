@@ -90,6 +90,11 @@ class _RankSet:
     me: int  # this rank's index in `ranks`
     mine: list[MasterPart]  # per piece of regions[me] (zero-length ones too)
 
+    @property
+    def width(self) -> int:
+        """Elements of one member's chunk of the bucket's buffers (the largest region)."""
+        return max(r.numel for r in self.regions)
+
 
 class HeteroDistributedOptimizer(MegatronOptimizer):
     """Adam(W) over this rank's master parts, with reduce-scatter / all-gather per rank set."""
@@ -181,17 +186,11 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
 
     # -- gradients: grad_sync's BucketCollective for the buckets it starts -----------------
     @torch.no_grad()
-    def reduce_scatter_grads(self, num_tokens: float) -> None:
-        """Sum each part over its holders into the owner's master gradient, divided by tokens:
-        the gradient sync (grad_sync.GradientSync.sync) with this optimizer as its collective."""
-        self.grad_sync.sync(num_tokens)
-
-    @torch.no_grad()
     def start_bucket(self, index: int) -> Pending:
         """Lay the bucket's gradients out member by member and start the reduce-scatter."""
         rs = self.sets[index]
         ranks, group, slots, regions = rs.ranks, rs.group, rs.slots, rs.regions
-        width = max(r.numel for r in regions)
+        width = rs.width
         buf = self.grad_sync.buffers.get(index, width * len(ranks), slots[0].param.device)
         buf.zero_()
         for region in regions:
@@ -216,7 +215,7 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         """Wait, divide by the token count, and make this rank's part its masters' gradient."""
         rs = self.sets[index]
         buf, work = pending
-        width = max(r.numel for r in rs.regions)
+        width = rs.width
         if work is not None:
             work.wait()
         if buf.numel() > width:  # the whole buffer (gloo, or this rank alone): take my chunk
@@ -243,7 +242,7 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         the buckets' global order, so again one order on every rank)."""
         for i in reversed(range(len(self.sets))):
             rs = self.sets[i]
-            width = max(r.numel for r in rs.regions)
+            width = rs.width
             mine = torch.zeros(width, dtype=rs.slots[0].param.dtype, device=self.device)
             offset = 0
             for part, (_, _, n, numel) in zip(rs.mine, rs.regions[rs.me].pieces):
@@ -309,7 +308,7 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
 
     def prepare_grads(self) -> bool:
         if not self._found_grads:
-            raise RuntimeError("reduce_scatter_grads() must run before the optimizer step")
+            raise RuntimeError("the gradient sync must run before the optimizer step")
         return False
 
     def step_with_ready_grads(self) -> bool:
