@@ -816,6 +816,17 @@ def _failure(exc: Exception, config: RunConfig) -> NoReturn:
     (tearing down a group whose peer died can hang)."""
     import traceback
 
+    lines, collective = failure_lines(exc, config)
+    if not collective:
+        traceback.print_exc()
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def failure_lines(exc: Exception, config: RunConfig) -> tuple[list[str], bool]:
+    """The error lines for a failure after start-up, and whether a collective failed."""
     rank = dist.get_rank() if dist.is_initialized() else "?"
     collective = isinstance(exc, getattr(dist, "DistError", ())) or any(
         word in str(exc)
@@ -830,13 +841,21 @@ def _failure(exc: Exception, config: RunConfig) -> NoReturn:
             "timeout",
         )
     )
+    # gloo words one cause two ways: a wait's timeout ("Timed out waiting ...") or, when the
+    # rank was blocked reading from the peer, the pair's ("Application timeout caused pair
+    # closure"); NCCL's watchdog says "timed out"
+    timed_out = any(w in str(exc) for w in ("Timed out", "timed out", "Application timeout"))
     first_line = (str(exc).strip().splitlines() or [""])[0][:300]
     lines = [f"pretrain_gpt.py: error: launch rank {rank}: {type(exc).__name__}: {first_line}"]
     if collective:
+        cause = (
+            "it timed out: another rank hung or stopped answering"
+            if timed_out
+            else "another rank died, hung or lost its connection"
+        )
         lines.append(
-            f"pretrain_gpt.py: error: launch rank {rank}: a collective failed: another "
-            f"rank died, hung or lost its connection (collective timeout "
-            f"--distributed-timeout-minutes "
+            f"pretrain_gpt.py: error: launch rank {rank}: a collective failed: {cause} "
+            f"(collective timeout --distributed-timeout-minutes "
             f"{config.runtime.distributed_timeout_minutes:g})"
         )
         save = config.checkpoint.save
@@ -848,12 +867,7 @@ def _failure(exc: Exception, config: RunConfig) -> NoReturn:
                 f"{'iteration ' + last if last else 'none'} in {save}; rerun the "
                 f"same command with --load {save} to resume"
             )
-    else:
-        traceback.print_exc()
-    for line in lines:
-        print(line, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(1)
+    return lines, collective
 
 
 def available_cores() -> int:

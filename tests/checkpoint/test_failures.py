@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import REPO
 from harness import _kill_tree, free_port, run_torchrun
 from megatron_hexi.checkpoint import TRACKER, Checkpoint
@@ -259,3 +261,40 @@ def test_hung_rank_fails_the_others_within_the_timeout(tmp_path):
     finally:
         for p in procs:
             _kill_tree(p.pid, group=True)
+
+
+@pytest.mark.parametrize(
+    "gloo_error, timed_out",
+    [
+        (
+            "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+            "12000ms for recv operation to complete",
+            True,
+        ),
+        ("Application timeout caused pair closure", True),
+        (
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+            "[127.0.0.1]:29500",
+            False,
+        ),
+    ],
+)
+def test_collective_failure_names_its_cause(gloo_error, timed_out):
+    """gloo reports a hung peer in two wordings (a wait's timeout, or the pair's read timeout
+    when the rank was blocked reading from it, depending on where the hang met it); both are
+    the collective timeout, and a closed connection is not."""
+    from megatron_hexi.config import OptimizerConfig, RunConfig, TrainingConfig
+    from megatron_hexi.training import failure_lines
+
+    config = RunConfig(TrainingConfig(train_iters=1), OptimizerConfig(lr=1e-3))
+    lines, collective = failure_lines(RuntimeError(gloo_error), config)
+    assert collective
+    assert lines[1].endswith(
+        "a collective failed: "
+        + (
+            "it timed out: another rank hung or stopped answering"
+            if timed_out
+            else "another rank died, hung or lost its connection"
+        )
+        + " (collective timeout --distributed-timeout-minutes 10)"
+    ), lines
