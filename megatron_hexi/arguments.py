@@ -214,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--use-flash-attn", action="store_true", default=None, help="as --attention-backend flash"
     )
+    m.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        default=None,
+        help="the plan's training.sequence_parallel: megatron-core's sequence parallelism in "
+        "every stage with TP > 1",
+    )
     m.add_argument("--attention-dropout", type=finite_float, default=0.1)
     m.add_argument("--hidden-dropout", type=finite_float, default=0.1)
     m.add_argument("--recompute-activations", action="store_true")
@@ -498,6 +505,7 @@ def planning_inputs(args: argparse.Namespace) -> PlanningInputs:
             overlap_grad_reduce=bool(args.overlap_grad_reduce),
             overlap_param_gather=bool(args.overlap_param_gather),
             attention_backend=attention_backend(args) or CLI_DEFAULT_BACKEND,
+            sequence_parallel=bool(args.sequence_parallel),
         ),
     )
 
@@ -588,6 +596,7 @@ def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
     for flag, field in (
         ("--overlap-grad-reduce", "overlap_grad_reduce"),
         ("--overlap-param-gather", "overlap_param_gather"),
+        ("--sequence-parallel", "sequence_parallel"),
     ):
         if getattr(args, field) and not getattr(t, field):
             problems.append(
@@ -635,6 +644,7 @@ NOT_IN_RUN_CONFIG = frozenset(
         "overlap_param_gather",
         "attention_backend",
         "use_flash_attn",
+        "sequence_parallel",
         "optimizer",  # adam only
     }
 )

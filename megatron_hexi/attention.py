@@ -6,8 +6,8 @@ megatron-core's `DotProductAttention` computes attention unfused: every layer ke
 term of Korthikanti et al. 2022). `SDPAttention` takes the same constructor and forward
 arguments and calls torch's fused attention instead: the flash or memory-efficient kernel on
 CUDA, the fused (flash) CPU kernel on CPU, none of which keeps an `s x s` tensor. It is plugged
-into the spec's `core_attention` slot (`local_layer_spec`), so the per-rank uneven shards are the
-same as with the unfused module: this rank's heads and query groups come from its own
+into the spec's `core_attention` slot (megatron_hexi.layer_specs), so the per-rank uneven shards
+are the same as with the unfused module: this rank's heads and query groups come from its own
 TransformerConfig (megatron_hexi.model), divided by the stage's TP degree.
 
 Attention dropout draws from megatron's model-parallel RNG tracker, as `DotProductAttention`
@@ -16,21 +16,18 @@ does, so the same seed and plan give the same run.
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
 
 class SDPAttention(MegatronModule):
@@ -99,13 +96,3 @@ class SDPAttention(MegatronModule):
                 q, k, v, mask, dropout, is_causal=causal, scale=self.softmax_scale
             )
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
-
-
-def local_layer_spec(normalization: str, fused_attention: bool) -> ModuleSpec:
-    """megatron-core's local GPT layer spec, with `SDPAttention` as its core attention when
-    `fused_attention` (else megatron-core's unfused `DotProductAttention`, unchanged)."""
-    spec = get_gpt_layer_local_spec(normalization=normalization)
-    if fused_attention:
-        spec = copy.deepcopy(spec)
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    return spec

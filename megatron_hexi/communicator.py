@@ -7,6 +7,13 @@ receiving side; every (sender, receiver) pair whose parts overlap exchanges that
 links work at once, and the receivers all-gather their parts inside their TP group. Gradients go
 back the mirror way. The object has the six methods megatron-core's 1F1B schedule calls.
 
+Under sequence parallelism a stage of TP degree t holds only its part of the activation: the
+t-th of the sequence, [s/t, b, h], for TP rank i the sequence positions [i s/t, (i+1) s/t). As s
+is the leading dimension, that part is exactly the flat buffer's i-th of t equal parts (t divides
+s, so there is no padding). The same exchange therefore moves sequence parts between stages of
+any two TP degrees; only the all-gather is left out, and a rank sends and receives nothing but
+its own part. A TP-1 stage holds the whole sequence, its one part.
+
 Order of the point-to-point operations. On NCCL a rank's sends and receives to a peer run one
 after another on one stream, and a large send does not finish before its receive is posted
 (NVIDIA/nccl#479). So the order must be safe when every rank blocks on one operation at a time,
@@ -128,7 +135,10 @@ class StageCommunicator:
         next_boundary: Boundary | None,
         dtype: torch.dtype,
         device: torch.device,
+        sequence_parallel: bool = False,
     ) -> None:
+        """`sequence_parallel`: this stage holds its TP rank's part of the sequence (module
+        docstring), not the whole activation."""
         self.config = config
         self.pp_group = position
         self.tp_group = tp_group
@@ -138,6 +148,13 @@ class StageCommunicator:
         self.dtype = dtype
         self.device = device
         self.strict = os.environ.get(STRICT_ENV) == "1"
+        self.sequence_parallel = sequence_parallel
+        for b in (prev_boundary, next_boundary):
+            if sequence_parallel and b is not None and b.padded != b.numel:
+                raise ValueError(
+                    f"sequence parallelism: a boundary of {b.numel} elements does not split "
+                    f"evenly over {len(b.senders)} and {len(b.receivers)} ranks"
+                )
 
     # -- primitives -------------------------------------------------------------------------
     @staticmethod
@@ -158,7 +175,11 @@ class StageCommunicator:
     def _assemble(
         self, flat: torch.Tensor, boundary: Boundary, side: Side, shape: tuple[int, ...]
     ) -> torch.Tensor:
-        """All-gather every rank's part inside this stage's TP group, then shape the tensor."""
+        """All-gather every rank's part inside this stage's TP group, then shape the tensor;
+        under sequence parallelism this rank's part is the tensor."""
+        if self.sequence_parallel:
+            lo, hi = boundary.my_part(side)
+            return flat[lo:hi].view(shape).clone()
         if self.tp_size > 1:
             lo, hi = boundary.my_part(side)
             part = hi - lo
@@ -178,7 +199,8 @@ class StageCommunicator:
         if send is not None:
             tensor, boundary, side, tag = send
             flat = torch.zeros(boundary.padded, dtype=self.dtype, device=self.device)
-            flat[: boundary.numel] = tensor.detach().reshape(-1)
+            lo = boundary.my_part(side)[0] if self.sequence_parallel else 0
+            flat[lo : lo + tensor.numel()] = tensor.detach().reshape(-1)
             sends = self._ops(dist.isend, flat, boundary, side, tag)
         if recv is not None:
             boundary, side, tag, _ = recv

@@ -8,8 +8,8 @@ holder, evenly or in proportion to the holders' GPU memory (the plan's
 `training.optimizer_shard`): planner.layout's `optimizer_weight` and `weighted_split`, the same
 rule the planner's memory estimate uses (`optimizer_elements`). Per step, for every rank set:
 
-1. gradients are reduce-scattered: each holder receives the sum of its part (NCCL
-   reduce_scatter; gloo has none, so on CPU an all-reduce of the same buffer stands in);
+1. gradients are reduce-scattered: each holder receives the sum of its part (reduce_scatter,
+   on NCCL and on gloo alike: torch's gloo backend has it);
 2. each holder steps Adam on its parts' fp32 master weights;
 3. the updated parts are all-gathered back into every holder's parameters.
 
@@ -204,11 +204,8 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                 offset += numel
         if group is None:
             return Pending(buf, None)
-        if dist.get_backend(group) == "nccl":
-            mine = torch.empty(width, dtype=buf.dtype, device=buf.device)
-            return Pending(mine, dist.reduce_scatter_tensor(mine, buf, group=group, async_op=True))
-        # gloo: no reduce-scatter; an all-reduce of the same buffer stands in
-        return Pending(buf, dist.all_reduce(buf, group=group, async_op=True))
+        mine = torch.empty(width, dtype=buf.dtype, device=buf.device)
+        return Pending(mine, dist.reduce_scatter_tensor(mine, buf, group=group, async_op=True))
 
     @torch.no_grad()
     def finish_bucket(self, index: int, pending: Pending, num_tokens: float) -> None:
@@ -218,7 +215,7 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         width = rs.width
         if work is not None:
             work.wait()
-        if buf.numel() > width:  # the whole buffer (gloo, or this rank alone): take my chunk
+        if buf.numel() > width:  # the whole buffer (this rank alone): take my chunk
             at = rs.regions[rs.me].position * width
             buf = buf[at : at + width]
         mine = buf / num_tokens

@@ -4,7 +4,8 @@ Each rank gets its own TransformerConfig whose "full" sizes are the rank's shard
 TP degree: num_attention_heads = local heads x TP, num_query_groups = local groups x TP,
 ffn_hidden_size = local FFN x TP, and the vocabulary likewise. megatron-core divides them by TP
 again, so every layer allocates exactly this rank's shard, while the TP collectives (all-reduce of
-[s, b, h] activations) are unchanged because they do not depend on shard sizes. Heads stay whole
+[s, b, h] activations, or under sequence parallelism reduce-scatter and all-gather of even
+sequence parts) are unchanged because they do not depend on shard sizes. Heads stay whole
 query groups, and kv_channels is the model's real head size. The only fix-up after construction is
 the embedding's vocabulary range (megatron-core assumes rank x per-partition size).
 
@@ -32,7 +33,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
-from megatron_hexi.attention import local_layer_spec
+from megatron_hexi.layer_specs import stage_block_spec
 from megatron_hexi.process_groups import SingleRank
 from planner.attention import keeps_scores
 from planner.layout import canonical_shards, rank_param_shards
@@ -93,7 +94,7 @@ def stage_config(
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        sequence_parallel=False,
+        sequence_parallel=view.sequence_parallel,
         batch_p2p_comm=False,
         deallocate_pipeline_outputs=False,
         **kwargs,
@@ -111,7 +112,9 @@ def build_stage_model(
 ) -> GPTModel:
     """A GPTModel holding exactly `view`'s layers and shards, on `device`, not yet initialised.
     `attention_backend`: the plan's (planner.attention): fused ones run megatron_hexi.attention's
-    SDPAttention, unfused ones megatron-core's DotProductAttention."""
+    SDPAttention, unfused ones megatron-core's DotProductAttention. Under the plan's sequence
+    parallelism (`config.sequence_parallel`), the stage's activations outside attention and MLP
+    hold this rank's part of the sequence."""
     m, tp = plan.model, view.tp_size
     pg = ProcessGroupCollection(tp=tp_group, cp=SingleRank(), pp=None, embd=None, pos_embd=None)
     vocab = view.vocab[0] * tp if view.vocab else m.vocab_size
@@ -119,9 +122,7 @@ def build_stage_model(
         parallel_state._set_global_memory_buffer()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=local_layer_spec(
-            m.normalization, not keeps_scores(attention_backend)
-        ),
+        transformer_layer_spec=stage_block_spec(config, not keeps_scores(attention_backend)),
         vocab_size=vocab,
         max_sequence_length=m.seq_length,
         pre_process=view.holds_embedding,

@@ -133,7 +133,15 @@ class Trainer:
         )
         self.position = StagePosition(view.stage, len(pipe.stages))
         self.communicator = StageCommunicator(
-            tc, self.position, self.groups.tp, view.tp_size, prev_b, next_b, dtype, device
+            tc,
+            self.position,
+            self.groups.tp,
+            view.tp_size,
+            prev_b,
+            next_b,
+            dtype,
+            device,
+            sequence_parallel=view.sequence_parallel,
         )
         # Every rank takes part: megatron-core's dataset builder synchronises the whole world
         # (rank 0 builds first). Only first and last stages read from it.

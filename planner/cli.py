@@ -17,6 +17,7 @@ from planner.cli_args import (
     ArgumentParser,
     Register,
     add_attention_backend_flag,
+    add_sequence_parallel_flag,
     bounded_int,
     percent,
     with_examples,
@@ -60,6 +61,7 @@ def cmd_manual(args: argparse.Namespace) -> None:
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         attention_backend=args.attention_backend,
+        sequence_parallel=args.sequence_parallel,
     )
     save_plan(plan, args.output)
     print(f"wrote {args.output}: {plan.world_size} ranks, {len(plan.pipelines)} pipelines")
@@ -82,7 +84,8 @@ def _sizes(sizes: object) -> str:
 
 
 def training_settings(plan: Plan) -> str:
-    """The plan's runtime settings in one line: recompute, optimizer, overlap, attention."""
+    """The plan's runtime settings in one line: recompute, optimizer, overlap, attention,
+    sequence parallelism."""
     t = plan.training
     optimizer = (
         f"distributed ({t.optimizer_shard} shards)" if t.use_distributed_optimizer else "plain"
@@ -91,7 +94,7 @@ def training_settings(plan: Plan) -> str:
     return (
         f"recompute {on[t.recompute]}, optimizer {optimizer}, overlap-grad-reduce "
         f"{on[t.overlap_grad_reduce]}, overlap-param-gather {on[t.overlap_param_gather]}, "
-        f"attention {t.attention_backend}"
+        f"attention {t.attention_backend}, sequence-parallel {on[t.sequence_parallel]}"
     )
 
 
@@ -218,6 +221,7 @@ def build_parser() -> ArgumentParser:
         "forward (the runtime's flag of that name)",
     )
     add_attention_backend_flag(p)
+    add_sequence_parallel_flag(p, default=False)
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_manual)
 

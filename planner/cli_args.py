@@ -80,6 +80,30 @@ def add_attention_backend_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_sequence_parallel_flag(p: argparse.ArgumentParser, default: bool) -> None:
+    """--sequence-parallel / --no-sequence-parallel: megatron-core's sequence parallelism in every
+    stage of TP degree > 1, which the plan records (`training.sequence_parallel`) and the cost
+    model follows. `plan` and `min-nodes` default to on (the search then lays out only TP
+    degrees that divide seq_length); `manual` to off, as it takes the user's layout as given."""
+    if default:
+        why = (
+            "default: on, the planner default: sequence parallelism wherever TP > 1; the search "
+            "then uses only TP degrees that divide the sequence length"
+        )
+    else:
+        why = (
+            "default: off, as manual takes the layout as given and sequence parallelism adds a "
+            "constraint on it: every TP degree > 1 must divide the sequence length"
+        )
+    p.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=default,
+        help="megatron-core's sequence parallelism in every stage with TP > 1, which cuts the "
+        f"norm and dropout activations over the stage's TP ranks ({why})",
+    )
+
+
 def bounded_int(lo: int, hi: int) -> Callable[[str], int]:
     """An argparse type: an integer in [lo, hi], refused in one line naming the flag otherwise."""
 

@@ -70,7 +70,17 @@ FRAMEWORK_RESERVE_BYTES = 1.5e9
 # output, 2 bf16 tensors of [s, b, F] = 4 bytes per FFN column per token. A SwiGLU MLP keeps fc1's
 # gate and up outputs, SiLU(gate) and the product that enters fc2: 8 bytes per FFN column per
 # token (the gap showed as 25% too little activation memory against the runtime's saved tensors).
-ACT_REPLICATED = 10
+#
+# Sequence parallelism (the plan's `training.sequence_parallel`, in every stage of TP degree t > 1;
+# Korthikanti et al. 2022, Sec. 4.2.2): the regions outside attention and MLP (norms, dropouts)
+# hold this rank's s/t of the sequence, so the 10 sbh every TP rank stored becomes 10 sbh / t and
+# a layer keeps s*b*h*(34/t + 5as/(ht)) (their eq. 4). With full recompute the kept layer input
+# is cut the same way. A layer's time is unchanged: each of its TP all-reduces becomes a
+# reduce-scatter plus an all-gather of the same total volume (same paper and section), which
+# `ring_allreduce_time` already charges (2(t-1)/t bytes and 2(t-1) hops per rank either way). What
+# does change is at stage boundaries: the received activation needs no all-gather
+# (`boundary_times`).
+ACT_REPLICATED = 10  # divided by the sequence split under sequence parallelism
 ACT_ATTENTION_SHARDED = 8
 ACT_MLP_BYTES_PER_FFN_COLUMN = {False: 4, True: 8}  # by swiglu
 ACT_SCORES_PER_AS_OVER_H = 5  # unfused attention only (planner.attention.keeps_scores)
@@ -359,18 +369,29 @@ def p2p_transfer_time(
 
 
 def boundary_times(
-    m: ModelSpec, mbs: int, senders: Sequence[int], receivers: Sequence[int], topo: Topology
+    m: ModelSpec,
+    mbs: int,
+    senders: Sequence[int],
+    receivers: Sequence[int],
+    topo: Topology,
+    sequence_parallel: bool = False,
 ) -> BoundaryTimes:
     """(forward, backward) seconds per micro-batch across one stage boundary.
 
     Forward: activation [s, b, h] bf16 split-sent senders -> receivers, then an all-gather inside
     the receiving TP group (if b > 1). Backward mirrors it: gradients go receivers -> senders, then
     the senders all-gather. Returns ((transfer_f, gather_f), (transfer_b, gather_b)).
+
+    `sequence_parallel` (the plan's): a stage of TP degree > 1 holds its rank's part of the
+    sequence, which is exactly its part of the split-sent buffer (s leads the layout), so the
+    runtime leaves the all-gathers out (megatron_hexi.communicator); the transfers are the same.
     """
     nbytes = m.seq_length * mbs * m.hidden_size * BF16_BYTES
     tf = p2p_transfer_time(nbytes, senders, receivers, topo)
-    gf = ring_allgather_time(nbytes, len(receivers), *topo.slowest(receivers))
     tb = p2p_transfer_time(nbytes, receivers, senders, topo)
+    if sequence_parallel:
+        return (tf, 0.0), (tb, 0.0)
+    gf = ring_allgather_time(nbytes, len(receivers), *topo.slowest(receivers))
     gb = ring_allgather_time(nbytes, len(senders), *topo.slowest(senders))
     return (tf, gf), (tb, gb)
 
@@ -530,24 +551,39 @@ def layer_activation_bytes(
     ffn: int,
     recompute: bool,
     attention_backend: str = PLAN_DEFAULT_BACKEND,
+    *,
+    sequence_split: int = 1,
 ) -> float:
     """Bytes one layer keeps for backward per in-flight micro-batch on a rank (Korthikanti 2022).
 
-    s*b*h*(10 + 8*qg/g) + s*b*ffn*(8 SwiGLU | 4 GeLU) [+ 5*a*s^2*b*qg/g with an unfused
-    attention backend]: the published s*b*h*(34 + 5as/h) (GeLU, F = 4h) with the TP-sharded terms
-    scaled by this rank's share and the MLP term per FFN column. With full recompute only the
-    layer input [s, b, h] bf16 is kept.
+    s*b*h*(10/σ + 8*qg/g) + s*b*ffn*(8 SwiGLU | 4 GeLU) [+ 5*a*s^2*b*qg/g with an unfused
+    attention backend]: the published s*b*h*(34/t + 5as/(ht)) (GeLU, F = 4h) with the TP-sharded
+    terms scaled by this rank's share and the MLP term per FFN column. σ = `sequence_split`: the
+    ranks the sequence is cut over outside attention and MLP (the stage's TP degree under
+    sequence parallelism, else 1); it divides only the replicated 10 sbh, as the other terms are
+    this rank's heads and FFN columns already. With full recompute only the layer input
+    [s, b, h] bf16 is kept, its s/σ positions under sequence parallelism.
     """
+    if sequence_split < 1:
+        raise ValueError(f"sequence_split: must be a positive integer, got {sequence_split}")
     s, h, a = m.seq_length, m.hidden_size, m.num_attention_heads
     sbh = s * mbs * h
-    if recompute:
-        return sbh * BF16_BYTES
+    if recompute:  # a whole layer input stays an int, as before sequence parallelism
+        kept = sbh * BF16_BYTES
+        return kept if sequence_split == 1 else kept / sequence_split
     qf = qg / m.num_query_groups
-    act = sbh * (ACT_REPLICATED + ACT_ATTENTION_SHARDED * qf)
+    act = sbh * (ACT_REPLICATED / sequence_split + ACT_ATTENTION_SHARDED * qf)
     act += s * mbs * ffn * ACT_MLP_BYTES_PER_FFN_COLUMN[m.swiglu]
     if keeps_scores(attention_backend):
         act += ACT_SCORES_PER_AS_OVER_H * a * s * s * mbs * qf
     return act
+
+
+def sequence_split(tp_degree: int, sequence_parallel: bool) -> int:
+    """Ranks a stage's sequence is cut over (layer_activation_bytes' `sequence_split`): its TP
+    degree under the plan's sequence parallelism, else 1 (a TP-1 stage holds the whole
+    sequence)."""
+    return tp_degree if sequence_parallel and tp_degree > 1 else 1
 
 
 def in_flight_microbatches(position: int, num_stages: int, num_microbatches: int) -> int:
@@ -605,6 +641,9 @@ class RankShape:
     recompute: bool
     optimizer_fraction: float = 1.0  # share of fp32 master + Adam state (distributed optimizer)
     attention_backend: str = PLAN_DEFAULT_BACKEND  # the plan's (planner.attention)
+    # ranks the sequence is cut over outside attention and MLP: the stage's TP degree under the
+    # plan's sequence parallelism, else 1 (layer_activation_bytes)
+    sequence_split: int = 1
 
 
 def rank_memory(m: ModelSpec, shape: RankShape, n_layers: int) -> MemoryUse:
@@ -612,17 +651,23 @@ def rank_memory(m: ModelSpec, shape: RankShape, n_layers: int) -> MemoryUse:
     of its fp32 master + Adam state (1 without the distributed optimizer).
 
     Activations: `in_flight_microbatches` x layers x `layer_activation_bytes`; with recompute, plus
-    one layer's full activations for the micro-batch being recomputed. Logits: the last stage keeps
-    [s, b, V_rank] fp32 for one micro-batch (its backward follows its forward at once).
+    one layer's full activations for the micro-batch being recomputed; both with the shape's
+    `sequence_split`. Logits: the last stage keeps [s, b, V_rank] fp32 for one micro-batch (its
+    backward follows its forward at once; the output layer gathers the whole sequence, so
+    sequence parallelism leaves them as they are).
     """
     r = shape
     params = stage_params(m, r.query_groups, r.ffn, r.vocab, n_layers, r.first, r.last)
     inflight = in_flight_microbatches(r.position, r.num_stages, r.num_microbatches)
-    backend = r.attention_backend
-    per_layer = layer_activation_bytes(m, r.mbs, r.query_groups, r.ffn, r.recompute, backend)
+    backend, split = r.attention_backend, r.sequence_split
+    per_layer = layer_activation_bytes(
+        m, r.mbs, r.query_groups, r.ffn, r.recompute, backend, sequence_split=split
+    )
     act = inflight * n_layers * per_layer
     if r.recompute:
-        act += layer_activation_bytes(m, r.mbs, r.query_groups, r.ffn, False, backend)
+        act += layer_activation_bytes(
+            m, r.mbs, r.query_groups, r.ffn, False, backend, sequence_split=split
+        )
     logits = m.seq_length * r.mbs * r.vocab * FP32_BYTES if r.last else 0.0
     return MemoryUse(
         params * WEIGHT_BYTES_PER_PARAM,

@@ -449,6 +449,10 @@ def gradient_segments(plan: Plan) -> list[Segment]:
     """Every atomic gradient segment of the model, in one global order (parameter, start).
 
     All ranks compute the same list from the plan, so they can issue collectives in one order.
+    A TP-replicated parameter (norms, row biases) has one contributor per stage, whose gradient
+    every TP rank holds in full; under sequence parallelism each TP rank holds only its part of
+    the sequence's sum, so every one of them contributes, and the one collective that sums the
+    stage replicas also sums the parts (megatron-core all-reduces them over TP instead).
     """
     order = {sh.name: i for i, sh in enumerate(canonical_shards(plan.model))}
     holders: dict[str, list[tuple[int, RankView, ParamShard]]] = {}
@@ -471,7 +475,7 @@ def gradient_segments(plan: Plan) -> list[Segment]:
                 for p in shard.pieces:
                     if p.global_start <= start and end <= p.global_start + p.length:
                         members.append((rank, p.local_start + start - p.global_start))
-                        if not shard.tp_replicated or v.tp_rank == 0:
+                        if not shard.tp_replicated or v.tp_rank == 0 or v.sequence_parallel:
                             contributors.add(rank)
             if members:
                 members.sort()

@@ -36,6 +36,8 @@ class PlanningOptions:
     overlap_param_gather: bool = False
     # the runtime's --attention-backend (planner.attention's names; the plan records it)
     attention_backend: str = PLAN_DEFAULT_BACKEND
+    # the runtime's --sequence-parallel (the plan records it): on, as `hexi-plan plan`
+    sequence_parallel: bool = True
 
 
 def plan_for(
@@ -55,6 +57,7 @@ def plan_for(
         overlap_grad_reduce=options.overlap_grad_reduce,
         overlap_param_gather=options.overlap_param_gather,
         attention_backend=options.attention_backend,
+        sequence_parallel=options.sequence_parallel,
     )
 
 

@@ -269,6 +269,7 @@ def plan_figure(plan: Plan) -> Figure:
             ("overlap grad reduce", plan.training.overlap_grad_reduce),
             ("overlap param gather", plan.training.overlap_param_gather),
             (f"{plan.training.attention_backend} attention", True),
+            ("sequence parallel", plan.training.sequence_parallel),
         )
         if on
     ]

@@ -51,6 +51,7 @@ _TRAINING_KEYS = {
     "overlap_grad_reduce",
     "overlap_param_gather",
     "attention_backend",
+    "sequence_parallel",
 }
 _PIPELINE_KEYS = {"micro_batch_size", "num_microbatches", "stages"}
 _STAGE_KEYS = {"ranks", "layers", "shards"}
@@ -126,6 +127,9 @@ class Training:
     overlap_param_gather: bool = False
     # planner.attention's names; absent in a plan: unfused (what plans meant before the field)
     attention_backend: str = PLAN_DEFAULT_BACKEND
+    # megatron-core's sequence parallelism in every stage with TP > 1 (a TP-1 stage holds the
+    # whole sequence, as Megatron-LM turns it off there); absent in a plan: off
+    sequence_parallel: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -141,6 +145,8 @@ class Training:
             d["overlap_param_gather"] = True
         if self.attention_backend != PLAN_DEFAULT_BACKEND:
             d["attention_backend"] = self.attention_backend
+        if self.sequence_parallel:
+            d["sequence_parallel"] = True
         return d
 
 
@@ -169,6 +175,9 @@ class RankView:
     micro_batch_size: int
     num_microbatches: int
     samples: tuple[int, int]  # [start, end) of this pipeline's samples in the global batch
+    # training.sequence_parallel in a stage with TP > 1: activations between the stage's
+    # layers (and at its boundaries) are cut evenly along the sequence over its TP ranks
+    sequence_parallel: bool = False
 
     @property
     def tp_size(self) -> int:
@@ -290,6 +299,7 @@ class Plan:
             micro_batch_size=pipe.micro_batch_size,
             num_microbatches=pipe.num_microbatches,
             samples=self.sample_range(p),
+            sequence_parallel=self.training.sequence_parallel and len(stage.ranks) > 1,
         )
 
 
@@ -450,6 +460,7 @@ def validate_plan_dict(data: object) -> list[str]:
             "use_distributed_optimizer",
             "overlap_grad_reduce",
             "overlap_param_gather",
+            "sequence_parallel",
         ):
             if k in training and not isinstance(training[k], bool):
                 problems.append(f"training.{k}: must be true or false, got {training[k]!r}")
@@ -469,6 +480,7 @@ def validate_plan_dict(data: object) -> list[str]:
                 f"got {short(backend)}"
             )
 
+    sequence_parallel = isinstance(training, dict) and training.get("sequence_parallel") is True
     pipelines = data["pipelines"]
     owner: dict[int, str] = {}
     samples = 0
@@ -509,6 +521,12 @@ def validate_plan_dict(data: object) -> list[str]:
                 ranks_known = False
                 continue
             ranks, layers = got
+            if sequence_parallel and len(ranks) > 1 and model.seq_length % len(ranks):
+                problems.append(
+                    f"{swhere}.ranks: training.sequence_parallel splits the sequence evenly "
+                    f"over the stage's TP ranks, but seq_length {model.seq_length} is not "
+                    f"divisible by its TP degree {len(ranks)}"
+                )
             if expected_first is not None and layers[0] != expected_first:
                 problems.append(
                     f"{swhere}.layers: starts at {layers[0]}, but the previous stage "
@@ -615,6 +633,7 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         t.get("overlap_grad_reduce", False),
         t.get("overlap_param_gather", False),
         t.get("attention_backend", PLAN_DEFAULT_BACKEND),
+        t.get("sequence_parallel", False),
     )
     pipelines = [
         Pipeline(
@@ -666,6 +685,7 @@ def build_plan(
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
     attention_backend: str = PLAN_DEFAULT_BACKEND,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """A complete plan from a `pipelines` array (the plan's own shape, as dicts).
 
@@ -701,6 +721,7 @@ def build_plan(
             overlap_grad_reduce,
             overlap_param_gather,
             attention_backend,
+            sequence_parallel,
         ).to_dict(),
         "cluster": cluster.to_dict(),
         "pipelines": pipelines,

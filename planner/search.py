@@ -14,7 +14,10 @@ The outer loop covers micro-batch size and recompute. Deterministic for a seed.
 With overlap_grad_reduce / overlap_param_gather the candidates are ranked and scored with the
 overlapped gradient sync (planner.gradsync's overlap model) and the plan records both settings;
 likewise every candidate is costed (time and memory) with the given attention backend, which the
-plan records.
+plan records. With sequence parallelism every stage of TP degree t > 1 keeps its activations
+outside attention and MLP cut over its t ranks (costmodel.layer_activation_bytes) and needs no
+all-gather of received activations; only TP degrees that divide seq_length are laid out, so
+every plan validates, and the plan records the setting.
 """
 
 from __future__ import annotations
@@ -230,6 +233,7 @@ class Searcher:
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
         attention_backend: str = PLAN_DEFAULT_BACKEND,
+        sequence_parallel: bool = False,
     ):
         if recompute not in ("auto", "on", "off"):
             raise SpecError(f"--recompute: must be auto, on or off, got {recompute!r}")
@@ -239,6 +243,7 @@ class Searcher:
                 f"got {attention_backend!r}"
             )
         self.attention_backend = attention_backend
+        self.sequence_parallel = sequence_parallel
         if overlap_param_gather and not use_distributed_optimizer:
             raise SpecError(PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER)
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -273,7 +278,14 @@ class Searcher:
         key = (mbs, rc, fraction)
         if key not in self._contexts:
             self._contexts[key] = Context(
-                self.model, self.topo, mbs, rc, fraction, self._fits, self.attention_backend
+                self.model,
+                self.topo,
+                mbs,
+                rc,
+                fraction,
+                self._fits,
+                self.attention_backend,
+                self.sequence_parallel,
             )
         return self._contexts[key]
 
@@ -397,6 +409,7 @@ class Searcher:
                 self.overlap_grad_reduce,
                 self.overlap_param_gather,
                 attention_backend=self.attention_backend,
+                sequence_parallel=self.sequence_parallel,
             )
         e = cand.estimate
         return (not e.fits_memory, e.iteration_time_s)
@@ -529,7 +542,10 @@ class Searcher:
         kinds: dict[tuple[Any, ...], list[Unit]] = {}
         for u in units:
             kinds.setdefault(u.key if not self.by_name else u.ranks, []).append(u)
-        groups = [(len(v), len(unit_options(len(v[0].ranks), self.model))) for v in kinds.values()]
+        groups = [
+            (len(v), len(unit_options(len(v[0].ranks), self.model, self.sequence_parallel)))
+            for v in kinds.values()
+        ]
         total = 0
         for counts in itertools.product(*[range(c + 1) for c, _ in groups]):
             k = sum(counts)
@@ -551,6 +567,8 @@ class Searcher:
         for t in _divisors(N):
             if t > m.num_query_groups:
                 continue
+            if self.sequence_parallel and t > 1 and m.seq_length % t:
+                continue  # the plan's rule: the sequence is cut evenly over the TP ranks
             shards = (
                 tuple(even_split(m.num_query_groups, t)),
                 tuple(even_split(m.ffn_hidden_size, t)),
@@ -605,6 +623,7 @@ class Searcher:
                             self.overlap_grad_reduce,
                             self.overlap_param_gather,
                             attention_backend=self.attention_backend,
+                            sequence_parallel=self.sequence_parallel,
                         )
                         key = (not e.fits_memory, e.iteration_time_s)
                         if best is None or key < best.key:
@@ -634,6 +653,7 @@ class Searcher:
                 overlap_grad_reduce=self.overlap_grad_reduce,
                 overlap_param_gather=self.overlap_param_gather,
                 attention_backend=self.attention_backend,
+                sequence_parallel=self.sequence_parallel,
             )
         elif fitting_uni is not None:
             # hexi keeps the uniform layout as one of its seeds: it never does worse
@@ -647,6 +667,7 @@ class Searcher:
                 overlap_grad_reduce=self.overlap_grad_reduce,
                 overlap_param_gather=self.overlap_param_gather,
                 attention_backend=self.attention_backend,
+                sequence_parallel=self.sequence_parallel,
             )
         else:
             raise SpecError(self.explain_infeasible(strategy))
@@ -702,6 +723,8 @@ class Searcher:
             hints.append("--micro-batch-size 1")
         if keeps_scores(self.attention_backend):
             hints.append("--attention-backend auto (keeps no s x s scores)")
+        if not self.sequence_parallel:
+            hints.append("--sequence-parallel (cuts a TP stage's norm and dropout activations)")
         hints.append("more GPUs")
         if not self.dist_opt:
             hints.append("--use-distributed-optimizer")
@@ -777,13 +800,15 @@ def search_plan(
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
     attention_backend: str = PLAN_DEFAULT_BACKEND,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """The best plan under `strategy`, validated and with `estimate` filled; SpecError if none.
 
-    `overlap_grad_reduce`, `overlap_param_gather`, `attention_backend`: the runtime settings the
-    plan is made for (written into its `training`, every candidate costed with them); the caller
-    picks them (`overlap_by_default` and planner.attention.CLI_DEFAULT_BACKEND are the CLI's
-    defaults)."""
+    `overlap_grad_reduce`, `overlap_param_gather`, `attention_backend`, `sequence_parallel`: the
+    runtime settings the plan is made for (written into its `training`, every candidate costed
+    with them; with `sequence_parallel` only TP degrees dividing seq_length are laid out); the
+    caller picks them (`overlap_by_default`, planner.attention.CLI_DEFAULT_BACKEND and sequence
+    parallelism on are the CLI's defaults)."""
     s = Searcher(
         cluster,
         model,
@@ -796,6 +821,7 @@ def search_plan(
         overlap_grad_reduce,
         overlap_param_gather,
         attention_backend,
+        sequence_parallel,
     )
     # The search allocates millions of small tuples and no reference cycles to speak of: the
     # cyclic collector's generation scans would cost up to a fifth of the time on large clusters.

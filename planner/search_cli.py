@@ -11,6 +11,7 @@ from planner.cli_args import (
     PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER,
     Subparsers,
     add_attention_backend_flag,
+    add_sequence_parallel_flag,
     bounded_int,
     percent,
     with_examples,
@@ -90,6 +91,7 @@ def planning_options(args: argparse.Namespace, cluster: ClusterSpec) -> Planning
         overlap_grad_reduce=overlap_grad,
         overlap_param_gather=overlap_gather,
         attention_backend=args.attention_backend,
+        sequence_parallel=args.sequence_parallel,
     )
 
 
@@ -157,6 +159,7 @@ def add_planning_flags(p: argparse.ArgumentParser) -> None:
         "CPU profile)",
     )
     add_attention_backend_flag(p)
+    add_sequence_parallel_flag(p, default=True)
 
 
 def register_commands(sub: Subparsers) -> None:

@@ -48,12 +48,16 @@ class Unit:
     key: tuple[str, int]  # interchangeability signature (group or node name, size)
 
 
-def unit_options(n: int, model: ModelSpec) -> list[int]:
-    """Stage counts a unit of n GPUs may host: k stages of n/k GPUs (k divides n)."""
+def unit_options(n: int, model: ModelSpec, sequence_parallel: bool = False) -> list[int]:
+    """Stage counts a unit of n GPUs may host: k stages of n/k GPUs (k divides n). Under
+    sequence parallelism a TP degree t > 1 must also divide seq_length (the plan's rule: the
+    sequence is cut evenly over the TP ranks); k = n (TP 1) is always there."""
     out = []
     for k in range(1, n + 1):
         t = n // k
         if n % k == 0 and t <= model.num_query_groups and t <= model.ffn_hidden_size:
+            if sequence_parallel and t > 1 and model.seq_length % t:
+                continue
             out.append(k)
     return out
 
@@ -106,8 +110,8 @@ class PipelineDraft:
 
 class Context:
     """Inputs and caches of one search for one (micro-batch, recompute, optimizer share) knob:
-    model, topology, batch knobs, the attention backend (one per search); `fits` is shared by
-    the search's contexts.
+    model, topology, batch knobs, the attention backend and sequence parallelism (one per
+    search); `fits` is shared by the search's contexts.
 
     `optimizer_fraction`: the share of its optimizer state a rank is assumed to hold while
     stages are laid out (1, or 1/K for the distributed optimizer over K pipelines); the
@@ -122,9 +126,11 @@ class Context:
         optimizer_fraction: float,
         fits: Fits,
         attention_backend: str = PLAN_DEFAULT_BACKEND,
+        sequence_parallel: bool = False,
     ):
         self.model, self.topo, self.mbs, self.recompute = model, topo, mbs, recompute
         self.attention_backend = attention_backend
+        self.sequence_parallel = sequence_parallel
         self.optimizer_fraction = optimizer_fraction
         self.fits = fits
         # best pipeline per part signature (planner.search keeps its own entries)
@@ -175,8 +181,9 @@ class Context:
                 shards["vocab"],
             )
         )
+        tp = len(devs)
         nmax = min(
-            self._layers_that_fit(capacity, qg, ff, vv, first, last, position, num_stages)
+            self._layers_that_fit(capacity, qg, ff, vv, first, last, position, num_stages, tp)
             for capacity, qg, ff, vv in needs
         )
         st = StageDraft(tuple(ranks), shards, cf + tf, cb + tb, ef, eb, nmax)
@@ -193,16 +200,19 @@ class Context:
         last: bool,
         position: int,
         num_stages: int,
+        tp: int = 1,
     ) -> int:
         """`costmodel.layers_that_fit` for this search's model, micro-batch and recompute,
-        memoised: many stages of one search share a GPU type, shards and position."""
-        key = (capacity, qg, ffn, vocab, first, last, position, num_stages)
+        memoised: many stages of one search share a GPU type, shards and position. `tp`: the
+        stage's TP degree (the sequence split under sequence parallelism)."""
+        split = cm.sequence_split(tp, self.sequence_parallel)
+        key = (capacity, qg, ffn, vocab, first, last, position, num_stages, split)
         got = self._fit.get(key)
         if got is None:
             shape = cm.RankShape(
                 self.mbs, qg, ffn, vocab, first, last, position, num_stages,
                 num_stages - position, self.recompute, self.optimizer_fraction,
-                self.attention_backend,
+                self.attention_backend, split,
             )  # fmt: skip
             got = self._fit[key] = cm.layers_that_fit(capacity, self.model, shape)
         return got
@@ -238,7 +248,7 @@ class Context:
         key = self.topo.sig(a, b)
         got = self._boundary.get(key)
         if got is None:
-            got = cm.boundary_times(self.model, self.mbs, a, b, self.topo)
+            got = cm.boundary_times(self.model, self.mbs, a, b, self.topo, self.sequence_parallel)
             self._boundary[key] = got
         return got
 
@@ -548,7 +558,7 @@ def best_pipeline(
             uniq.append(o)
     best = None
     for n_order, order in enumerate(uniq):
-        opts = [unit_options(len(u.ranks), ctx.model) for u in order]
+        opts = [unit_options(len(u.ranks), ctx.model, ctx.sequence_parallel) for u in order]
         if exhaustive:
             for ks in itertools.product(*opts):
                 got = _score(ctx, order, ks, m_est)
@@ -614,7 +624,7 @@ def _block_orders(
     # each order scored with the stage counts chosen so far and with the fewest stages per unit
     sels = [
         {u.key: k for u, k in zip(best.choice.units, best.choice.ks)},
-        {u.key: unit_options(len(u.ranks), ctx.model)[0] for u in units},
+        {u.key: unit_options(len(u.ranks), ctx.model, ctx.sequence_parallel)[0] for u in units},
     ]
     scored = []
     for i, order in enumerate(perms):
@@ -629,7 +639,7 @@ def _block_orders(
             scored.append((min(objs), i, order))
     scored.sort(key=lambda x: (x[0], x[1]))
     for _, _, order in scored[:BLOCK_ORDERS_REFINED]:
-        opts = [unit_options(len(u.ranks), ctx.model) for u in order]
+        opts = [unit_options(len(u.ranks), ctx.model, ctx.sequence_parallel) for u in order]
         got = _coordinate_descent(ctx, order, opts, m_est)
         if got is not None and got.obj < best.obj:
             best = got

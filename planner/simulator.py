@@ -167,6 +167,7 @@ def simulate(
         plan.training.overlap_param_gather,
         bucket_elements,
         plan.training.attention_backend,
+        plan.training.sequence_parallel,
     )
 
 
@@ -191,18 +192,29 @@ def simulate_layout(
     overlap_param_gather: bool = False,
     bucket_elements: int = BUCKET_ELEMENTS,
     attention_backend: str = PLAN_DEFAULT_BACKEND,
+    sequence_parallel: bool = False,
 ) -> Estimate:
     """Estimate of a layout: `layouts` as from layouts_of, `batches` [(mbs, num_microbatches)].
 
     `cache`: a SimulationCache shared by the calls of one search (None: a fresh one).
-    `overlap_grad_reduce`, `overlap_param_gather`, `attention_backend`: the plan's training
-    settings of those names (the parameter gather counts only with the distributed optimizer)."""
+    `overlap_grad_reduce`, `overlap_param_gather`, `attention_backend`, `sequence_parallel`: the
+    plan's training settings of those names (the parameter gather counts only with the
+    distributed optimizer; sequence parallelism acts in stages of TP degree > 1)."""
     m = model
     topo = topo or cm.Topology(cluster)
     cache = cache if cache is not None else SimulationCache()
     overlapped = overlap_grad_reduce or (overlap_param_gather and distributed_optimizer)
     ptimes, reports, ranks_all, mems_all, scheds, ends = _pipelines(
-        m, topo, layouts, batches, recompute, cache, None, overlapped, attention_backend
+        m,
+        topo,
+        layouts,
+        batches,
+        recompute,
+        cache,
+        None,
+        overlapped,
+        attention_backend,
+        sequence_parallel,
     )
     if overlapped:
         colls = collectives(m, layouts, distributed_optimizer)
@@ -230,7 +242,16 @@ def simulate_layout(
     slow = _shared_node_slowdowns(topo, reports, batches, max(ptimes) + sync)
     if slow:
         ptimes, reports, ranks_all, mems_all, scheds, ends = _pipelines(
-            m, topo, layouts, batches, recompute, cache, slow, overlapped, attention_backend
+            m,
+            topo,
+            layouts,
+            batches,
+            recompute,
+            cache,
+            slow,
+            overlapped,
+            attention_backend,
+            sequence_parallel,
         )
         if overlapped:
             sync, serial, worst_sync = overlapped_sync()
@@ -334,6 +355,7 @@ def _pipelines(
     slow: Mapping[int, float] | None = None,
     with_ends: bool = False,
     attention_backend: str = PLAN_DEFAULT_BACKEND,
+    sequence_parallel: bool = False,
 ) -> tuple[
     list[float],
     list[StageReport],
@@ -367,11 +389,12 @@ def _pipelines(
             recompute,
             mine,
             attention_backend,
+            sequence_parallel,
         )
         got = cache.get(key)
         if got is None:
             got = cache[key] = _pipeline_eval(
-                m, topo, stages, mbs, nmb, recompute, slow, attention_backend
+                m, topo, stages, mbs, nmb, recompute, slow, attention_backend, sequence_parallel
             )
         ptime, stage_rows, mems, sched = got
         ptimes.append(ptime)
@@ -435,9 +458,12 @@ def _pipeline_eval(
     recompute: bool,
     slow: Mapping[int, float] | None = None,
     attention_backend: str = PLAN_DEFAULT_BACKEND,
+    sequence_parallel: bool = False,
 ) -> PipelineEval:
     """(1F1B seconds, per stage (fwd, bwd, compute, tp_comm, p2p_in), per rank MemoryUse
-    without optimizer state, the schedule's inputs) of one pipeline."""
+    without optimizer state, the schedule's inputs) of one pipeline. Under
+    `sequence_parallel` a stage of TP degree t > 1 keeps its activations cut over its t ranks
+    (costmodel.sequence_split) and does not all-gather what it receives."""
     p = len(stages)
     fwd, bwd, xf, xb, rows, mems = [], [], [], [], [], []
     for k, st in enumerate(stages):
@@ -460,16 +486,20 @@ def _pipeline_eval(
         bwd.append(c.bwd)
         rows.append([c.fwd, c.bwd, c.compute, c.tp_comm, 0.0])
         seen = {}
+        split = cm.sequence_split(len(st.ranks), sequence_parallel)
         for i in range(len(st.ranks)):
             shape = cm.RankShape(
                 mbs, st.query_groups[i], st.ffn[i], st.vocab[i], first, last, k, p, nmb,
                 recompute, optimizer_fraction=0.0, attention_backend=attention_backend,
+                sequence_split=split,
             )  # fmt: skip
             if shape not in seen:
                 seen[shape] = cm.rank_memory(m, shape, st.layers[1] - st.layers[0])
             mems.append(seen[shape])
     for k in range(p - 1):
-        (tf, gf), (tb, gb) = cm.boundary_times(m, mbs, stages[k].ranks, stages[k + 1].ranks, topo)
+        (tf, gf), (tb, gb) = cm.boundary_times(
+            m, mbs, stages[k].ranks, stages[k + 1].ranks, topo, sequence_parallel
+        )
         xf.append(tf)
         xb.append(tb)
         fwd[k + 1] += gf

@@ -2,6 +2,7 @@
 
     hexi-profile --model tiny -o cpu.json [--device cpu|cuda] [--tp-widths 1 2 4]
         [--micro-batch-sizes 1 2 4] [--comm-procs 2] [--threads N] [--max-seconds 120]
+        [--attention-backend auto]   # the attention training will run (the plan's)
 
 Reference the file from the cluster spec: `nodes: [{name: .., gpu: CPU, profile: cpu.json}]`.
 Progress goes to stderr; the run stops measuring new points when --max-seconds is near (what
@@ -23,7 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from megatron_hexi.profile import FORMAT
-from planner.cli_args import with_examples
+from planner.attention import CLI_DEFAULT_BACKEND
+from planner.cli_args import add_attention_backend_flag, with_examples
 
 if TYPE_CHECKING:
     import torch
@@ -89,8 +91,10 @@ def profile(
     runtime: bool = True,
     progress_stream: TextIO = sys.stderr,
     rounds: int = 3,
+    attention_backend: str = CLI_DEFAULT_BACKEND,
 ) -> dict[str, Any]:
-    """Measure and return the profile dict (see megatron_hexi.profile)."""
+    """Measure and return the profile dict (see megatron_hexi.profile). `attention_backend`:
+    the one every measured stage runs (the runtime's --attention-backend), recorded."""
     import torch
 
     from megatron_hexi.model import seed_rng
@@ -128,7 +132,7 @@ def profile(
         "format": FORMAT,
         "device": name,
         "dtype": str(dtype).replace("torch.", ""),
-        "attention_backend": measure.ATTENTION_BACKEND,
+        "attention_backend": attention_backend,
         "threads": threads,
         "cpu_cores": os.cpu_count(),
         "host": platform.node(),
@@ -148,12 +152,13 @@ def profile(
             device.type,
             reps or 5,
             wait_s=max_seconds + 300,
-            layer_job=(
+            layer_job=comm.LayerJob(
                 model,
                 mbss,
                 reps or 5,
                 out["dtype"],
                 widths[0] if device.type == "cpu" else 0,
+                attention_backend,
             ),
         )
         ready = job.wait_ready(max(60.0, max_seconds))
@@ -161,7 +166,9 @@ def profile(
             f"comm job of {comm_procs} started"
             + (f"; data-parallel step {ready['step_s'] * 1e3:.1f} ms" if ready["step_s"] else "")
         )
-    measure.warm_up(model, device, dtype, min(3.0, 0.03 * max_seconds))
+    measure.warm_up(
+        model, device, dtype, min(3.0, 0.03 * max_seconds), attention_backend=attention_backend
+    )
     out["matmul_tflops"] = measure.matmul_tflops(
         model, max(mbss), device, dtype, seconds=min(0.5, max_seconds * 0.02)
     )
@@ -174,7 +181,7 @@ def profile(
     def burst(when: str, data_parallel: bool = True) -> None:
         nonlocal params
         dp = job.burst() if job is not None and data_parallel else None
-        pts, params = runtime_overhead.step_points(model, device, reps or 4)
+        pts, params = runtime_overhead.step_points(model, device, reps or 4, attention_backend)
         bursts.append(pts)
         bar.step(
             f"one-rank Trainer steps {when}: "
@@ -192,8 +199,9 @@ def profile(
         for t, b in points:
             if bar.left() < max_seconds * 0.45 and got:
                 break
-            e = measure.layer_entry(model, t, b, device, dtype, reps or 4)
-            ends = measure.end_entries(model, t, b, device, dtype, reps or 4)
+            kw = {"attention_backend": attention_backend}
+            e = measure.layer_entry(model, t, b, device, dtype, reps or 4, **kw)
+            ends = measure.end_entries(model, t, b, device, dtype, reps or 4, **kw)
             got.setdefault((t, b), []).append((e, ends))
             bar.step(
                 f"round {rnd + 1} layer tp{t} mbs{b}: fwd {e['fwd_s'] * 1e3:.2f} ms bwd "
@@ -321,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="catalog GPU name to record (default: CPU, or the CUDA device's catalog match)",
     )
+    add_attention_backend_flag(p)
     p.add_argument("--tp-widths", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument(
@@ -378,6 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.device_name,
         args.reps,
         runtime=not args.no_runtime,
+        attention_backend=args.attention_backend,
     )
     with open(args.output, "w") as f:
         json.dump(out, f, indent=1)

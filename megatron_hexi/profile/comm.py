@@ -22,7 +22,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,16 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from planner.models import ModelSpec
 
-# _layer_runs' arguments after the device: (model, micro-batch sizes, repetitions, dtype name,
-# TP width of the contention reference or 0).
-LayerJob = tuple["ModelSpec", Sequence[int], int, str, int]
+
+class LayerJob(NamedTuple):
+    """What the job's processes time besides collectives (_layer_runs)."""
+
+    model: ModelSpec
+    micro_batch_sizes: Sequence[int]
+    reps: int
+    dtype_name: str
+    contention: int  # TP width of the contention reference, 0 for none (then no bursts)
+    attention_backend: str  # the profile's (measure.py)
 
 
 def _time(fn: Callable[[], object], reps: int, device: torch.device) -> float:
@@ -113,10 +120,13 @@ def _worker(
     bursts = []  # data-parallel Trainer steps, on the parent's requests
 
     def burst(n: int) -> None:
-        if layer_job is not None and layer_job[-1]:
+        if layer_job is not None and layer_job.contention:
             from megatron_hexi.profile.runtime_overhead import data_parallel_step
 
-            bursts.append(data_parallel_step(layer_job[0], device, layer_job[2], procs))
+            job = layer_job
+            bursts.append(
+                data_parallel_step(job.model, device, job.reps, procs, job.attention_backend)
+            )
         dist.barrier()
         if rank == 0:
             _write(files["done"].format(n), {"step_s": bursts[-1]["step_s"] if bursts else None})
@@ -199,6 +209,7 @@ def _layer_runs(
     reps: int,
     dtype_name: str,
     contention: int,
+    attention_backend: str,
     earlier: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """Layer timings that only exist with `procs` processes running at once.
@@ -228,7 +239,13 @@ def _layer_runs(
     out = {}
     if contention:
         ref = Stage(
-            model, shard_view(model, contention, layers), max(mbss), device, dtype, group=single
+            model,
+            shard_view(model, contention, layers),
+            max(mbss),
+            device,
+            dtype,
+            group=single,
+            attention_backend=attention_backend,
         )
         together = []
         for _ in range(3):
@@ -244,7 +261,9 @@ def _layer_runs(
         }
         from megatron_hexi.profile.runtime_overhead import data_parallel_step
 
-        train = data_parallel_step(model, device, reps, procs)  # once before the TP runs
+        train = data_parallel_step(
+            model, device, reps, procs, attention_backend
+        )  # once before the TP runs
     if splits_evenly(model, procs):
         runs = {}
         for b in mbss:
@@ -257,6 +276,7 @@ def _layer_runs(
                     dtype,
                     recompute=rc,
                     group=dist.group.WORLD,
+                    attention_backend=attention_backend,
                 )
                 runs[(b, "shard", rc)] = Stage(
                     model,
@@ -266,6 +286,7 @@ def _layer_runs(
                     dtype,
                     recompute=rc,
                     group=single,
+                    attention_backend=attention_backend,
                 )
         got = {k: [] for k in runs}
         per_round = max(2, reps // 2)
@@ -298,7 +319,7 @@ def _layer_runs(
             )
         out["tp_layer"] = rows
     if contention:  # and once after: the fastest burst is kept
-        again = data_parallel_step(model, device, reps, procs)
+        again = data_parallel_step(model, device, reps, procs, attention_backend)
         bursts = [b["step_s"] for b in earlier] + [train["step_s"], again["step_s"]]
         train.update({"step_s": min(bursts), "bursts_s": bursts})
         out["contention"]["training"] = train
@@ -313,8 +334,8 @@ class CommJob:
         job.burst()           # another data-parallel burst, between the parent's measurements
         result = job.finish(max_seconds)
 
-    `layer_job`: the _layer_runs arguments after the device; its last one (the contention
-    reference's TP width, 0 for none) also decides whether the processes train bursts.
+    `layer_job`: what _layer_runs times; its `contention` (the contention reference's TP width,
+    0 for none) also decides whether the processes train bursts.
     """
 
     def __init__(

@@ -9,10 +9,11 @@ several rounds spread over the run). A shared machine has slow spells of seconds
 run is 30-50 % slower (measured on a 2-core VM); a median taken inside one spell keeps the whole
 slowdown, the minimum over spread-out runs does not. What is predicted is the undisturbed cost.
 
-Attention: every stage runs ATTENTION_BACKEND, the backend `hexi-plan` plans for by default
-(fused: torch's scaled_dot_product_attention). A profile records it (`attention_backend`); the
-planner charges unfused attention's extra memory traffic only where it estimates layer times
-from FLOPs, not on a profile's measured layers.
+Attention: every stage runs the backend it is given (hexi-profile's --attention-backend; by
+default DEFAULT_ATTENTION_BACKEND, the one `hexi-plan` plans for by default: fused, torch's
+scaled_dot_product_attention). A profile records it (`attention_backend`); the planner charges
+unfused attention's extra memory traffic only where it estimates layer times from FLOPs, not on
+a profile's measured layers, so a profile should be taken with the backend training will run.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.model import build_stage_model, stage_config
 from planner.attention import CLI_DEFAULT_BACKEND
 
-ATTENTION_BACKEND = CLI_DEFAULT_BACKEND
+DEFAULT_ATTENTION_BACKEND = CLI_DEFAULT_BACKEND
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -71,6 +72,7 @@ def shard_view(
         vocab=(v, 0) if (first or last) else None,
         holds_embedding=first,
         holds_output=last,
+        sequence_parallel=False,
     )
 
 
@@ -93,6 +95,7 @@ def tp_view(model: ModelSpec, t: int, rank: int, layers: int) -> types.SimpleNam
         vocab=None,
         holds_embedding=False,
         holds_output=False,
+        sequence_parallel=False,  # its layers all-reduce whole activations
     )
 
 
@@ -108,11 +111,13 @@ class Stage:
         dtype: torch.dtype,
         recompute: bool = False,
         group: dist.ProcessGroup | None = None,
+        *,
+        attention_backend: str,
     ) -> None:
         plan = types.SimpleNamespace(model=model)
         self.cfg = stage_config(plan, view, params_dtype=dtype, recompute=recompute)
         self.net = build_stage_model(
-            plan, view, group or _world(), self.cfg, device, attention_backend=ATTENTION_BACKEND
+            plan, view, group or _world(), self.cfg, device, attention_backend=attention_backend
         )
         with torch.no_grad():
             for p in self.net.parameters():
@@ -166,10 +171,19 @@ class Stage:
         return min(r[0] for r in runs), min(r[1] for r in runs)
 
 
-def warm_up(model: ModelSpec, device: torch.device, dtype: torch.dtype, seconds: float) -> None:
+def warm_up(
+    model: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    seconds: float,
+    *,
+    attention_backend: str,
+) -> None:
     """Run a stage for `seconds` before anything is timed: a process's first passes are slower
     (allocator growth, lazy initialisation, clock ramp-up) and would inflate the first point."""
-    st = Stage(model, shard_view(model, 1, 1), 1, device, dtype)
+    st = Stage(
+        model, shard_view(model, 1, 1), 1, device, dtype, attention_backend=attention_backend
+    )
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         st.run()
@@ -183,11 +197,14 @@ def layer_entry(
     dtype: torch.dtype,
     reps: int,
     layers: int = 2,
+    *,
+    attention_backend: str,
 ) -> dict[str, float]:
     """Per-layer seconds of a 1/t shard: forward, backward, backward under full recompute."""
     view = shard_view(model, t, layers)
-    f, b = Stage(model, view, mbs, device, dtype).time(reps)
-    _, brc = Stage(model, view, mbs, device, dtype, recompute=True).time(reps)
+    kw = {"attention_backend": attention_backend}
+    f, b = Stage(model, view, mbs, device, dtype, **kw).time(reps)
+    _, brc = Stage(model, view, mbs, device, dtype, recompute=True, **kw).time(reps)
     return {
         "tp": t,
         "query_groups": view.query_groups[0],
@@ -207,15 +224,18 @@ def end_entries(
     dtype: torch.dtype,
     reps: int,
     warmup: int = 2,
+    *,
+    attention_backend: str,
 ) -> dict[str, dict[str, float]]:
     """Embedding stage and head stage costs: a one-layer first / last stage minus a one-layer
     middle stage (same stage machinery, so per-stage overheads cancel). The three stages run in
     turn and each difference is taken within one round, so a slow spell of the machine hits both
     sides of it; the median over rounds is kept."""
-    stages = {"middle": Stage(model, shard_view(model, t, 1), mbs, device, dtype)}
+    kw = {"attention_backend": attention_backend}
+    stages = {"middle": Stage(model, shard_view(model, t, 1), mbs, device, dtype, **kw)}
     for kind, first, last in (("embedding", True, False), ("head", False, True)):
         stages[kind] = Stage(
-            model, shard_view(model, t, 1, first=first, last=last), mbs, device, dtype
+            model, shard_view(model, t, 1, first=first, last=last), mbs, device, dtype, **kw
         )
     diffs = {"embedding": [], "head": []}
     for i in range(warmup + reps):
@@ -295,7 +315,15 @@ def optimizer_entry(
     )
     points = []
     for n in layer_counts:
-        st = Stage(model, shard_view(model, 1, n), 1, device, dtype)
+        # attention does not change the optimizer's cost: any backend builds the same parameters
+        st = Stage(
+            model,
+            shard_view(model, 1, n),
+            1,
+            device,
+            dtype,
+            attention_backend=DEFAULT_ATTENTION_BACKEND,
+        )
         params = [p for p in st.net.parameters()]
         bf16 = dtype == torch.bfloat16
         for p in params:  # bf16: gradients live in fp32 main_grad, as in the runtime

@@ -47,9 +47,13 @@ def _cluster(device_type: str, procs: int, profile_path: str | None = None) -> C
 
 
 def _one_stage_plans(
-    cluster: ClusterSpec, model: ModelSpec, mbs: int, nmb: int, pipelines: int
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    mbs: int,
+    nmb: int,
+    pipelines: int,
+    attention_backend: str,
 ) -> Plan:
-    from megatron_hexi.profile.measure import ATTENTION_BACKEND
     from planner.plan import build_plan
 
     return build_plan(
@@ -64,7 +68,7 @@ def _one_stage_plans(
             }
             for r in range(pipelines)
         ],
-        attention_backend=ATTENTION_BACKEND,  # as the profile's layer stages
+        attention_backend=attention_backend,  # as the profile's layer stages
     )
 
 
@@ -89,7 +93,13 @@ def step_config(iters: int) -> RunConfig:
 
 
 def _steps(
-    model: ModelSpec, device: torch.device, mbs: int, nmb: int, iters: int, pipelines: int = 1
+    model: ModelSpec,
+    device: torch.device,
+    mbs: int,
+    nmb: int,
+    iters: int,
+    attention_backend: str,
+    pipelines: int = 1,
 ) -> tuple[float, int]:
     """Fastest step time of a plan of `pipelines` one-stage pipelines (one per process of the
     current process group), and the parameters of one rank."""
@@ -97,7 +107,8 @@ def _steps(
 
     from megatron_hexi.training import Trainer
 
-    plan = _one_stage_plans(_cluster(device.type, pipelines), model, mbs, nmb, pipelines)
+    cluster = _cluster(device.type, pipelines)
+    plan = _one_stage_plans(cluster, model, mbs, nmb, pipelines, attention_backend)
     trainer = Trainer(plan, step_config(iters), device)
     times = [trainer.train_step(i)["step_time_s"] for i in range(iters)]
     params = sum(p.numel() for p in trainer.model.parameters())
@@ -107,23 +118,28 @@ def _steps(
 
 
 def data_parallel_step(
-    model: ModelSpec, device: torch.device, reps: int, procs: int, k: int = 4
+    model: ModelSpec,
+    device: torch.device,
+    reps: int,
+    procs: int,
+    attention_backend: str,
+    k: int = 4,
 ) -> dict[str, Any]:
     """Fastest step of `procs` one-stage pipelines training at once (k micro-batches of 1 each),
     run inside a `procs`-process group: against the one-rank step with the same micro-batches it
     gives the slowdown of the runtime itself when `procs` ranks share the node."""
-    step, params = _steps(model, device, 1, k, 2 * reps + 2, pipelines=procs)
+    step, params = _steps(model, device, 1, k, 2 * reps + 2, attention_backend, pipelines=procs)
     return {"procs": procs, "microbatches": k, "step_s": step, "params": params}
 
 
 def step_points(
-    model: ModelSpec, device: torch.device, reps: int, k: int = 4
+    model: ModelSpec, device: torch.device, reps: int, attention_backend: str, k: int = 4
 ) -> tuple[dict[int, float], int]:
     """{micro-batches: fastest one-rank step} for 1 and k micro-batches of 1, and the params.
     hexi-profile takes several such bursts spread over the profile and keeps the fastest of each
     point: a slow spell of the machine during one burst does not stick."""
-    t1, params = _steps(model, device, 1, 1, reps + 2)
-    tk, _ = _steps(model, device, 1, k, reps + 2)
+    t1, params = _steps(model, device, 1, 1, reps + 2, attention_backend)
+    tk, _ = _steps(model, device, 1, k, reps + 2, attention_backend)
     return {1: t1, k: tk}, params
 
 
@@ -143,7 +159,9 @@ def predicted_steps(
             json.dump(bare, fh)
         cluster = _cluster(device_type, 1, path)
         out = {
-            k: simulate(_one_stage_plans(cluster, model, 1, k, 1)).iteration_time_s
+            k: simulate(
+                _one_stage_plans(cluster, model, 1, k, 1, profile["attention_backend"])
+            ).iteration_time_s
             for k in microbatches
         }
         _profile_of.cache_clear()

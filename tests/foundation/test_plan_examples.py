@@ -47,7 +47,8 @@ def test_manual_validate_show_hetero_4rank(hexi_plan, examples_dir, tmp_path):
     assert hexi_plan("validate", out) == (
         0,
         f"{out}: valid plan, 4 ranks, 2 pipelines, global batch 8; recompute off, optimizer "
-        "plain, overlap-grad-reduce off, overlap-param-gather off, attention unfused\n",
+        "plain, overlap-grad-reduce off, overlap-param-gather off, attention unfused, "
+        "sequence-parallel off\n",
         "",
     )
     code, table, err = hexi_plan("show", out)
@@ -58,7 +59,7 @@ def test_manual_validate_show_hetero_4rank(hexi_plan, examples_dir, tmp_path):
     )
     assert lines[1] == (
         "training: recompute off, optimizer plain, overlap-grad-reduce off, "
-        "overlap-param-gather off, attention unfused"
+        "overlap-param-gather off, attention unfused, sequence-parallel off"
     )
     del lines[1]
     assert lines[1] == (
@@ -95,7 +96,8 @@ def test_manual_validate_show_mixed_lab(hexi_plan, examples_dir, tmp_path):
     assert hexi_plan("validate", out)[:2] == (
         0,
         f"{out}: valid plan, 36 ranks, 3 pipelines, global batch 64; recompute off, optimizer "
-        "plain, overlap-grad-reduce off, overlap-param-gather off, attention unfused\n",
+        "plain, overlap-grad-reduce off, overlap-param-gather off, attention unfused, "
+        "sequence-parallel off\n",
     )
     plan = load_plan(out)
     assert [(r.node, r.local_rank, r.gpu) for r in plan.ranks][6:10] == [

@@ -156,7 +156,7 @@ def test_comm_job_failure_is_reported_not_waited_for():
     from megatron_hexi.profile import comm
 
     t0 = time.monotonic()
-    job = comm.CommJob(2, 1, "cpu", 3, layer_job=(None, [1], 3, "float32", 1))
+    job = comm.CommJob(2, 1, "cpu", 3, layer_job=comm.LayerJob(None, [1], 3, "float32", 1, "auto"))
     with pytest.raises(ProcessRaisedException, match="num_layers"):
         job.wait_ready(120)
     job.close()
@@ -346,3 +346,33 @@ def test_simulate_cli_reports_sources(tiny_profile, tmp_path, hexi_plan):
     assert "cost source      cpu: CPU: profile" in out
     code, out, err = hexi_plan("simulate", plan_path, "--json")
     assert json.loads(out)["cost_source"]["cpu"].startswith("CPU: profile")
+
+
+@pytest.mark.parametrize(
+    "backend, module", [("unfused", "DotProductAttention"), ("auto", "SDPAttention")]
+)
+def test_profiled_stages_run_the_backend_given(backend, module, tmp_path):
+    """hexi-profile --attention-backend: every measured stage is built with that backend."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hexi.model import seed_rng
+    from megatron_hexi.patches import apply_cpu_patches
+    from megatron_hexi.profile import measure
+    from planner.models import load_model
+
+    apply_cpu_patches()
+    seed_rng(1234, 0)  # as hexi-profile: DotProductAttention forks megatron's RNG tracker
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = load_model("tiny")
+        view = measure.shard_view(model, 1, 1)
+        cpu = torch.device("cpu")
+        stage = measure.Stage(model, view, 1, cpu, torch.float32, attention_backend=backend)
+        fwd, bwd = stage.time(1, warmup=0)
+    finally:
+        dist.destroy_process_group()
+    built = {type(m).__name__ for m in stage.net.modules() if m._get_name().endswith("Attention")}
+    assert built - {"SelfAttention"} == {module}
+    assert fwd > 0 and bwd > 0

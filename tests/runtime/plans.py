@@ -154,9 +154,10 @@ REFERENCE = [
 
 
 def write_plan(directory, name, model, world, pipelines, recompute=False, **training):
+    """`model`: a bundled model's name, or a ModelSpec."""
     plan = build_plan(
         cpu_cluster(world),
-        load_model(model),
+        load_model(model) if isinstance(model, str) else model,
         GLOBAL_BATCH,
         pipelines,
         recompute=recompute,

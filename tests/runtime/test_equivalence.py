@@ -21,7 +21,7 @@ _references = {}
 
 def reference(tmp_path_factory, model):
     if model not in _references:
-        path = write_plan(tmp_path_factory.mktemp("ref"), f"one-rank-{model}", model, 1, REFERENCE)
+        path = write_plan(tmp_path_factory.mktemp("ref"), "one-rank", model, 1, REFERENCE)
         _references[model] = run_distributed(train_with_first_grads, 1, path, timeout=240)[0]
     return _references[model]
 

@@ -35,7 +35,8 @@ def run_entry(repo_root, *args):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--sequence-parallel"], "unsupported flag: --sequence-parallel"),
+        (["--context-parallel-size", "2"], "unsupported flag: --context-parallel-size"),
+        (["--sequence-parallel"], "--sequence-parallel contradicts the plan (sequence_parallel"),
         (["--use-distributed-optimizer"], "--use-distributed-optimizer contradicts the plan"),
         (["--hidden-size", "128"], "--hidden-size 128 contradicts the plan's model hidden_size 64"),
         (

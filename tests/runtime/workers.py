@@ -83,6 +83,18 @@ def _break_sync(defect):
             real_init(self, plan_rank, params, segments, groups, **kwargs)
 
         GradientSync.__init__ = init
+    elif defect == "sp_norms_unsummed":
+        # Under sequence parallelism, norm gradients as if every TP rank held the whole sum
+        # (one contributor per stage, as without it): the other ranks' sequence parts are lost.
+        from megatron_hexi import training
+
+        real_segments = training.gradient_segments
+
+        def without_sequence_split(plan):
+            t = dataclasses.replace(plan.training, sequence_parallel=False)
+            return real_segments(dataclasses.replace(plan, training=t))
+
+        training.gradient_segments = without_sequence_split
     elif defect is not None:
         raise ValueError(defect)
 
@@ -308,8 +320,8 @@ def _pipeline_mean_evaluation(enabled):
 def train_each(runs):
     """`train` once per (plan path, extra flags) in `runs`, one after another in the same
     processes (one launch checks several plans); per run, `train`'s result plus, per plan rank,
-    the gradient buckets and how many of them started during the backward pass, and the core
-    attention modules launch rank 0 built."""
+    the gradient buckets, how many of them started during the backward pass and whether its
+    stage ran sequence-parallel, and the core attention modules launch rank 0 built."""
     import torch.distributed as dist
 
     made = _record_trainers()
@@ -318,12 +330,14 @@ def train_each(runs):
         out = train(plan_path, extra_flags=extra_flags)
         sync = made[-1].grad_sync
         everyone = [None] * dist.get_world_size()
+        split = made[-1].transformer_config.sequence_parallel
         dist.all_gather_object(
             everyone,
-            (made[-1].rank, len(sync.buckets), sync.started_in_backward),
+            (made[-1].rank, len(sync.buckets), sync.started_in_backward, split),
         )
-        out["buckets"] = {r: n for r, n, _ in everyone}
-        out["started_in_backward"] = {r: n for r, _, n in everyone}
+        out["buckets"] = {r: n for r, n, _, _ in everyone}
+        out["started_in_backward"] = {r: n for r, _, n, _ in everyone}
+        out["sequence_parallel"] = {r: s for r, _, _, s in everyone}
         out["core_attention"] = sorted(
             {
                 type(m).__name__

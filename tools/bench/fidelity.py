@@ -160,11 +160,12 @@ OVERLAP_BUCKET = 250_000
 
 def _training(name):
     """The plan's `training` settings besides recompute: the attention the profile measured
-    (megatron_hexi.profile.measure.ATTENTION_BACKEND), and the overlap where the name says."""
-    from megatron_hexi.profile.measure import ATTENTION_BACKEND
+    (hexi-profile's default, megatron_hexi.profile.measure.DEFAULT_ATTENTION_BACKEND), and the
+    overlap where the name says."""
+    from megatron_hexi.profile.measure import DEFAULT_ATTENTION_BACKEND
 
     overlap = {"overlap_grad_reduce": True} if name in OVERLAPPED.values() else {}
-    return {"attention_backend": ATTENTION_BACKEND, **overlap}
+    return {"attention_backend": DEFAULT_ATTENTION_BACKEND, **overlap}
 
 
 def _bucket_size(name):

@@ -86,7 +86,7 @@ def main(argv=None):
     import overlap as this
     from fidelity import _cluster, _profile, report_load
     from harness import run_distributed
-    from megatron_hexi.profile.measure import ATTENTION_BACKEND
+    from megatron_hexi.profile.measure import DEFAULT_ATTENTION_BACKEND
     from planner.models import load_model
     from planner.plan import build_plan
     from planner.simulator import simulate
@@ -107,7 +107,7 @@ def main(argv=None):
                 2,
                 PIPELINES,
                 overlap_grad_reduce=overlapped,
-                attention_backend=ATTENTION_BACKEND,  # what the profile measured
+                attention_backend=DEFAULT_ATTENTION_BACKEND,  # what the profile measured
             )
             for name, overlapped in VARIANTS.items()
         }

@@ -10,6 +10,7 @@ Benchmarks (each its own process, output streamed and kept under --log-dir):
   planner_scaling   search seconds vs GPUs
   checkpoint_verify --load time with / without checksum and NaN checks (1 and 2 CPU processes)
   init_startup      one rank's weight initialisation: per-block seeds against full tensors
+  sequence_parallel TP-2 stage, sequence parallelism off / on: activations, RSS, step (2 CPU procs)
 --quick shrinks the slow ones (fewer steps, clusters and sizes); the page docs/benchmarks.md
 says which settings produced its figures.
 """
@@ -47,6 +48,8 @@ def commands(quick):
         + (["--hidden", "256", "--vocab", "4096", "--rounds", "3"] if quick else []),
         "init_startup": [py, str(BENCH / "init_startup.py")]
         + (["--rounds", "1"] if quick else ["--rounds", "3"]),
+        "sequence_parallel": [py, "-W", "ignore", str(BENCH / "sequence_parallel.py")]
+        + (["--seq", "1024", "--rounds", "1", "--steps", "2"] if quick else []),
     }
 
 
@@ -88,6 +91,16 @@ RATIOS = [
         "init_startup",
         r"blocks against full tensors: (\d+\.\d+)x faster, peak RSS (\d+\.\d+)x lower",
         "weight init: full tensors / blocks (time, peak RSS)",
+    ),
+    (
+        "sequence_parallel",
+        r"^seq (\d+) rank 0: on / off activations (\d+\.\d+) \(planner (\d+\.\d+)",
+        "sequence parallel on / off activations (seq, measured, planner)",
+    ),
+    (
+        "sequence_parallel",
+        r"^seq (\d+): on / off fastest step (\d+\.\d+)",
+        "sequence parallel on / off fastest step (seq, ratio)",
     ),
 ]
 
