@@ -1,31 +1,60 @@
 """One-GPU check of the runtime on CUDA and NCCL, in one command.
 
-    python tools/bench/gpu_check.py                   # one GPU, its own CUDA torch (~5 minutes)
-    python tools/bench/gpu_check.py --device cpu      # the same cases, tiny model, CPU (gloo)
+    python tools/bench/gpu_check.py                   # one GPU, its own CUDA torch (~7 minutes)
+    python tools/bench/gpu_check.py --device cpu      # the same cases, tiny models, CPU (gloo)
     python tools/bench/gpu_check.py --recheck runs/gpu_check/gpu_check.json   # checks again
 
-Every case is a one-rank plan made with the planner (planner.plan.build_plan) for the GPU torch
-sees, trained by `torchrun --nproc-per-node 1 pretrain_gpt.py --hetero-device cuda` (NCCL) with
---hetero-metrics-path, on mock data, dropout 0:
+Every case but `megatron` is a one-rank plan made with the planner (planner.plan.build_plan) for
+the GPU torch sees, trained by `torchrun --nproc-per-node 1 pretrain_gpt.py --hetero-device cuda`
+(NCCL) with --hetero-metrics-path, on mock data, dropout 0:
 
   fp32       fp32 weights and Adam
   bf16       bf16 with fp32 master weights
   distopt    bf16, distributed optimizer (the plan's training.use_distributed_optimizer)
   recompute  bf16, full activation recompute (the plan's training.recompute)
   sdpa       bf16, fused attention (the plan's training.attention_backend auto: torch's
-             scaled_dot_product_attention in the local spec; the other cases run unfused)
+             scaled_dot_product_attention in the local spec; the other cases run unfused), on
+             the performance model (below)
+  megatron   plain megatron-core on the sdpa case's model, spec and batch: no megatron_hexi
+             runtime code in the loop (`gpu_check.py megatron`, one torchrun process)
   save       bf16, saves at iteration K and runs to N      } deterministic algorithms requested
   resume     bf16, loads iteration K of `save`, runs to N  } (and CUBLAS_WORKSPACE_CONFIG)
   cpu        the fp32 plan on the CPU (gloo, CPU patches), one iteration
 
+Models. On CUDA, sdpa and megatron train the performance model: TinyLlama-1.1B's shape (22
+layers, hidden 2048, FFN 5632, 32 heads in 4 query groups, vocabulary 32000, RMSNorm, SwiGLU,
+untied embeddings), seq 4096, bf16, micro-batch 1 x 8, 20 iterations timed after 5; when the
+planner predicts a peak above the GPU's memory, both are skipped with one line (not a failure).
+The other cases train a ~270M model that fits any 24 GB card. On CPU every case trains the same
+tiny model.
+
+The megatron case is the baseline of the runtime's speed: it reads the sdpa plan only for the
+model, micro-batch size and count and seq length, and trains with megatron-core's own pieces:
+initialize_model_parallel(1, 1), model_parallel_cuda_manual_seed, the runtime's TransformerConfig
+for that model with megatron-core's own initialisation (perform_initialization), the runtime's
+layer spec (megatron-core's local spec, SDPAttention as core attention), GPTModel computing its own
+loss from labels, Float16Module (bf16), megatron-core's DistributedDataParallel
+(grad_reduce_in_fp32), get_megatron_optimizer (Adam, bf16 with fp32 masters, the flags' lr,
+betas, eps, weight decay and clipping), OptimizerParamScheduler, finalize_model_grads and
+get_forward_backward_func (forward_backward_no_pipelining), with per-token loss sums
+(calculate_per_token_loss, as the runtime). Its data: the same micro-batches of random tokens
+every iteration (fixed generator seed; labels are the tokens shifted by one, loss mask ones), so
+its loss starts at ln(vocab) and falls as it memorises them. It is timed as the runtime times a
+step (synchronize, perf_counter around schedule and optimizer step) and writes the metrics lines
+the runtime writes (MFU with planner.flops against the catalog peak of the device; peak memory:
+CUDA allocator peak, on CPU the process peak RSS). On CPU the project's CPU patches come first.
+
 Checks (exit 1 if one fails): every case finishes with finite losses, a first loss near ln(vocab)
 and a last loss below the first; bf16 against fp32 at iteration 1; the distributed optimizer and
-recompute against bf16; the resumed losses against the uninterrupted ones; the first CUDA fp32
-loss against the CPU one. Tolerances depend on the device and are printed with each check.
-Reported, not checked: step time (metrics' step_time_s, median after warm-up), MFU and peak
-memory per case against the planner's prediction (planner.simulator.simulate; the planner models
-bf16 mixed precision, so the fp32 case has none). A missing prerequisite (no CUDA, megatron-core
-missing or another version, GPU not in the catalog) is one line and exit 2.
+recompute against bf16; fused attention against bf16 at iteration 1 where both train the same
+model (on CPU; on CUDA sdpa trains the larger model); the resumed losses against the
+uninterrupted ones; the first CUDA fp32 loss against the CPU one. Tolerances depend on the device
+and are printed with each check. Reported, not checked: step time (metrics' step_time_s, median
+after warm-up), MFU and peak memory per case against the planner's prediction
+(planner.simulator.simulate; the planner models bf16 mixed precision, so the fp32 case has none;
+megatron's are those of the sdpa plan), and "sdpa vs megatron": the runtime's step time and MFU
+divided by plain megatron-core's (a measurement, no threshold). A missing prerequisite (no CUDA,
+megatron-core missing or another version, GPU not in the catalog) is one line and exit 2.
 
 Results go to --out (gpu_check.json with every metric and check, gpu_check.md with the table);
 --recheck FILE evaluates the checks and prints the table again from such a JSON, without training.
@@ -49,7 +78,22 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the runtime, and the test har
 from harness import _kill_tree, free_port  # noqa: E402  process helpers (as the other benches)
 
 # Sizes per device. cuda: a ~270M-parameter llama-like model (bf16 + Adam ~5 GB, activations a
-# few GB: fits any 24 GB card); a step takes well under a second on an H100-class GPU.
+# few GB: fits any 24 GB card); a step takes well under a second on an H100-class GPU. `perf`: the
+# model, batch and iterations of the sdpa and megatron cases (PERF_CASES). On CUDA TinyLlama-1.1B's
+# public shape at seq 4096: bf16 weights, fp32 main grads, fp32 masters and Adam ~20 GB, the
+# planner predicts a 29 GB peak (a 40 GB card or larger); a step of 8 x 4096 tokens is 0.28 PFLOP
+# (planner.flops), the planner predicts 0.5 s on an H200. On CPU the tiny model of the other
+# cases, so that fused attention is compared with unfused there.
+_TINY = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "ffn_hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "vocab_size": 128,
+    "seq_length": 32,
+    "name": "gpu-check-tiny",
+}
 PRESETS = {
     "cuda": {
         "model": {
@@ -67,25 +111,41 @@ PRESETS = {
         "iters": 10,
         "warmup": 3,
         "save_at": 6,
+        "perf": {
+            "model": {
+                "num_layers": 22,
+                "hidden_size": 2048,
+                "ffn_hidden_size": 5632,
+                "num_attention_heads": 32,
+                "num_query_groups": 4,
+                "vocab_size": 32000,
+                "seq_length": 4096,
+                "name": "gpu-check-1.1b",  # TinyLlama-1.1B
+            },
+            "micro_batch_size": 1,
+            "num_microbatches": 8,
+            "iters": 20,
+            "warmup": 5,
+        },
     },
     "cpu": {
-        "model": {
-            "num_layers": 2,
-            "hidden_size": 64,
-            "ffn_hidden_size": 128,
-            "num_attention_heads": 4,
-            "num_query_groups": 2,
-            "vocab_size": 128,
-            "seq_length": 32,
-            "name": "gpu-check-tiny",
-        },
+        "model": _TINY,
         "micro_batch_size": 2,
         "num_microbatches": 2,
         "iters": 4,
         "warmup": 1,
         "save_at": 2,
+        "perf": {
+            "model": _TINY,
+            "micro_batch_size": 2,
+            "num_microbatches": 2,
+            "iters": 4,
+            "warmup": 1,
+        },
     },
 }
+PERF_CASES = ("sdpa", "megatron")  # they train PRESETS[device]["perf"]
+
 # Relative tolerances. CPU (one gloo rank, same kernels every run): a resume and a repeated fp32
 # run are bit-identical, and so was recompute; the distributed optimizer rounds differently in
 # bf16 (measured 6e-6 to 4e-5 over 4 iterations). CUDA: floating-point atomics (embedding and
@@ -109,7 +169,7 @@ TOLERANCES = {
         "cpu_vs_device": 1e-5,
     },
 }
-CASES = ("fp32", "bf16", "distopt", "recompute", "sdpa", "save", "resume", "cpu")
+CASES = ("fp32", "bf16", "distopt", "recompute", "sdpa", "megatron", "save", "resume", "cpu")
 FLAGS = [
     "--mock-data",
     "--lr",
@@ -213,9 +273,10 @@ def device_gpu(device):
 
 
 def make_plans(preset, gpu, folder):
-    """The three plans, written to `folder` with their estimates: plain (fp32, bf16, save,
-    resume and the CPU reference), distopt and recompute. Returns name -> path, name -> the
-    planner's estimate, and the model's parameter count."""
+    """The four plans, written to `folder` with their estimates: plain (fp32, bf16, save,
+    resume and the CPU reference), distopt, recompute and sdpa (the performance model, whose
+    model and batch the megatron case reads too). Returns name -> path, name -> the planner's
+    estimate, and the parameter counts of the model and of the performance model."""
     from planner.cluster import load_cluster_dict
     from planner.layout import total_params
     from planner.models import model_from_dict
@@ -236,29 +297,57 @@ def make_plans(preset, gpu, folder):
             ],
         }
     )
-    model = model_from_dict(preset["model"])
-    mbs, nmb = preset["micro_batch_size"], preset["num_microbatches"]
-    pipelines = [
-        {
-            "micro_batch_size": mbs,
-            "num_microbatches": nmb,
-            "stages": [{"ranks": [0], "layers": [0, model.num_layers]}],
-        }
-    ]
+
+    def shape(sizes):
+        model = model_from_dict(sizes["model"])
+        mbs, nmb = sizes["micro_batch_size"], sizes["num_microbatches"]
+        pipelines = [
+            {
+                "micro_batch_size": mbs,
+                "num_microbatches": nmb,
+                "stages": [{"ranks": [0], "layers": [0, model.num_layers]}],
+            }
+        ]
+        return model, mbs * nmb, pipelines
+
+    main, perf = shape(preset), shape(preset["perf"])
     paths, estimates = {}, {}
-    for name, kw in {
-        "plain": {},
-        "distopt": {"use_distributed_optimizer": True},
-        "recompute": {"recompute": True},
-        "sdpa": {"attention_backend": "auto"},
-    }.items():
-        plan = build_plan(cluster, model, mbs * nmb, pipelines, **kw)
+    for name, (model, batch, pipelines), kw in (
+        ("plain", main, {}),
+        ("distopt", main, {"use_distributed_optimizer": True}),
+        ("recompute", main, {"recompute": True}),
+        ("sdpa", perf, {"attention_backend": "auto"}),
+    ):
+        plan = build_plan(cluster, model, batch, pipelines, **kw)
         est = simulate(plan)
-        plan = build_plan(cluster, model, mbs * nmb, pipelines, estimate=est.to_dict(), **kw)
+        plan = build_plan(cluster, model, batch, pipelines, estimate=est.to_dict(), **kw)
         paths[name] = folder / f"plan-{name}.json"
         save_plan(plan, paths[name])
         estimates[name] = est.to_dict()
-    return paths, estimates, total_params(model)
+    return paths, estimates, total_params(main[0]), total_params(perf[0])
+
+
+def case_config(cfg, case):
+    """The model, batch and iteration counts `case` ran with: the performance preset's for
+    PERF_CASES (results written before it existed have none: the preset's), else the preset's."""
+    return cfg["perf"] if case in PERF_CASES and "perf" in cfg else cfg
+
+
+def perf_fits(estimate, device):
+    """None when the planner's predicted peak of the performance plan fits the GPU's memory,
+    else the line saying it does not (the sdpa and megatron cases are then skipped)."""
+    if device != "cuda":
+        return None
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory / 1e9
+    peak = estimate["peak_memory_gb"][0]
+    if peak <= total:
+        return None
+    return (
+        f"sdpa and megatron skipped: the planner predicts a peak of {peak:.1f} GB for the "
+        f"performance model's plan, the GPU has {total:.1f} GB"
+    )
 
 
 # ------------------------------------------------------------------------------- launching
@@ -314,6 +403,7 @@ def cases(device, preset, plans, work):
     pretrain = ROOT / "pretrain_gpt.py"
     this = Path(__file__).resolve()
     base = ["--hetero-device", device, "--train-iters", n, *FLAGS]
+    perf = ["--hetero-device", device, "--train-iters", preset["perf"]["iters"], *FLAGS]
     ckpt = work / "ckpt"
     deterministic = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     cpu_env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
@@ -329,7 +419,12 @@ def cases(device, preset, plans, work):
             ["--hetero-plan-path", plans["recompute"], "--bf16", *base],
             dev_env,
         ),
-        "sdpa": (pretrain, ["--hetero-plan-path", plans["sdpa"], "--bf16", *base], dev_env),
+        "sdpa": (pretrain, ["--hetero-plan-path", plans["sdpa"], "--bf16", *perf], dev_env),
+        "megatron": (
+            this,
+            ["megatron", "--hetero-plan-path", plans["sdpa"], "--bf16", *perf],
+            dev_env,
+        ),
         "save": (
             this,
             [
@@ -388,6 +483,227 @@ def train_deterministic(argv):
     cli(argv)
 
 
+def train_megatron(argv):
+    """The megatron case, inside torchrun: plain megatron-core on the sdpa plan's model, spec and
+    batch (module docstring). Takes pretrain_gpt.py's flags of the other cases; writes the
+    metrics lines the table reads."""
+    import dataclasses
+
+    from megatron_hexi.config import OptimizerConfig as RuntimeOptimizer
+
+    defaults = {f.name: f.default for f in dataclasses.fields(RuntimeOptimizer)}
+    ap = argparse.ArgumentParser(prog="gpu_check.py megatron")
+    ap.add_argument("--hetero-plan-path", required=True)
+    ap.add_argument("--hetero-device", choices=["cuda", "cpu"], required=True)
+    ap.add_argument("--hetero-metrics-path", required=True)
+    ap.add_argument("--train-iters", type=int, required=True)
+    ap.add_argument("--bf16", action="store_true", required=True)
+    ap.add_argument("--mock-data", action="store_true")  # random tokens here (docstring)
+    ap.add_argument("--lr", type=float, required=True)
+    ap.add_argument("--lr-decay-style", choices=["constant"], default="constant")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--attention-dropout", type=float, default=0.0)
+    ap.add_argument("--hidden-dropout", type=float, default=0.0)
+    for name in ("min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
+        ap.add_argument(f"--{name.replace('_', '-')}", type=float, default=defaults[name])
+    ap.add_argument("--log-interval", type=int, default=1)
+    a = ap.parse_args(argv)
+
+    import resource
+    from functools import partial
+
+    import torch
+    import torch.distributed as dist
+
+    from planner.catalog import get_gpu
+    from planner.flops import model_flops_per_sample
+    from planner.plan import load_plan
+
+    plan = load_plan(a.hetero_plan_path)
+    if plan.world_size != 1:
+        raise SystemExit(f"gpu_check.py megatron: a one-rank plan, not {plan.world_size} ranks")
+    if a.hetero_device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        from megatron_hexi.patches import apply_cpu_patches
+
+        apply_cpu_patches()  # before megatron-core builds anything (as pretrain_gpt.py)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_hexi.layer_specs import local_layer_spec
+    from megatron_hexi.model import stage_config
+
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(a.seed)
+    model_parallel_cuda_manual_seed(a.seed)
+    m, view = plan.model, plan.rank_view(0)
+    mbs, nmb, seq = view.micro_batch_size, view.num_microbatches, m.seq_length
+    # The runtime's TransformerConfig for this model (it is only a config), with megatron-core's
+    # own weight initialisation, on the GPU where there is one (Megatron-LM's default).
+    tc = dataclasses.replace(
+        stage_config(
+            plan,
+            view,
+            params_dtype=torch.bfloat16,
+            hidden_dropout=a.hidden_dropout,
+            attention_dropout=a.attention_dropout,
+        ),
+        perform_initialization=True,
+        use_cpu_initialization=device.type == "cpu",
+    )
+    model = GPTModel(
+        config=tc,
+        transformer_layer_spec=local_layer_spec(m.normalization, fused_attention=True),  # sdpa's
+        vocab_size=m.vocab_size,
+        max_sequence_length=seq,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=m.rotary_base,
+    )
+    model = Float16Module(tc, model.to(device))
+    model = DistributedDataParallel(
+        config=tc,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+        module=model,
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=a.lr,
+            min_lr=a.min_lr,
+            weight_decay=a.weight_decay,
+            adam_beta1=a.adam_beta1,
+            adam_beta2=a.adam_beta2,
+            adam_eps=a.adam_eps,
+            clip_grad=a.clip_grad,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+        ),
+        [model],
+    )
+    n = a.train_iters
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=a.lr,
+        min_lr=a.min_lr,
+        lr_warmup_steps=0,
+        lr_decay_steps=max(n, 1),
+        lr_decay_style=a.lr_decay_style,
+        start_wd=a.weight_decay,
+        end_wd=a.weight_decay,
+        wd_incr_steps=max(n, 1),
+        wd_incr_style="constant",
+    )
+    tc.finalize_model_grads_func = finalize_model_grads  # as Megatron-LM's training loop
+    tc.grad_scale_func = optimizer.scale_loss
+
+    gen = torch.Generator().manual_seed(a.seed)
+    positions = torch.arange(seq, device=device).unsqueeze(0).expand(mbs, seq)
+    batches = []
+    for _ in range(nmb):
+        sample = torch.randint(0, m.vocab_size, (mbs, seq + 1), generator=gen).to(device)
+        batches.append(
+            {
+                "tokens": sample[:, :-1].contiguous(),
+                "labels": sample[:, 1:].contiguous(),
+                "loss_mask": torch.ones(mbs, seq, device=device),
+            }
+        )
+
+    def loss_func(loss_mask, output_tensor):  # pretrain_gpt.py's, per-token loss sums
+        losses = output_tensor.view(-1).float()
+        mask = loss_mask.view(-1).float()
+        loss = torch.sum(losses * mask)
+        num_tokens = mask.sum().clone().detach().to(torch.int)
+        report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])
+        return loss, num_tokens, {"lm loss": report}
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        output = model(b["tokens"], positions, None, labels=b["labels"])
+        return output, partial(loss_func, b["loss_mask"])
+
+    def synchronize():  # as megatron_hexi.training.synchronize
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def peak_memory_gb():  # as megatron_hexi.training.peak_memory_gb
+        if device.type == "cuda":
+            return torch.cuda.max_memory_allocated(device) / 1e9
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+    # MFU as the runtime's: planner.flops against the catalog peak of the device
+    peak = (get_gpu("CPU") if device.type == "cpu" else get_gpu(plan.ranks[0].gpu)).peak_flops
+    flops = model_flops_per_sample(m) * plan.global_batch_size
+    tokens_per_iter = plan.global_batch_size * seq
+    forward_backward = get_forward_backward_func()
+    with open(a.hetero_metrics_path, "w") as metrics:
+        for it in range(n):
+            model.train()
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            synchronize()
+            start = time.perf_counter()
+            store = forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(batches),
+                model=[model],
+                num_microbatches=nmb,
+                seq_length=seq,
+                micro_batch_size=mbs,
+                decoder_seq_length=seq,
+                forward_only=False,
+            )
+            success, grad_norm, _ = optimizer.step()
+            scheduler.step(increment=1)
+            synchronize()
+            step_time = time.perf_counter() - start
+            loss_sum = sum(float(s["lm loss"][0]) for s in store)
+            tokens = sum(float(s["lm loss"][1]) for s in store)
+            row = {
+                "lm_loss": loss_sum / tokens,
+                "grad_norm": float(grad_norm),
+                "success": bool(success),
+                "step_time_s": step_time,
+                "peak_memory_gb": [peak_memory_gb()],
+                "tokens": tokens,
+                "lr": optimizer.param_groups[0]["lr"],
+                "iteration": it + 1,
+                "tokens_per_s": tokens_per_iter / step_time,
+                "mfu": flops / (step_time * peak),
+                "world_size": 1,
+                "plan": os.path.basename(a.hetero_plan_path),
+            }
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            if (it + 1) % a.log_interval == 0:
+                print(
+                    f" iteration {it + 1}/{n} | lm loss {row['lm_loss']:.6f} | grad norm "
+                    f"{row['grad_norm']:.4f} | step {step_time:.4f} s | MFU {row['mfu']:.2%} | "
+                    f"peak {row['peak_memory_gb'][0]:.2f} GB",
+                    flush=True,
+                )
+    from megatron_hexi.process_exit import exit_process
+
+    exit_process(0)  # megatron-core objects hold process groups (process_exit: why)
+
+
 # ---------------------------------------------------------------------------------- checks
 
 
@@ -400,7 +716,6 @@ def evaluate(result):
     device, tol, cfg = result["device"], result["tolerances"], result["config"]
     runs = result["cases"]
     n, k = cfg["iters"], cfg["save_at"]
-    ln_v = math.log(cfg["model"]["vocab_size"])
     checks = []
 
     def add(name, ok, detail):
@@ -409,7 +724,10 @@ def evaluate(result):
     def losses(case, key="lm_loss"):
         return [r[key] for r in runs.get(case, {}).get("metrics", [])]
 
-    expected = {c: (1 if c == "cpu" else n - k if c == "resume" else n) for c in runs}
+    expected = {
+        c: (1 if c == "cpu" else n - k if c == "resume" else case_config(cfg, c)["iters"])
+        for c in runs
+    }
     complete = {}
     for case, run in runs.items():
         got = losses(case)
@@ -424,10 +742,12 @@ def evaluate(result):
         finite = all(math.isfinite(x) for x in got)
         add(f"{case}: losses finite", finite, f"{len(got)} losses")
         if case != "resume":
+            vocab = case_config(cfg, case)["model"]["vocab_size"]
+            ln_v = math.log(vocab)
             add(
                 f"{case}: first loss near ln(vocab)",
                 finite and rel(got[0], ln_v) <= 0.1,
-                f"{got[0]:.6f} vs ln({cfg['model']['vocab_size']}) = {ln_v:.4f} (10 %)",
+                f"{got[0]:.6f} vs ln({vocab}) = {ln_v:.4f} (10 %)",
             )
         if case not in ("resume", "cpu"):
             add(
@@ -436,9 +756,15 @@ def evaluate(result):
                 f"{got[0]:.6f} -> {got[-1]:.6f}",
             )
 
+    def same_model(a, b):
+        keys = ("model", "micro_batch_size", "num_microbatches")
+        return all(case_config(cfg, a)[x] == case_config(cfg, b)[x] for x in keys)
+
     def compare(name, a, b, tolerance, what, first_only=False, key="lm_loss"):
         la, lb = losses(a, key), losses(b, key)
         if a not in runs or b not in runs:  # not selected (--cases)
+            return
+        if not same_model(a, b):  # sdpa trains the performance model on CUDA
             return
         if not (complete.get(a) and complete.get(b)):
             add(name, False, f"{a} or {b} did not finish")
@@ -512,7 +838,12 @@ def evaluate(result):
             "iteration 1",
             first_only=True,
         )
-    if device == "cuda" and complete.get("sdpa") and complete.get("bf16"):
+    if (
+        device == "cuda"
+        and complete.get("sdpa")
+        and complete.get("bf16")
+        and same_model("sdpa", "bf16")
+    ):
         peak = {
             c: max(r["peak_memory_gb"][0] for r in runs[c]["metrics"]) for c in ("bf16", "sdpa")
         }
@@ -543,13 +874,15 @@ def performance(result):
         "distopt": "distopt",
         "recompute": "recompute",
         "sdpa": "sdpa",
+        "megatron": "sdpa",  # the same model and batch, trained by plain megatron-core
         "save": None,
         "resume": None,
         "cpu": None,
     }
     for case, run in result["cases"].items():
         m = run["metrics"]
-        timed = m[cfg["warmup"] :] if len(m) > cfg["warmup"] else m
+        warmup = case_config(cfg, case)["warmup"]
+        timed = m[warmup:] if len(m) > warmup else m
         row = {"case": case, "iterations": len(m)}
         if timed:
             row["step_s"] = statistics.median(r["step_time_s"] for r in timed)
@@ -566,6 +899,23 @@ def performance(result):
             row["pred_peak_gb"] = est["peak_memory_gb"][0]
         rows.append(row)
     return rows
+
+
+def against_megatron(rows):
+    """The runtime against plain megatron-core on the same model and batch: sdpa's median step
+    time and MFU divided by megatron's; None unless both have them."""
+    by = {r["case"]: r for r in rows}
+    sdpa, plain = by.get("sdpa", {}), by.get("megatron", {})
+    if not all(k in r for r in (sdpa, plain) for k in ("step_s", "mfu")):
+        return None
+    return {
+        "step_time_ratio": sdpa["step_s"] / plain["step_s"],
+        "mfu_ratio": sdpa["mfu"] / plain["mfu"] if plain["mfu"] else None,
+        "sdpa_step_s": sdpa["step_s"],
+        "megatron_step_s": plain["step_s"],
+        "sdpa_mfu": sdpa["mfu"],
+        "megatron_mfu": plain["mfu"],
+    }
 
 
 def _fmt(v, spec):
@@ -589,12 +939,14 @@ def report(result):
         f"{cfg['micro_batch_size']} x {cfg['num_microbatches']}; {cfg['iters']} iterations, "
         f"timed after {cfg['warmup']}; save at {cfg['save_at']}; torch "
         f"{result['torch']}, megatron-core {result['megatron_core']}",
+        *_perf_lines(result),
         "",
         f"| case | step s (median) | predicted s | MFU | predicted MFU | peak GB ({mem_note}) "
         "| predicted GB |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in performance(result):
+    rows = performance(result)
+    for r in rows:
         lines.append(
             f"| {r['case']} | {_fmt(r.get('step_s'), '.4f')} | "
             f"{_fmt(r.get('pred_step_s'), '.4f')} | {_fmt(r.get('mfu'), '.1%')} | "
@@ -603,8 +955,21 @@ def report(result):
         )
     lines += [
         "",
-        "(predictions: planner.simulator for the bf16 plans; fp32, save, resume and "
-        "the CPU reference have none)",
+        "(predictions: planner.simulator for the bf16 plans, megatron's those of the sdpa plan; "
+        "fp32, save, resume and the CPU reference have none)",
+    ]
+    ratio = against_megatron(rows)
+    if ratio:
+        lines += [
+            "",
+            f"sdpa vs megatron: step-time ratio {ratio['step_time_ratio']:.3f}, MFU ratio "
+            f"{_fmt(ratio['mfu_ratio'], '.3f')} (the runtime against plain megatron-core on the "
+            f"same model and batch: {ratio['sdpa_step_s']:.4f} s vs "
+            f"{ratio['megatron_step_s']:.4f} s per step)",
+        ]
+    if result.get("skipped"):
+        lines += ["", result["skipped"]]
+    lines += [
         "",
         "| check | result | detail |",
         "|---|---|---|",
@@ -621,8 +986,29 @@ def report(result):
     return "\n".join(lines) + "\n"
 
 
+def _perf_lines(result):
+    """The performance model's line of the report, when the sdpa or megatron case ran on it and
+    it is not the model of the other cases."""
+    cfg = result["config"]
+    perf = cfg.get("perf")
+    if not perf or not (any(c in result["cases"] for c in PERF_CASES) or result.get("skipped")):
+        return []
+    if all(perf[k] == cfg[k] for k in perf):  # the CPU preset: the line above says it all
+        return []
+    pm = perf["model"]
+    return [
+        "",
+        f"sdpa and megatron: model {pm['name']}: "
+        f"{result.get('perf_parameters', 0) / 1e6:.1f}M parameters, {pm['num_layers']} layers, "
+        f"hidden {pm['hidden_size']}, seq {pm['seq_length']}, vocab {pm['vocab_size']}; batch "
+        f"{perf['micro_batch_size']} x {perf['num_microbatches']}; {perf['iters']} iterations, "
+        f"timed after {perf['warmup']}",
+    ]
+
+
 def finish(result, out_dir):
     result["checks"] = evaluate(result)
+    result["sdpa_vs_megatron"] = against_megatron(performance(result))
     text = report(result)
     print(text, flush=True)
     if out_dir:
@@ -648,6 +1034,8 @@ def run(a):
     for key in ("iters", "warmup", "save_at"):
         if getattr(a, key) is not None:
             preset[key] = getattr(a, key)
+            if key in preset["perf"]:  # --iters and --warmup: the performance cases' too
+                preset["perf"][key] = getattr(a, key)
     selected = a.cases or CASES
     if "resume" in selected and "save" not in selected:
         raise Missing("--cases resume needs the save case too")
@@ -668,9 +1056,15 @@ def run(a):
     }
     with tempfile.TemporaryDirectory(prefix="hexi-gpu-check-") as tmp:
         work = Path(tmp)
-        plans, result["estimates"], result["parameters"] = make_plans(preset, gpu, work)
+        plans, result["estimates"], result["parameters"], result["perf_parameters"] = make_plans(
+            preset, gpu, work
+        )
+        too_big = perf_fits(result["estimates"]["sdpa"], device)
+        if too_big and any(c in selected for c in PERF_CASES):
+            print(too_big, flush=True)
+            result["skipped"] = too_big
         for case, (entry, args, env) in cases(device, preset, plans, work).items():
-            if case not in selected:
+            if case not in selected or (too_big and case in PERF_CASES):
                 continue
             metrics = work / f"{case}.jsonl"
             print(f"== {case}", flush=True)
@@ -693,15 +1087,21 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train-deterministic"]:  # inside torchrun, for the save/resume cases
         return train_deterministic(argv[1:])
+    if argv[:1] == ["megatron"]:  # inside torchrun, for the megatron case
+        return train_megatron(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--device",
         choices=["cuda", "cpu"],
         default="cuda",
-        help="cuda (default): the GPU check; cpu: the same cases, tiny model",
+        help="cuda (default): the GPU check; cpu: the same cases, tiny models",
     )
-    ap.add_argument("--iters", type=int, default=None, help="iterations per case")
-    ap.add_argument("--warmup", type=int, default=None, help="iterations not timed")
+    ap.add_argument(
+        "--iters", type=int, default=None, help="iterations per case (sdpa and megatron too)"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="iterations not timed (sdpa and megatron too)"
+    )
     ap.add_argument(
         "--save-at",
         dest="save_at",
