@@ -34,6 +34,7 @@ from planner.cluster import ClusterSpec, load_cluster
 from planner.errors import SpecError
 from planner.membership import PlanningOptions
 from planner.models import ModelSpec, load_model
+from planner.transformer_impl import TRANSFORMER_IMPLS, default_impl
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -220,6 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the plan's training.sequence_parallel: megatron-core's sequence parallelism in "
         "every stage with TP > 1",
+    )
+    m.add_argument(
+        "--transformer-impl",
+        choices=TRANSFORMER_IMPLS,
+        default=None,
+        help="the plan's training.transformer_impl: transformer_engine (CUDA and Transformer "
+        "Engine) or local (megatron-core's torch layers)",
     )
     m.add_argument("--attention-dropout", type=finite_float, default=0.1)
     m.add_argument("--hidden-dropout", type=finite_float, default=0.1)
@@ -486,10 +494,12 @@ class PlanningInputs:
     options: PlanningOptions
 
 
-def planning_inputs(args: argparse.Namespace) -> PlanningInputs:
+def planning_inputs(args: argparse.Namespace, cuda: bool) -> PlanningInputs:
     """--hetero-cluster, --hetero-model and Megatron's batch and memory flags, as the options
     `hexi-plan plan` takes. Without --recompute-granularity the planner may choose recompute
-    (its `auto`): a run that shrinks to fewer nodes may need it to fit."""
+    (its `auto`): a run that shrinks to fewer nodes may need it to fit. Without
+    --transformer-impl, Transformer Engine where this run can use it (`cuda` and TE installed),
+    else the local spec (planner.transformer_impl.default_impl)."""
     seq = args.seq_length if args.seq_length is not None else args.max_position_embeddings
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise SpecError(PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER)
@@ -506,6 +516,7 @@ def planning_inputs(args: argparse.Namespace) -> PlanningInputs:
             overlap_param_gather=bool(args.overlap_param_gather),
             attention_backend=attention_backend(args) or CLI_DEFAULT_BACKEND,
             sequence_parallel=bool(args.sequence_parallel),
+            transformer_impl=args.transformer_impl or default_impl(cuda),
         ),
     )
 
@@ -608,6 +619,12 @@ def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
             f"--attention-backend {backend} contradicts the plan (attention_backend: "
             f"{t.attention_backend}); re-plan with hexi-plan ... --attention-backend {backend}"
         )
+    impl = args.transformer_impl
+    if impl is not None and impl != t.transformer_impl:
+        problems.append(
+            f"--transformer-impl {impl} contradicts the plan (transformer_impl: "
+            f"{t.transformer_impl}); re-plan with hexi-plan ... --transformer-impl {impl}"
+        )
     wants_recompute = args.recompute_granularity == "full"
     if args.recompute_granularity is not None and wants_recompute != plan.training.recompute:
         problems.append("--recompute-granularity full contradicts the plan (recompute: false)")
@@ -645,6 +662,7 @@ NOT_IN_RUN_CONFIG = frozenset(
         "attention_backend",
         "use_flash_attn",
         "sequence_parallel",
+        "transformer_impl",
         "optimizer",  # adam only
     }
 )

@@ -12,6 +12,16 @@ weights then see only its part of the sequence: their gradients are summed over 
 ranks by the gradient sync (planner.layout.gradient_segments makes every TP rank a contributor),
 where megatron-core's finalize_model_grads would all-reduce them over TP. apex's FusedLayerNorm
 supports sequence parallelism already and is kept where it is installed.
+
+Transformer Engine (the plan's `training.transformer_impl`: transformer_engine) builds megatron-
+core's TE layer spec from the same TransformerConfig: TE's linear layers divide the config's
+sizes by the TP degree as megatron-core's do, so each rank holds the same uneven shard, and TE's
+attention gets the plan's attention backend through `config.attention_backend` (megatron-core
+turns it into TE's NVTE_*_ATTN switches); `local` attention runs megatron-core's
+DotProductAttention in the TE spec. TE fuses each layer's two norms into the linear layer after
+them, so their weights have other names there (`te_to_local_name`); everything else is named as
+in the local spec. TE runs on CUDA only: `check_transformer_impl` says so before anything is
+built.
 """
 
 from __future__ import annotations
@@ -21,10 +31,14 @@ from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_hexi.attention import SDPAttention
+from planner.attention import keeps_scores
+from planner.errors import SpecError
+from planner.transformer_impl import TE_PACKAGE
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -70,12 +84,72 @@ def local_layer_spec(normalization: str, fused_attention: bool) -> ModuleSpec:
     return spec
 
 
+def te_layer_spec(attention_backend: str) -> ModuleSpec:
+    """megatron-core's Transformer Engine GPT layer spec; with `local` attention, megatron-core's
+    DotProductAttention as its core attention (module docstring)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec())
+    if attention_backend == "local":
+        spec.submodules.self_attention.submodules.core_attention = DotProductAttention
+    return spec
+
+
 def stage_block_spec(
-    config: TransformerConfig, fused_attention: bool
+    config: TransformerConfig, attention_backend: str, transformer_impl: str = "local"
 ) -> TransformerBlockSubmodules:
-    """The block of one stage: `config.num_layers` local layers and the final norm, the same kind
-    of norm as the layers'."""
-    layer = local_layer_spec(config.normalization, fused_attention)
+    """The block of one stage: `config.num_layers` layers of the plan's implementation and
+    attention backend, and the final norm, the same kind of norm as the layers'."""
+    if transformer_impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        layer = te_layer_spec(attention_backend)
+        return TransformerBlockSubmodules(
+            layer_specs=[layer] * config.num_layers, layer_norm=TENorm
+        )
+    layer = local_layer_spec(config.normalization, not keeps_scores(attention_backend))
     return TransformerBlockSubmodules(
         layer_specs=[layer] * config.num_layers, layer_norm=layer.submodules.input_layernorm
     )
+
+
+# TE's LayerNorm + linear layers hold the norm that precedes them: (TE name part, local spec
+# name part) for the parameters of that norm (`layer_norm_weight`, `layer_norm_bias`).
+TE_FUSED_NORMS = (
+    ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+    ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
+)
+
+
+def te_to_local_name(name: str) -> str:
+    """A stage model's parameter name as the local spec names it (planner.layout's local names):
+    a norm fused into a TE linear layer gets its local norm's name; every other name, and every
+    name of a local-spec model, is returned as it is."""
+    for te, local in TE_FUSED_NORMS:
+        if te in name:
+            return name.replace(te, local)
+    return name
+
+
+def check_transformer_impl(transformer_impl: str, cuda: bool) -> None:
+    """SpecError unless this process can build the plan's `transformer_impl`: Transformer
+    Engine needs CUDA and an importable `transformer_engine`. Called before the model is built,
+    so a run that cannot build it stops with one clear error."""
+    if transformer_impl != "transformer_engine":
+        return
+    fix = "re-plan with hexi-plan ... --transformer-impl local"
+    if not cuda:
+        raise SpecError(
+            "the plan's training.transformer_impl is transformer_engine, which runs on CUDA "
+            f"only, and this run is on the CPU: {fix} to run the plan on CPU processes"
+        )
+    try:
+        __import__(TE_PACKAGE + ".pytorch")
+    except Exception as e:  # noqa: BLE001 - any failure to import it (missing, ABI) is the same
+        raise SpecError(
+            "the plan's training.transformer_impl is transformer_engine, but Transformer Engine "
+            f"cannot be imported here ({type(e).__name__}: {e}); install it (pip install "
+            f"'.[gpu]') or {fix}"
+        ) from e

@@ -33,9 +33,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
-from megatron_hexi.layer_specs import stage_block_spec
+from megatron_hexi.layer_specs import stage_block_spec, te_to_local_name
 from megatron_hexi.process_groups import SingleRank
-from planner.attention import keeps_scores
 from planner.layout import canonical_shards, rank_param_shards
 
 if TYPE_CHECKING:
@@ -57,10 +56,19 @@ def stage_config(
     hidden_dropout: float = 0.0,
     attention_dropout: float = 0.0,
     recompute: bool = False,
+    transformer_impl: str = "local",
+    attention_backend: str = "auto",
 ) -> TransformerConfig:
-    """The TransformerConfig of one rank's stage (see the module docstring for the sizes)."""
+    """The TransformerConfig of one rank's stage (see the module docstring for the sizes).
+    Under Transformer Engine it also carries the plan's attention backend, which megatron-core
+    hands to TE's attention (megatron_hexi.layer_specs); the local spec picks its core attention
+    from the spec instead and keeps megatron-core's default."""
     m, tp = plan.model, view.tp_size
-    kwargs = {}
+    kwargs: dict[str, object] = {}
+    if transformer_impl == "transformer_engine":
+        from megatron.core.transformer.enums import AttnBackend
+
+        kwargs["attention_backend"] = AttnBackend[attention_backend]
     if recompute:
         kwargs.update(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
@@ -109,10 +117,13 @@ def build_stage_model(
     device: torch.device,
     *,
     attention_backend: str,
+    transformer_impl: str = "local",
 ) -> GPTModel:
     """A GPTModel holding exactly `view`'s layers and shards, on `device`, not yet initialised.
-    `attention_backend`: the plan's (planner.attention): fused ones run megatron_hexi.attention's
-    SDPAttention, unfused ones megatron-core's DotProductAttention. Under the plan's sequence
+    `attention_backend`: the plan's (planner.attention): with the local spec, fused ones run
+    megatron_hexi.attention's SDPAttention, unfused ones megatron-core's DotProductAttention.
+    `transformer_impl`: the plan's (planner.transformer_impl), the layer spec (megatron_hexi.
+    layer_specs; `config` from stage_config with the same implementation). Under the plan's sequence
     parallelism (`config.sequence_parallel`), the stage's activations outside attention and MLP
     hold this rank's part of the sequence."""
     m, tp = plan.model, view.tp_size
@@ -122,7 +133,7 @@ def build_stage_model(
         parallel_state._set_global_memory_buffer()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=stage_block_spec(config, not keeps_scores(attention_backend)),
+        transformer_layer_spec=stage_block_spec(config, attention_backend, transformer_impl),
         vocab_size=vocab,
         max_sequence_length=m.seq_length,
         pre_process=view.holds_embedding,
@@ -248,8 +259,9 @@ def local_parameters(
     """[(ParamShard, parameter)] for every parameter of the stage model, checked against the plan.
 
     A mismatch means the layout and megatron-core disagree: fail loudly rather than train wrong.
+    Transformer Engine's names of its fused norms are read as the local spec's (te_to_local_name).
     """
-    params = dict(model.named_parameters())
+    params = {te_to_local_name(n): p for n, p in model.named_parameters()}
     shards = rank_param_shards(plan, rank)
     expected = {s.local_name for s in shards}
     if set(params) != expected:

@@ -31,6 +31,7 @@ from megatron_hexi.arguments import check_against_plan, parse_args, planning_inp
 from megatron_hexi.communicator import Boundary, StageCommunicator
 from megatron_hexi.exit_signal import ExitSignal
 from megatron_hexi.grad_sync import FP32MainGrads, GradientSync
+from megatron_hexi.layer_specs import check_transformer_impl
 from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.model import (
     build_stage_model,
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from megatron.core.datasets.blended_megatron_dataset_builder import TopLevelDataset
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_hexi.config import EvaluationConfig, RunConfig
+    from megatron_hexi.config import EvaluationConfig, RunConfig, RuntimeConfig
     from megatron_hexi.tokenizer import TextTokenizer
     from planner.plan import Plan
 
@@ -83,6 +84,7 @@ class Trainer:
         seed_rng(config.training.seed, view.tp_rank)
         bf16 = config.precision.bf16
         dtype = torch.bfloat16 if bf16 else torch.float32
+        backend, impl = plan.training.attention_backend, plan.training.transformer_impl
         tc = self.transformer_config = stage_config(
             plan,
             view,
@@ -90,10 +92,11 @@ class Trainer:
             hidden_dropout=config.dropout.hidden_dropout,
             attention_dropout=config.dropout.attention_dropout,
             recompute=plan.training.recompute,
+            transformer_impl=impl,
+            attention_backend=backend,
         )
-        backend = plan.training.attention_backend
         self.model = build_stage_model(
-            plan, view, self.groups.tp, tc, device, attention_backend=backend
+            plan, view, self.groups.tp, tc, device, attention_backend=backend, transformer_impl=impl
         )
         self.params = local_parameters(plan, self.rank, self.model)
         initialise_weights(plan, self.params, config.training.seed)
@@ -908,12 +911,18 @@ def report_cpu_threads() -> None:
         )
 
 
+def wants_cuda(runtime: RuntimeConfig) -> bool:
+    """Whether this run is on CUDA: --hetero-device cuda, or no --hetero-device and a CUDA
+    device torch sees."""
+    return runtime.device == "cuda" or (runtime.device is None and torch.cuda.is_available())
+
+
 def init_distributed(plan: Plan | None, config: RunConfig) -> torch.device:
     """Device choice, world-size check (against a plan file's; a plan made at start-up fits the
     world by construction), then the process group (with the timeout); returns the device.
     A process group that exists already (a test harness) is kept."""
     rt = config.runtime
-    want_cuda = rt.device == "cuda" or (rt.device is None and torch.cuda.is_available())
+    want_cuda = wants_cuda(rt)
     if want_cuda and not torch.cuda.is_available():
         raise SpecError("--hetero-device cuda, but torch sees no CUDA device")
     if plan is not None:
@@ -963,11 +972,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.hetero_plan_path:
             plan = load_plan(args.hetero_plan_path)
             check_against_plan(args, plan)
+            check_transformer_impl(plan.training.transformer_impl, wants_cuda(config.runtime))
             plan_file: str | None = os.path.basename(args.hetero_plan_path)
             where = f"plan loaded: {args.hetero_plan_path}"
             device = init_distributed(plan, config)
         else:
-            inputs = planning_inputs(args)  # the files are read before any process group
+            # the files are read before any process group
+            inputs = planning_inputs(args, cuda=wants_cuda(config.runtime))
+            check_transformer_impl(inputs.options.transformer_impl, wants_cuda(config.runtime))
             device = init_distributed(None, config)
             started = plan_at_start(inputs, config.checkpoint, _device_name(device))
             plan, plan_file = started.plan, started.file_name

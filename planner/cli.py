@@ -18,8 +18,10 @@ from planner.cli_args import (
     Register,
     add_attention_backend_flag,
     add_sequence_parallel_flag,
+    add_transformer_impl_flag,
     bounded_int,
     percent,
+    resolve_transformer_impl,
     with_examples,
     with_seq_length,
 )
@@ -29,6 +31,7 @@ from planner.inputs import read_json
 from planner.limits import MAX_BATCH, MAX_REPORTED_PROBLEMS, MAX_SEQ_LENGTH
 from planner.models import load_model
 from planner.plan import build_plan, load_plan, save_plan
+from planner.search import runs_on_gpus
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -62,6 +65,7 @@ def cmd_manual(args: argparse.Namespace) -> None:
         overlap_param_gather=args.overlap_param_gather,
         attention_backend=args.attention_backend,
         sequence_parallel=args.sequence_parallel,
+        transformer_impl=resolve_transformer_impl(args, runs_on_gpus(cluster)),
     )
     save_plan(plan, args.output)
     print(f"wrote {args.output}: {plan.world_size} ranks, {len(plan.pipelines)} pipelines")
@@ -85,7 +89,7 @@ def _sizes(sizes: object) -> str:
 
 def training_settings(plan: Plan) -> str:
     """The plan's runtime settings in one line: recompute, optimizer, overlap, attention,
-    sequence parallelism."""
+    sequence parallelism, transformer implementation."""
     t = plan.training
     optimizer = (
         f"distributed ({t.optimizer_shard} shards)" if t.use_distributed_optimizer else "plain"
@@ -94,7 +98,8 @@ def training_settings(plan: Plan) -> str:
     return (
         f"recompute {on[t.recompute]}, optimizer {optimizer}, overlap-grad-reduce "
         f"{on[t.overlap_grad_reduce]}, overlap-param-gather {on[t.overlap_param_gather]}, "
-        f"attention {t.attention_backend}, sequence-parallel {on[t.sequence_parallel]}"
+        f"attention {t.attention_backend}, sequence-parallel {on[t.sequence_parallel]}, "
+        f"transformer-impl {t.transformer_impl}"
     )
 
 
@@ -222,6 +227,7 @@ def build_parser() -> ArgumentParser:
     )
     add_attention_backend_flag(p)
     add_sequence_parallel_flag(p, default=False)
+    add_transformer_impl_flag(p)
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_manual)
 

@@ -15,6 +15,7 @@ from planner.attention import ATTENTION_BACKENDS, CLI_DEFAULT_BACKEND
 from planner.errors import SpecError
 from planner.limits import MAX_NUMBER_CHARS
 from planner.models import ModelSpec, model_from_dict
+from planner.transformer_impl import TRANSFORMER_IMPLS, default_impl
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -102,6 +103,26 @@ def add_sequence_parallel_flag(p: argparse.ArgumentParser, default: bool) -> Non
         help="megatron-core's sequence parallelism in every stage with TP > 1, which cuts the "
         f"norm and dropout activations over the stage's TP ranks ({why})",
     )
+
+
+def add_transformer_impl_flag(p: argparse.ArgumentParser) -> None:
+    """--transformer-impl of `plan`, `min-nodes` and `manual`: the runtime's flag of that name,
+    which the plan records (`training.transformer_impl`). Not given: planner.transformer_impl's
+    default_impl for the cluster (resolve_transformer_impl)."""
+    p.add_argument(
+        "--transformer-impl",
+        choices=TRANSFORMER_IMPLS,
+        default=None,
+        help="the layer implementation the runtime will build: transformer_engine (needs CUDA "
+        "and Transformer Engine where training runs) or local (megatron-core's torch layers); "
+        "default: transformer_engine on a GPU cluster when Transformer Engine is installed "
+        "here, else local",
+    )
+
+
+def resolve_transformer_impl(args: argparse.Namespace, gpu_cluster: bool) -> str:
+    """The --transformer-impl given, else the default for a cluster (of GPUs or not)."""
+    return args.transformer_impl or default_impl(gpu_cluster)
 
 
 def bounded_int(lo: int, hi: int) -> Callable[[str], int]:

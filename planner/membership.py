@@ -18,6 +18,7 @@ from planner.errors import ClusterError, SpecError
 from planner.models import ModelSpec
 from planner.plan import Plan
 from planner.search import search_plan
+from planner.transformer_impl import PLAN_DEFAULT_IMPL
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class PlanningOptions:
     attention_backend: str = PLAN_DEFAULT_BACKEND
     # the runtime's --sequence-parallel (the plan records it): on, as `hexi-plan plan`
     sequence_parallel: bool = True
+    # the runtime's --transformer-impl (planner.transformer_impl's names; the plan records it)
+    transformer_impl: str = PLAN_DEFAULT_IMPL
 
 
 def plan_for(
@@ -58,6 +61,7 @@ def plan_for(
         overlap_param_gather=options.overlap_param_gather,
         attention_backend=options.attention_backend,
         sequence_parallel=options.sequence_parallel,
+        transformer_impl=options.transformer_impl,
     )
 
 

@@ -270,6 +270,7 @@ def plan_figure(plan: Plan) -> Figure:
             ("overlap param gather", plan.training.overlap_param_gather),
             (f"{plan.training.attention_backend} attention", True),
             ("sequence parallel", plan.training.sequence_parallel),
+            ("Transformer Engine", plan.training.transformer_impl == "transformer_engine"),
         )
         if on
     ]

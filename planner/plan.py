@@ -30,6 +30,7 @@ from planner.inputs import (
 from planner.layout import even_split
 from planner.limits import MAX_BATCH, MAX_GPUS
 from planner.models import ModelSpec, model_from_dict
+from planner.transformer_impl import PLAN_DEFAULT_IMPL, TRANSFORMER_IMPLS
 
 FORMAT_VERSION = 1
 SHARD_KINDS = ("query_groups", "ffn", "vocab")
@@ -52,6 +53,7 @@ _TRAINING_KEYS = {
     "overlap_param_gather",
     "attention_backend",
     "sequence_parallel",
+    "transformer_impl",
 }
 _PIPELINE_KEYS = {"micro_batch_size", "num_microbatches", "stages"}
 _STAGE_KEYS = {"ranks", "layers", "shards"}
@@ -130,6 +132,8 @@ class Training:
     # megatron-core's sequence parallelism in every stage with TP > 1 (a TP-1 stage holds the
     # whole sequence, as Megatron-LM turns it off there); absent in a plan: off
     sequence_parallel: bool = False
+    # planner.transformer_impl's names; absent in a plan: local (what plans meant before)
+    transformer_impl: str = PLAN_DEFAULT_IMPL
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -147,6 +151,8 @@ class Training:
             d["attention_backend"] = self.attention_backend
         if self.sequence_parallel:
             d["sequence_parallel"] = True
+        if self.transformer_impl != PLAN_DEFAULT_IMPL:
+            d["transformer_impl"] = self.transformer_impl
         return d
 
 
@@ -479,6 +485,12 @@ def validate_plan_dict(data: object) -> list[str]:
                 f"training.attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {short(backend)}"
             )
+        impl = training.get("transformer_impl", PLAN_DEFAULT_IMPL)
+        if not isinstance(impl, str) or impl not in TRANSFORMER_IMPLS:
+            problems.append(
+                f"training.transformer_impl: must be one of {', '.join(TRANSFORMER_IMPLS)}, "
+                f"got {short(impl)}"
+            )
 
     sequence_parallel = isinstance(training, dict) and training.get("sequence_parallel") is True
     pipelines = data["pipelines"]
@@ -634,6 +646,7 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         t.get("overlap_param_gather", False),
         t.get("attention_backend", PLAN_DEFAULT_BACKEND),
         t.get("sequence_parallel", False),
+        t.get("transformer_impl", PLAN_DEFAULT_IMPL),
     )
     pipelines = [
         Pipeline(
@@ -686,6 +699,7 @@ def build_plan(
     overlap_param_gather: bool = False,
     attention_backend: str = PLAN_DEFAULT_BACKEND,
     sequence_parallel: bool = False,
+    transformer_impl: str = PLAN_DEFAULT_IMPL,
 ) -> Plan:
     """A complete plan from a `pipelines` array (the plan's own shape, as dicts).
 
@@ -722,6 +736,7 @@ def build_plan(
             overlap_param_gather,
             attention_backend,
             sequence_parallel,
+            transformer_impl,
         ).to_dict(),
         "cluster": cluster.to_dict(),
         "pipelines": pipelines,

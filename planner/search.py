@@ -29,7 +29,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from planner import costmodel as cm
@@ -66,6 +66,7 @@ from planner.search_pipeline import (
     unit_options,
 )
 from planner.simulator import Estimate, SimulationCache, simulate, simulate_layout
+from planner.transformer_impl import PLAN_DEFAULT_IMPL, TRANSFORMER_IMPLS
 
 if TYPE_CHECKING:
     from planner.cluster import ClusterSpec
@@ -777,14 +778,20 @@ def _set_partitions(items: Sequence[_T]) -> Iterator[list[list[_T]]]:
     yield from rec(0, 0)
 
 
-def overlap_by_default(cluster: ClusterSpec) -> bool:
-    """Whether `hexi-plan plan` overlaps the gradient sync when no flag says: on clusters of real
-    GPUs; off where a node is a CPU (the catalog's CPU row, or a CPU profile), whose runs
-    exercise the code path with gloo and keep the serial sync unless asked."""
+def runs_on_gpus(cluster: ClusterSpec) -> bool:
+    """Whether every node of `cluster` is a GPU: none is the catalog's CPU row or has a CPU
+    profile (such runs exercise the code path with gloo)."""
     for d in cm.Topology(cluster).devices:
         if d.name == "CPU" or (d.profile is not None and d.profile.profile.is_cpu):
             return False
     return True
+
+
+def overlap_by_default(cluster: ClusterSpec) -> bool:
+    """Whether `hexi-plan plan` overlaps the gradient sync when no flag says: on clusters of real
+    GPUs (runs_on_gpus); off where a node is a CPU, whose runs keep the serial sync unless
+    asked."""
+    return runs_on_gpus(cluster)
 
 
 def search_plan(
@@ -801,6 +808,7 @@ def search_plan(
     overlap_param_gather: bool = False,
     attention_backend: str = PLAN_DEFAULT_BACKEND,
     sequence_parallel: bool = False,
+    transformer_impl: str = PLAN_DEFAULT_IMPL,
 ) -> Plan:
     """The best plan under `strategy`, validated and with `estimate` filled; SpecError if none.
 
@@ -808,7 +816,13 @@ def search_plan(
     runtime settings the plan is made for (written into its `training`, every candidate costed
     with them; with `sequence_parallel` only TP degrees dividing seq_length are laid out); the
     caller picks them (`overlap_by_default`, planner.attention.CLI_DEFAULT_BACKEND and sequence
-    parallelism on are the CLI's defaults)."""
+    parallelism on are the CLI's defaults). `transformer_impl` changes no cost
+    (planner.transformer_impl): the search never sees it, the plan records it."""
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise SpecError(
+            f"--transformer-impl: must be one of {', '.join(TRANSFORMER_IMPLS)}, "
+            f"got {transformer_impl!r}"
+        )
     s = Searcher(
         cluster,
         model,
@@ -828,15 +842,17 @@ def search_plan(
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return s.run(strategy)
+        plan = s.run(strategy)
     finally:
         if enabled:
             gc.enable()
+    return replace(plan, training=replace(plan.training, transformer_impl=transformer_impl))
 
 
 __all__ = [
     "search_plan",
     "overlap_by_default",
+    "runs_on_gpus",
     "Searcher",
     "allocate",
     "rebalance",

@@ -12,8 +12,10 @@ from planner.cli_args import (
     Subparsers,
     add_attention_backend_flag,
     add_sequence_parallel_flag,
+    add_transformer_impl_flag,
     bounded_int,
     percent,
+    resolve_transformer_impl,
     with_examples,
 )
 from planner.cluster import load_cluster
@@ -24,7 +26,7 @@ from planner.membership import PlanningOptions, plan_for, smallest_fitting_nodes
 from planner.models import load_model
 from planner.plan import load_plan, save_plan
 from planner.profile import cost_sources
-from planner.search import STRATEGIES, overlap_by_default
+from planner.search import STRATEGIES, overlap_by_default, runs_on_gpus
 from planner.simulator import simulate
 
 if TYPE_CHECKING:
@@ -92,6 +94,7 @@ def planning_options(args: argparse.Namespace, cluster: ClusterSpec) -> Planning
         overlap_param_gather=overlap_gather,
         attention_backend=args.attention_backend,
         sequence_parallel=args.sequence_parallel,
+        transformer_impl=resolve_transformer_impl(args, runs_on_gpus(cluster)),
     )
 
 
@@ -160,6 +163,7 @@ def add_planning_flags(p: argparse.ArgumentParser) -> None:
     )
     add_attention_backend_flag(p)
     add_sequence_parallel_flag(p, default=True)
+    add_transformer_impl_flag(p)
 
 
 def register_commands(sub: Subparsers) -> None:

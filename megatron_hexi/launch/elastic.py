@@ -82,7 +82,9 @@ def elastic_setup(
             "bounds the steps a lost node costs)"
             + (f" (missing: {' '.join(missing)})" if missing else "")
         )
-    inputs = planning_inputs(args)
+    # only the layout counts here (nodes and processes); each start's workers choose the
+    # transformer implementation where they run, which changes no layout
+    inputs = planning_inputs(args, cuda=False)
     if min_nodes is None:  # its search plans the whole cluster too
         fit = smallest_fitting_nodes(inputs.cluster, inputs.model, inputs.options)
         plan = fit.whole

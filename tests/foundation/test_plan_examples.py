@@ -48,7 +48,7 @@ def test_manual_validate_show_hetero_4rank(hexi_plan, examples_dir, tmp_path):
         0,
         f"{out}: valid plan, 4 ranks, 2 pipelines, global batch 8; recompute off, optimizer "
         "plain, overlap-grad-reduce off, overlap-param-gather off, attention unfused, "
-        "sequence-parallel off\n",
+        "sequence-parallel off, transformer-impl local\n",
         "",
     )
     code, table, err = hexi_plan("show", out)
@@ -59,7 +59,8 @@ def test_manual_validate_show_hetero_4rank(hexi_plan, examples_dir, tmp_path):
     )
     assert lines[1] == (
         "training: recompute off, optimizer plain, overlap-grad-reduce off, "
-        "overlap-param-gather off, attention unfused, sequence-parallel off"
+        "overlap-param-gather off, attention unfused, sequence-parallel off, "
+        "transformer-impl local"
     )
     del lines[1]
     assert lines[1] == (
@@ -97,7 +98,7 @@ def test_manual_validate_show_mixed_lab(hexi_plan, examples_dir, tmp_path):
         0,
         f"{out}: valid plan, 36 ranks, 3 pipelines, global batch 64; recompute off, optimizer "
         "plain, overlap-grad-reduce off, overlap-param-gather off, attention unfused, "
-        "sequence-parallel off\n",
+        "sequence-parallel off, transformer-impl local\n",
     )
     plan = load_plan(out)
     assert [(r.node, r.local_rank, r.gpu) for r in plan.ranks][6:10] == [

@@ -174,15 +174,19 @@ def test_cli_default_is_auto_and_show_prints_it(hexi_plan, examples_dir, tmp_pat
     assert json.loads(out.read_text())["training"]["attention_backend"] == "auto"
     code, table, err = hexi_plan("show", out)
     assert (code, err) == (0, "")
-    assert table.splitlines()[1].endswith(", attention auto, sequence-parallel off")
+    assert table.splitlines()[1].endswith(
+        ", attention auto, sequence-parallel off, transformer-impl local"
+    )
     code, line, err = hexi_plan("validate", out)
-    assert code == 0 and line.endswith(", attention auto, sequence-parallel off\n")
+    assert code == 0 and line.endswith(
+        ", attention auto, sequence-parallel off, transformer-impl local\n"
+    )
     _manual(hexi_plan, examples_dir, out, "--attention-backend", "local")
     assert load_plan(out).training.attention_backend == "local"
     assert (
         hexi_plan("show", out)[1]
         .splitlines()[1]
-        .endswith(", attention local, sequence-parallel off")
+        .endswith(", attention local, sequence-parallel off, transformer-impl local")
     )
 
     searched = tmp_path / "plan.json"

@@ -312,7 +312,7 @@ def test_plan_default_on_and_off(hexi_plan, examples_dir, tmp_path):
     assert (code, err) == (0, ""), err
     assert json.loads(out.read_text())["training"]["sequence_parallel"] is True
     code, line, err = hexi_plan("validate", out)
-    assert code == 0 and line.endswith(", sequence-parallel on\n")
+    assert code == 0 and line.endswith(", sequence-parallel on, transformer-impl local\n")
     code, _, err = hexi_plan(*args, "--no-sequence-parallel")
     assert (code, err) == (0, ""), err
     assert "sequence_parallel" not in json.loads(out.read_text())["training"]
@@ -347,7 +347,9 @@ def test_manual_default_off_and_on(hexi_plan, examples_dir, tmp_path):
     plan = load_plan(out)
     assert plan.training.sequence_parallel is True
     code, table, err = hexi_plan("show", out)
-    assert code == 0 and table.splitlines()[1].endswith(", sequence-parallel on")
+    assert code == 0 and table.splitlines()[1].endswith(
+        ", sequence-parallel on, transformer-impl local"
+    )
 
 
 def test_manual_tp3_with_seq_32_is_one_line_error(hexi_plan, examples_dir, tmp_path):

@@ -17,6 +17,10 @@ the GPU torch sees, trained by `torchrun --nproc-per-node 1 pretrain_gpt.py --he
              the performance model (below)
   megatron   plain megatron-core on the sdpa case's model, spec and batch: no megatron_hexi
              runtime code in the loop (`gpu_check.py megatron`, one torchrun process)
+  te         bf16, Transformer Engine (the plan's training.transformer_impl transformer_engine:
+             megatron-core's TE layer spec, TE's attention with backend auto), on the
+             performance model
+  megatron_te  plain megatron-core on the te case's model, TE spec and batch
   save       bf16, saves at iteration K and runs to N      } deterministic algorithms requested
   resume     bf16, loads iteration K of `save`, runs to N  } (and CUBLAS_WORKSPACE_CONFIG)
   cpu        the fp32 plan on the CPU (gloo, CPU patches), one iteration
@@ -39,7 +43,8 @@ betas, eps, weight decay and clipping), OptimizerParamScheduler, finalize_model_
 get_forward_backward_func (forward_backward_no_pipelining), with per-token loss sums
 (calculate_per_token_loss, as the runtime). Its data: the same micro-batches of random tokens
 every iteration (fixed generator seed; labels are the tokens shifted by one, loss mask ones), so
-its loss starts at ln(vocab) and falls as it memorises them. It is timed as the runtime times a
+its loss starts at ln(vocab) and falls as it memorises them. megatron_te is the same loop on the
+te plan: megatron-core's Transformer Engine layer spec. It is timed as the runtime times a
 step (synchronize, perf_counter around schedule and optimizer step) and writes the metrics lines
 the runtime writes (MFU with planner.flops against the catalog peak of the device; peak memory:
 CUDA allocator peak, on CPU the process peak RSS). On CPU the project's CPU patches come first.
@@ -48,12 +53,18 @@ Checks (exit 1 if one fails): every case finishes with finite losses, a first lo
 and a last loss below the first; bf16 against fp32 at iteration 1; the distributed optimizer and
 recompute against bf16; fused attention against bf16 at iteration 1 where both train the same
 model (on CPU; on CUDA sdpa trains the larger model); the resumed losses against the
-uninterrupted ones; the first CUDA fp32 loss against the CPU one. Tolerances depend on the device
+uninterrupted ones; the first CUDA fp32 loss against the CPU one; Transformer Engine against
+local + SDPA on the same plan and initial weights (te against sdpa: every iteration's loss and
+the first gradient norm, to bf16 precision). Tolerances depend on the device
 and are printed with each check. Reported, not checked: step time (metrics' step_time_s, median
 after warm-up), MFU and peak memory per case against the planner's prediction
 (planner.simulator.simulate; the planner models bf16 mixed precision, so the fp32 case has none;
-megatron's are those of the sdpa plan), and "sdpa vs megatron": the runtime's step time and MFU
-divided by plain megatron-core's (a measurement, no threshold). A missing prerequisite (no CUDA,
+megatron's are those of the sdpa plan, megatron_te's of the te plan), and the speed ratios
+"sdpa vs megatron" and "te vs megatron_te" (the runtime's step time and MFU divided by plain
+megatron-core's with the same spec) and "te vs sdpa" (a measurement, no threshold). The te and
+megatron_te cases need CUDA and an importable Transformer Engine: elsewhere they are skipped with
+one line saying why (not a failure), as are the performance cases when the planner predicts a
+peak above the GPU's memory. A missing prerequisite (no CUDA,
 megatron-core missing or another version, GPU not in the catalog) is one line and exit 2.
 
 Results go to --out (gpu_check.json with every metric and check, gpu_check.md with the table);
@@ -144,7 +155,10 @@ PRESETS = {
         },
     },
 }
-PERF_CASES = ("sdpa", "megatron")  # they train PRESETS[device]["perf"]
+PERF_CASES = ("sdpa", "megatron", "te", "megatron_te")  # they train PRESETS[device]["perf"]
+TE_CASES = ("te", "megatron_te")  # they need CUDA and Transformer Engine (te_unavailable)
+# (case, baseline) pairs whose step time and MFU the report divides (speed_ratio)
+SPEED_RATIOS = (("sdpa", "megatron"), ("te", "megatron_te"), ("te", "sdpa"))
 
 # Relative tolerances. CPU (one gloo rank, same kernels every run): a resume and a repeated fp32
 # run are bit-identical, and so was recompute; the distributed optimizer rounds differently in
@@ -160,6 +174,10 @@ TOLERANCES = {
         "same_grad": 1e-3,
         "resume": 1e-4,
         "cpu_vs_device": 1e-4,
+        # TE against local + SDPA: other kernels (fused LayerNorm + GEMM, cuDNN or flash
+        # attention) on the same bf16 weights; the bf16-vs-fp32 bound, as the first GPU run
+        # measures it
+        "te_vs_local": 2e-2,
     },
     "cpu": {
         "bf16_vs_fp32": 2e-2,
@@ -167,9 +185,22 @@ TOLERANCES = {
         "same_grad": 1e-5,
         "resume": 0.0,
         "cpu_vs_device": 1e-5,
+        "te_vs_local": 2e-2,
     },
 }
-CASES = ("fp32", "bf16", "distopt", "recompute", "sdpa", "megatron", "save", "resume", "cpu")
+CASES = (
+    "fp32",
+    "bf16",
+    "distopt",
+    "recompute",
+    "sdpa",
+    "megatron",
+    "te",
+    "megatron_te",
+    "save",
+    "resume",
+    "cpu",
+)
 FLAGS = [
     "--mock-data",
     "--lr",
@@ -273,10 +304,11 @@ def device_gpu(device):
 
 
 def make_plans(preset, gpu, folder):
-    """The four plans, written to `folder` with their estimates: plain (fp32, bf16, save,
-    resume and the CPU reference), distopt, recompute and sdpa (the performance model, whose
-    model and batch the megatron case reads too). Returns name -> path, name -> the planner's
-    estimate, and the parameter counts of the model and of the performance model."""
+    """The five plans, written to `folder` with their estimates: plain (fp32, bf16, save,
+    resume and the CPU reference), distopt, recompute, sdpa and te (the performance model, whose
+    model and batch the megatron and megatron_te cases read too). Returns name -> path,
+    name -> the planner's estimate, and the parameter counts of the model and of the
+    performance model."""
     from planner.cluster import load_cluster_dict
     from planner.layout import total_params
     from planner.models import model_from_dict
@@ -317,6 +349,7 @@ def make_plans(preset, gpu, folder):
         ("distopt", main, {"use_distributed_optimizer": True}),
         ("recompute", main, {"recompute": True}),
         ("sdpa", perf, {"attention_backend": "auto"}),
+        ("te", perf, {"attention_backend": "auto", "transformer_impl": "transformer_engine"}),
     ):
         plan = build_plan(cluster, model, batch, pipelines, **kw)
         est = simulate(plan)
@@ -331,6 +364,21 @@ def case_config(cfg, case):
     """The model, batch and iteration counts `case` ran with: the performance preset's for
     PERF_CASES (results written before it existed have none: the preset's), else the preset's."""
     return cfg["perf"] if case in PERF_CASES and "perf" in cfg else cfg
+
+
+def te_unavailable(device):
+    """None when the te and megatron_te cases can run here (CUDA and an importable Transformer
+    Engine), else the line saying why they are skipped."""
+    if device != "cuda":
+        return "te and megatron_te skipped: Transformer Engine runs on CUDA only"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - missing or broken: the same for this check
+        return (
+            f"te and megatron_te skipped: Transformer Engine cannot be imported here "
+            f"({type(e).__name__}: {e})"
+        )
+    return None
 
 
 def perf_fits(estimate, device):
@@ -425,6 +473,12 @@ def cases(device, preset, plans, work):
             ["megatron", "--hetero-plan-path", plans["sdpa"], "--bf16", *perf],
             dev_env,
         ),
+        "te": (pretrain, ["--hetero-plan-path", plans["te"], "--bf16", *perf], dev_env),
+        "megatron_te": (
+            this,
+            ["megatron", "--hetero-plan-path", plans["te"], "--bf16", *perf],
+            dev_env,
+        ),
         "save": (
             this,
             [
@@ -484,9 +538,9 @@ def train_deterministic(argv):
 
 
 def train_megatron(argv):
-    """The megatron case, inside torchrun: plain megatron-core on the sdpa plan's model, spec and
-    batch (module docstring). Takes pretrain_gpt.py's flags of the other cases; writes the
-    metrics lines the table reads."""
+    """The megatron and megatron_te cases, inside torchrun: plain megatron-core on the plan's
+    model, spec (the plan's transformer_impl) and batch (module docstring). Takes
+    pretrain_gpt.py's flags of the other cases; writes the metrics lines the table reads."""
     import dataclasses
 
     from megatron_hexi.config import OptimizerConfig as RuntimeOptimizer
@@ -542,13 +596,18 @@ def train_megatron(argv):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_hexi.layer_specs import local_layer_spec
+    from megatron_hexi.layer_specs import local_layer_spec, te_layer_spec
     from megatron_hexi.model import stage_config
 
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(a.seed)
     model_parallel_cuda_manual_seed(a.seed)
     m, view = plan.model, plan.rank_view(0)
+    impl, backend = plan.training.transformer_impl, plan.training.attention_backend
+    if impl == "transformer_engine":
+        layer_spec = te_layer_spec(backend)  # megatron-core's TE spec
+    else:
+        layer_spec = local_layer_spec(m.normalization, fused_attention=True)  # sdpa's
     mbs, nmb, seq = view.micro_batch_size, view.num_microbatches, m.seq_length
     # The runtime's TransformerConfig for this model (it is only a config), with megatron-core's
     # own weight initialisation, on the GPU where there is one (Megatron-LM's default).
@@ -559,13 +618,15 @@ def train_megatron(argv):
             params_dtype=torch.bfloat16,
             hidden_dropout=a.hidden_dropout,
             attention_dropout=a.attention_dropout,
+            transformer_impl=impl,
+            attention_backend=backend,
         ),
         perform_initialization=True,
         use_cpu_initialization=device.type == "cpu",
     )
     model = GPTModel(
         config=tc,
-        transformer_layer_spec=local_layer_spec(m.normalization, fused_attention=True),  # sdpa's
+        transformer_layer_spec=layer_spec,
         vocab_size=m.vocab_size,
         max_sequence_length=seq,
         pre_process=True,
@@ -780,6 +841,23 @@ def evaluate(result):
     compare("recompute vs bf16", "recompute", "bf16", tol["same_math"], f"iterations 1-{n}")
     # other attention kernels: the same model to bf16 precision at the first iteration
     compare("fused attention vs bf16", "sdpa", "bf16", tol["bf16_vs_fp32"], "iteration 1", True)
+    # Transformer Engine against local + SDPA: the same plan and initial weights, other kernels
+    compare(
+        "Transformer Engine vs local + SDPA",
+        "te",
+        "sdpa",
+        tol["te_vs_local"],
+        f"iterations 1-{case_config(cfg, 'te')['iters']}",
+    )
+    compare(
+        "Transformer Engine vs local + SDPA, grad norm",
+        "te",
+        "sdpa",
+        tol["te_vs_local"],
+        "iteration 1",
+        first_only=True,
+        key="grad_norm",
+    )
     compare(
         "bf16 vs fp32, grad norm",
         "bf16",
@@ -875,6 +953,8 @@ def performance(result):
         "recompute": "recompute",
         "sdpa": "sdpa",
         "megatron": "sdpa",  # the same model and batch, trained by plain megatron-core
+        "te": "te",
+        "megatron_te": "te",
         "save": None,
         "resume": None,
         "cpu": None,
@@ -901,21 +981,33 @@ def performance(result):
     return rows
 
 
-def against_megatron(rows):
-    """The runtime against plain megatron-core on the same model and batch: sdpa's median step
-    time and MFU divided by megatron's; None unless both have them."""
+def speed_ratio(rows, case, base):
+    """`case`'s median step time and MFU divided by `base`'s (SPEED_RATIOS); None unless both
+    have them."""
     by = {r["case"]: r for r in rows}
-    sdpa, plain = by.get("sdpa", {}), by.get("megatron", {})
-    if not all(k in r for r in (sdpa, plain) for k in ("step_s", "mfu")):
+    a, b = by.get(case, {}), by.get(base, {})
+    if not all(k in r for r in (a, b) for k in ("step_s", "mfu")):
         return None
     return {
-        "step_time_ratio": sdpa["step_s"] / plain["step_s"],
-        "mfu_ratio": sdpa["mfu"] / plain["mfu"] if plain["mfu"] else None,
-        "sdpa_step_s": sdpa["step_s"],
-        "megatron_step_s": plain["step_s"],
-        "sdpa_mfu": sdpa["mfu"],
-        "megatron_mfu": plain["mfu"],
+        "step_time_ratio": a["step_s"] / b["step_s"],
+        "mfu_ratio": a["mfu"] / b["mfu"] if b["mfu"] else None,
+        "step_s": {case: a["step_s"], base: b["step_s"]},
+        "mfu": {case: a["mfu"], base: b["mfu"]},
     }
+
+
+def speed_ratios(rows):
+    """{"CASE_vs_BASE": speed_ratio} for the SPEED_RATIOS both of whose cases ran."""
+    out = {f"{c}_vs_{b}": speed_ratio(rows, c, b) for c, b in SPEED_RATIOS}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+# what each ratio compares, for the report
+RATIO_WHAT = {
+    "sdpa_vs_megatron": "the runtime against plain megatron-core, local spec + SDPA",
+    "te_vs_megatron_te": "the runtime against plain megatron-core, Transformer Engine spec",
+    "te_vs_sdpa": "the runtime's Transformer Engine spec against its local spec + SDPA",
+}
 
 
 def _fmt(v, spec):
@@ -958,17 +1050,17 @@ def report(result):
         "(predictions: planner.simulator for the bf16 plans, megatron's those of the sdpa plan; "
         "fp32, save, resume and the CPU reference have none)",
     ]
-    ratio = against_megatron(rows)
-    if ratio:
+    for name, ratio in speed_ratios(rows).items():
+        case, base = name.split("_vs_")
         lines += [
             "",
-            f"sdpa vs megatron: step-time ratio {ratio['step_time_ratio']:.3f}, MFU ratio "
-            f"{_fmt(ratio['mfu_ratio'], '.3f')} (the runtime against plain megatron-core on the "
-            f"same model and batch: {ratio['sdpa_step_s']:.4f} s vs "
-            f"{ratio['megatron_step_s']:.4f} s per step)",
+            f"{case} vs {base}: step-time ratio {ratio['step_time_ratio']:.3f}, MFU ratio "
+            f"{_fmt(ratio['mfu_ratio'], '.3f')} ({RATIO_WHAT[name]}, the same model and batch: "
+            f"{ratio['step_s'][case]:.4f} s vs {ratio['step_s'][base]:.4f} s per step)",
         ]
-    if result.get("skipped"):
-        lines += ["", result["skipped"]]
+    for key in ("skipped", "skipped_te"):
+        if result.get(key):
+            lines += ["", result[key]]
     lines += [
         "",
         "| check | result | detail |",
@@ -1008,7 +1100,7 @@ def _perf_lines(result):
 
 def finish(result, out_dir):
     result["checks"] = evaluate(result)
-    result["sdpa_vs_megatron"] = against_megatron(performance(result))
+    result.update(speed_ratios(performance(result)))
     text = report(result)
     print(text, flush=True)
     if out_dir:
@@ -1063,8 +1155,13 @@ def run(a):
         if too_big and any(c in selected for c in PERF_CASES):
             print(too_big, flush=True)
             result["skipped"] = too_big
+        no_te = None if too_big else te_unavailable(device)
+        if no_te and any(c in selected for c in TE_CASES):
+            print(no_te, flush=True)
+            result["skipped_te"] = no_te
         for case, (entry, args, env) in cases(device, preset, plans, work).items():
-            if case not in selected or (too_big and case in PERF_CASES):
+            skip = (too_big and case in PERF_CASES) or (no_te and case in TE_CASES)
+            if case not in selected or skip:
                 continue
             metrics = work / f"{case}.jsonl"
             print(f"== {case}", flush=True)
