@@ -40,3 +40,28 @@ def hexi_plan(capsys):
         return code, out, err
 
     return run
+
+
+@pytest.fixture
+def hexi_manual(hexi_plan, examples_dir):
+    """`hexi-plan manual` of the tiny model on mini-hetero, global batch 8, writing `out`:
+    run(out, *extra flags, pipelines=a pipelines file, default the bundled 4-rank one) returns
+    (exit code, stdout, stderr)."""
+
+    def run(out, *extra, pipelines=None):
+        return hexi_plan(
+            "manual",
+            "--cluster",
+            examples_dir / "clusters" / "mini-hetero.yaml",
+            "--model",
+            "tiny",
+            "--global-batch-size",
+            8,
+            "--pipelines",
+            pipelines or examples_dir / "pipelines" / "hetero-4rank.json",
+            "-o",
+            out,
+            *extra,
+        )
+
+    return run

@@ -150,27 +150,9 @@ def test_field_round_trip_and_validation():
         assert problems[0].startswith("training.attention_backend: must be one of auto, flash")
 
 
-def _manual(hexi_plan, examples_dir, out, *extra):
-    code, stdout, err = hexi_plan(
-        "manual",
-        "--cluster",
-        examples_dir / "clusters" / "mini-hetero.yaml",
-        "--model",
-        "tiny",
-        "--global-batch-size",
-        8,
-        "--pipelines",
-        examples_dir / "pipelines" / "hetero-4rank.json",
-        "-o",
-        out,
-        *extra,
-    )
-    assert (code, err) == (0, ""), err
-
-
-def test_cli_default_is_auto_and_show_prints_it(hexi_plan, examples_dir, tmp_path):
+def test_cli_default_is_auto_and_show_prints_it(hexi_plan, hexi_manual, examples_dir, tmp_path):
     out = tmp_path / "manual.json"
-    _manual(hexi_plan, examples_dir, out)
+    assert hexi_manual(out)[::2] == (0, "")
     assert json.loads(out.read_text())["training"]["attention_backend"] == "auto"
     code, table, err = hexi_plan("show", out)
     assert (code, err) == (0, "")
@@ -181,7 +163,7 @@ def test_cli_default_is_auto_and_show_prints_it(hexi_plan, examples_dir, tmp_pat
     assert code == 0 and line.endswith(
         ", attention auto, sequence-parallel off, transformer-impl local\n"
     )
-    _manual(hexi_plan, examples_dir, out, "--attention-backend", "local")
+    assert hexi_manual(out, "--attention-backend", "local")[::2] == (0, "")
     assert load_plan(out).training.attention_backend == "local"
     assert (
         hexi_plan("show", out)[1]

@@ -319,30 +319,13 @@ def test_plan_default_on_and_off(hexi_plan, examples_dir, tmp_path):
     assert load_plan(out).training.sequence_parallel is False
 
 
-def _manual(hexi_plan, examples_dir, pipelines, out, *extra):
-    return hexi_plan(
-        "manual",
-        "--cluster",
-        examples_dir / "clusters" / "mini-hetero.yaml",
-        "--model",
-        "tiny",
-        "--global-batch-size",
-        8,
-        "--pipelines",
-        pipelines,
-        "-o",
-        out,
-        *extra,
-    )
-
-
-def test_manual_default_off_and_on(hexi_plan, examples_dir, tmp_path):
+def test_manual_default_off_and_on(hexi_plan, hexi_manual, examples_dir, tmp_path):
     out = tmp_path / "manual.json"
     pipes = examples_dir / "pipelines" / "hetero-4rank.json"
-    code, _, err = _manual(hexi_plan, examples_dir, pipes, out)
+    code, _, err = hexi_manual(out, pipelines=pipes)
     assert (code, err) == (0, ""), err
     assert "sequence_parallel" not in json.loads(out.read_text())["training"]
-    code, _, err = _manual(hexi_plan, examples_dir, pipes, out, "--sequence-parallel")
+    code, _, err = hexi_manual(out, "--sequence-parallel", pipelines=pipes)
     assert (code, err) == (0, ""), err
     plan = load_plan(out)
     assert plan.training.sequence_parallel is True
@@ -352,7 +335,7 @@ def test_manual_default_off_and_on(hexi_plan, examples_dir, tmp_path):
     )
 
 
-def test_manual_tp3_with_seq_32_is_one_line_error(hexi_plan, examples_dir, tmp_path):
+def test_manual_tp3_with_seq_32_is_one_line_error(hexi_plan, hexi_manual, examples_dir, tmp_path):
     pipes = tmp_path / "tp3.json"
     pipes.write_text(
         json.dumps(
@@ -365,10 +348,10 @@ def test_manual_tp3_with_seq_32_is_one_line_error(hexi_plan, examples_dir, tmp_p
         )
     )  # fmt: skip
     out = tmp_path / "manual.json"
-    code, _, err = _manual(hexi_plan, examples_dir, pipes, out)
+    code, _, err = hexi_manual(out, pipelines=pipes)
     assert (code, err) == (0, ""), err  # off (manual's default): TP 3 is fine
     out.unlink()
-    code, stdout, err = _manual(hexi_plan, examples_dir, pipes, out, "--sequence-parallel")
+    code, stdout, err = hexi_manual(out, "--sequence-parallel", pipelines=pipes)
     assert code == 2 and stdout == ""
     lines = err.splitlines()
     assert len(lines) == 1, err

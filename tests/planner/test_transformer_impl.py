@@ -74,34 +74,15 @@ def test_the_implementation_changes_no_estimate(name):
     assert simulate(te).to_dict() == simulate(plan).to_dict()
 
 
-def _manual(hexi_plan, examples_dir, out, *extra):
-    return hexi_plan(
-        "manual",
-        "--cluster",
-        examples_dir / "clusters" / "mini-hetero.yaml",
-        "--model",
-        "tiny",
-        "--global-batch-size",
-        8,
-        "--pipelines",
-        examples_dir / "pipelines" / "hetero-4rank.json",
-        "-o",
-        out,
-        *extra,
-    )
-
-
-def test_cli_flag_default_and_show(hexi_plan, examples_dir, tmp_path, monkeypatch):
+def test_cli_flag_default_and_show(hexi_plan, hexi_manual, examples_dir, tmp_path, monkeypatch):
     """Without the flag: local here (no Transformer Engine installed), transformer_engine on a
     GPU cluster where it is; the CPU cluster stays local. The flag is recorded as given."""
     out = tmp_path / "manual.json"
-    assert _manual(hexi_plan, examples_dir, out)[::2] == (0, "")
+    assert hexi_manual(out)[::2] == (0, "")
     assert load_plan(out).training.transformer_impl == "local"
     code, line, err = hexi_plan("validate", out)
     assert code == 0 and line.endswith(", transformer-impl local\n"), line
-    assert _manual(hexi_plan, examples_dir, out, "--transformer-impl", "transformer_engine")[
-        ::2
-    ] == (0, "")
+    assert hexi_manual(out, "--transformer-impl", "transformer_engine")[::2] == (0, "")
     assert json.loads(out.read_text())["training"]["transformer_impl"] == "transformer_engine"
     code, table, err = hexi_plan("show", out)
     assert (code, err) == (0, "")
@@ -123,12 +104,12 @@ def test_cli_flag_default_and_show(hexi_plan, examples_dir, tmp_path, monkeypatc
         )
         assert (code, err) == (0, ""), err
         assert load_plan(searched).training.transformer_impl == expected, cluster
-    assert _manual(hexi_plan, examples_dir, out)[::2] == (0, "")
+    assert hexi_manual(out)[::2] == (0, "")
     assert load_plan(out).training.transformer_impl == "transformer_engine"
-    assert _manual(hexi_plan, examples_dir, out, "--transformer-impl", "local")[::2] == (0, "")
+    assert hexi_manual(out, "--transformer-impl", "local")[::2] == (0, "")
     assert load_plan(out).training.transformer_impl == "local"
 
-    code, _, err = _manual(hexi_plan, examples_dir, out, "--transformer-impl", "te")
+    code, _, err = hexi_manual(out, "--transformer-impl", "te")
     assert code == 2 and "--transformer-impl" in err and "invalid choice" in err
 
 
