@@ -969,17 +969,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             tensorboard_log.check_available()
         if config.logging.wandb_project:
             wandb_log.check_available()
+        cuda = wants_cuda(config.runtime)
         if args.hetero_plan_path:
             plan = load_plan(args.hetero_plan_path)
             check_against_plan(args, plan)
-            check_transformer_impl(plan.training.transformer_impl, wants_cuda(config.runtime))
+            check_transformer_impl(plan.training.transformer_impl, cuda)
             plan_file: str | None = os.path.basename(args.hetero_plan_path)
             where = f"plan loaded: {args.hetero_plan_path}"
             device = init_distributed(plan, config)
         else:
             # the files are read before any process group
-            inputs = planning_inputs(args, cuda=wants_cuda(config.runtime))
-            check_transformer_impl(inputs.options.transformer_impl, wants_cuda(config.runtime))
+            inputs = planning_inputs(args, cuda=cuda)
+            check_transformer_impl(inputs.options.transformer_impl, cuda)
             device = init_distributed(None, config)
             started = plan_at_start(inputs, config.checkpoint, _device_name(device))
             plan, plan_file = started.plan, started.file_name
