@@ -2,13 +2,16 @@
 
 Clusters of 8-GPU machines with 4 GPU types in equal shares (A100 NVLink, A100-PCIe, RTX 4090,
 RTX 3090), 100 Gbit/s between machines; llama2-7b, global batch = 2 x GPUs, micro-batch 1,
-recompute auto, gradient sync overlapped with the backward as `hexi-plan plan` plans it on GPUs
-(--no-overlap-grad-reduce: serial). Each size runs in its own process so that peak memory is its
-own. `seconds` is wall time, `cpu s` the process's CPU time and `load` the 1-minute load average
-before the run (other jobs on the machine inflate wall time, not CPU time).
+recompute auto, and the runtime settings `hexi-plan plan` plans for on GPUs: gradient sync
+overlapped with the backward (--no-overlap-grad-reduce: serial), attention `auto`
+(--attention-backend) and sequence parallelism (--no-sequence-parallel: off). Each size runs in
+its own process so that peak memory is its own. `seconds` is wall time, `cpu s` the process's
+CPU time and `load` the 1-minute load average before the run (other jobs on the machine inflate
+wall time, not CPU time).
 Targets: <= 10 s at 1024 GPUs, <= 120 s at 8192, near-linear growth.
 
     python tools/bench/planner_scaling.py [--sizes 64 256 1024 4096 8192] [--no-overlap-grad-reduce]
+        [--attention-backend auto|flash|fused|unfused|local] [--no-sequence-parallel]
 """
 
 import argparse
@@ -17,15 +20,18 @@ import os
 import subprocess
 import sys
 
+from planner.attention import ATTENTION_BACKENDS, CLI_DEFAULT_BACKEND
+
 ONE = r"""
 import json, resource, sys, time
 from planner.models import load_model
 from planner.random_clusters import scaled_cluster
 from planner.search import search_plan
-n, model, overlap = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+n, model, overlap, backend = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+sp = sys.argv[5] == "1"
 t, c = time.perf_counter(), time.process_time()
 plan = search_plan(scaled_cluster(n, types=4), load_model(model), 2 * n, micro_batch_size=1,
-                   overlap_grad_reduce=overlap)
+                   overlap_grad_reduce=overlap, attention_backend=backend, sequence_parallel=sp)
 dt, cpu = time.perf_counter() - t, time.process_time() - c
 print(json.dumps({"gpus": n, "seconds": dt, "cpu": cpu, "pipelines": len(plan.pipelines),
                   "mfu": plan.estimate["mfu"],
@@ -38,6 +44,8 @@ def main():
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096, 8192])
     ap.add_argument("--model", default="llama2-7b")
     ap.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=CLI_DEFAULT_BACKEND)
+    ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     print(
         f"{'GPUs':>6} {'seconds':>8} {'cpu s':>7} {'load':>5} {'peak MB':>8} {'pipelines':>9} "
@@ -47,7 +55,16 @@ def main():
     for n in args.sizes:
         load = os.getloadavg()[0]
         out = subprocess.run(
-            [sys.executable, "-c", ONE, str(n), args.model, str(int(args.overlap_grad_reduce))],
+            [
+                sys.executable,
+                "-c",
+                ONE,
+                str(n),
+                args.model,
+                str(int(args.overlap_grad_reduce)),
+                args.attention_backend,
+                str(int(args.sequence_parallel)),
+            ],
             capture_output=True,
             text=True,
         )
