@@ -61,8 +61,9 @@ def stage_config(
 ) -> TransformerConfig:
     """The TransformerConfig of one rank's stage (see the module docstring for the sizes).
     Under Transformer Engine it also carries the plan's attention backend, which megatron-core
-    hands to TE's attention (megatron_hexi.layer_specs); the local spec picks its core attention
-    from the spec instead and keeps megatron-core's default."""
+    hands to TE's attention (megatron_hexi.layer_specs), and parameters are created on the GPU;
+    the local spec picks its core attention from the spec instead and keeps megatron-core's
+    default."""
     m, tp = plan.model, view.tp_size
     kwargs: dict[str, object] = {}
     if transformer_impl == "transformer_engine":
@@ -95,7 +96,10 @@ def stage_config(
         pipeline_dtype=params_dtype,
         calculate_per_token_loss=True,
         perform_initialization=False,
-        use_cpu_initialization=True,
+        # TE's layers would build a full-size CPU master of every weight under CPU
+        # initialisation (its wrappers do so whether or not they initialise); on the GPU they
+        # allocate only the shard, which initialise_weights fills
+        use_cpu_initialization=transformer_impl != "transformer_engine",
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,

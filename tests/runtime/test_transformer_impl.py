@@ -150,5 +150,7 @@ def test_te_config_carries_the_attention_backend(plan_path):
     view = plan.rank_view(0)
     te = stage_config(plan, view, transformer_impl="transformer_engine", attention_backend="flash")
     assert te.attention_backend == AttnBackend.flash
+    assert not te.use_cpu_initialization  # TE allocates its shards on the GPU
     local = stage_config(plan, view, attention_backend="unfused")
     assert local.attention_backend == AttnBackend.auto  # the local spec picks its own
+    assert local.use_cpu_initialization
