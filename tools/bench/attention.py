@@ -44,21 +44,16 @@ BACKENDS = ("unfused", "auto")
 
 def train_rank(plan, iters):
     """One rank: `iters` steps, then one more with the saved-for-backward bytes tracked."""
-    import torch
-
-    from fidelity import _SavedBytes, run_config
+    from fidelity import run_config, tracked_step
     from megatron_hexi.training import Trainer, init_distributed
 
     config = run_config(iters + 1, "cpu")
     device = init_distributed(plan, config)
     trainer = Trainer(plan, config, device)
     steps = [trainer.train_step(it)["step_time_s"] for it in range(iters)]
-    ptrs = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
-    tracker = _SavedBytes(ptrs)
-    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
-        trainer.train_step(iters)
+    _, activations = tracked_step(trainer, iters)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"step_s": steps, "activations": tracker.peak, "peak_rss": peak_rss}
+    return {"step_s": steps, "activations": activations, "peak_rss": peak_rss}
 
 
 def main(argv=None):

@@ -235,6 +235,17 @@ class _SavedBytes:
         return x.t if hasattr(x, "t") and not hasattr(x, "shape") else x
 
 
+def tracked_step(trainer, iteration):
+    """One training step with the bytes autograd saves for backward tracked (parameters
+    excluded): (the step's metrics, the peak of those bytes)."""
+    import torch
+
+    tracker = _SavedBytes({p.untyped_storage().data_ptr() for p in trainer.model.parameters()})
+    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+        metrics = trainer.train_step(iteration)
+    return metrics, tracker.peak
+
+
 def train_rank(plan, iters, device_type, measure_memory, bucket_size=None):
     import torch
     import torch.distributed as dist
@@ -250,10 +261,7 @@ def train_rank(plan, iters, device_type, measure_memory, bucket_size=None):
     out = {"rank": trainer.rank, "step_s": times}
     if measure_memory:
         params = list(trainer.model.parameters())
-        ptrs = {p.untyped_storage().data_ptr() for p in params}
-        tracker = _SavedBytes(ptrs)
-        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
-            trainer.train_step(iters)
+        _, activations = tracked_step(trainer, iters)
 
         def nbytes(t):
             return t.numel() * t.element_size()
@@ -280,7 +288,7 @@ def train_rank(plan, iters, device_type, measure_memory, bucket_size=None):
             "weights": sum(nbytes(p) for p in params),
             "grads": grads,
             "optimizer": state + masters,
-            "activations": tracker.peak,
+            "activations": activations,
         }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, out)

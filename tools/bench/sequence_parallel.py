@@ -64,27 +64,24 @@ LOSS_TOLERANCE = 1e-5  # max relative difference of on / off losses (fp32, reord
 def train_rank(plan, iters):
     """One rank: `iters` steps, then one more with the saved-for-backward bytes tracked; every
     rank's results."""
-    import torch
     import torch.distributed as dist
 
-    from fidelity import _SavedBytes, run_config
+    from fidelity import run_config, tracked_step
     from megatron_hexi.training import Trainer, init_distributed
 
     config = run_config(iters + 1, "cpu")
     device = init_distributed(plan, config)
     trainer = Trainer(plan, config, device)
     metrics = [trainer.train_step(it) for it in range(iters)]
-    ptrs = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
-    tracker = _SavedBytes(ptrs)
-    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
-        metrics.append(trainer.train_step(iters))
+    last, activations = tracked_step(trainer, iters)
+    metrics.append(last)
     out = {
         "rank": trainer.rank,
         "sequence_parallel": bool(trainer.transformer_config.sequence_parallel),
         "step_s": [m["step_time_s"] for m in metrics[:-1]],
         "loss": [m["lm_loss"] for m in metrics],
         "grad_norm": [m["grad_norm"] for m in metrics],
-        "activations": tracker.peak,
+        "activations": activations,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     everyone = [None] * dist.get_world_size()
