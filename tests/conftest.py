@@ -65,3 +65,26 @@ def hexi_manual(hexi_plan, examples_dir):
         )
 
     return run
+
+
+@pytest.fixture
+def hexi_search(hexi_plan, examples_dir):
+    """`hexi-plan plan` of the tiny model, global batch 8, writing `out`: run(out, *extra flags,
+    cluster=a bundled cluster file name, default mini-hetero.yaml) returns (exit code, stdout,
+    stderr)."""
+
+    def run(out, *extra, cluster="mini-hetero.yaml"):
+        return hexi_plan(
+            "plan",
+            "--cluster",
+            examples_dir / "clusters" / cluster,
+            "--model",
+            "tiny",
+            "--global-batch-size",
+            8,
+            "-o",
+            out,
+            *extra,
+        )
+
+    return run

@@ -150,7 +150,7 @@ def test_field_round_trip_and_validation():
         assert problems[0].startswith("training.attention_backend: must be one of auto, flash")
 
 
-def test_cli_default_is_auto_and_show_prints_it(hexi_plan, hexi_manual, examples_dir, tmp_path):
+def test_cli_default_is_auto_and_show_prints_it(hexi_plan, hexi_manual, hexi_search, tmp_path):
     out = tmp_path / "manual.json"
     assert hexi_manual(out)[::2] == (0, "")
     assert json.loads(out.read_text())["training"]["attention_backend"] == "auto"
@@ -172,27 +172,16 @@ def test_cli_default_is_auto_and_show_prints_it(hexi_plan, hexi_manual, examples
     )
 
     searched = tmp_path / "plan.json"
-    args = [
-        "plan",
-        "--cluster",
-        examples_dir / "clusters" / "mini-hetero.yaml",
-        "--model",
-        "tiny",
-        "--global-batch-size",
-        8,
-        "-o",
-        searched,
-    ]
-    code, _, err = hexi_plan(*args)
+    code, _, err = hexi_search(searched)
     assert (code, err) == (0, ""), err
     plan = load_plan(searched)
     assert plan.training.attention_backend == "auto"
     assert plan.estimate["iteration_time_s"] == simulate(plan).iteration_time_s
-    code, _, err = hexi_plan(*args, "--attention-backend", "unfused")
+    code, _, err = hexi_search(searched, "--attention-backend", "unfused")
     assert (code, err) == (0, ""), err
     assert "attention_backend" not in json.loads(searched.read_text())["training"]
 
-    code, _, err = hexi_plan(*args, "--attention-backend", "te")
+    code, _, err = hexi_search(searched, "--attention-backend", "te")
     assert code == 2 and "--attention-backend" in err and "invalid choice" in err
 
 

@@ -295,25 +295,14 @@ def test_planning_options_reach_the_plan():
     assert off.training.sequence_parallel is False
 
 
-def test_plan_default_on_and_off(hexi_plan, examples_dir, tmp_path):
+def test_plan_default_on_and_off(hexi_plan, hexi_search, tmp_path):
     out = tmp_path / "plan.json"
-    args = [
-        "plan",
-        "--cluster",
-        examples_dir / "clusters" / "mini-hetero.yaml",
-        "--model",
-        "tiny",
-        "--global-batch-size",
-        8,
-        "-o",
-        out,
-    ]
-    code, _, err = hexi_plan(*args)
+    code, _, err = hexi_search(out)
     assert (code, err) == (0, ""), err
     assert json.loads(out.read_text())["training"]["sequence_parallel"] is True
     code, line, err = hexi_plan("validate", out)
     assert code == 0 and line.endswith(", sequence-parallel on, transformer-impl local\n")
-    code, _, err = hexi_plan(*args, "--no-sequence-parallel")
+    code, _, err = hexi_search(out, "--no-sequence-parallel")
     assert (code, err) == (0, ""), err
     assert "sequence_parallel" not in json.loads(out.read_text())["training"]
     assert load_plan(out).training.sequence_parallel is False

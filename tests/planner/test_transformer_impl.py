@@ -74,7 +74,7 @@ def test_the_implementation_changes_no_estimate(name):
     assert simulate(te).to_dict() == simulate(plan).to_dict()
 
 
-def test_cli_flag_default_and_show(hexi_plan, hexi_manual, examples_dir, tmp_path, monkeypatch):
+def test_cli_flag_default_and_show(hexi_plan, hexi_manual, hexi_search, tmp_path, monkeypatch):
     """Without the flag: local here (no Transformer Engine installed), transformer_engine on a
     GPU cluster where it is; the CPU cluster stays local. The flag is recorded as given."""
     out = tmp_path / "manual.json"
@@ -91,17 +91,7 @@ def test_cli_flag_default_and_show(hexi_plan, hexi_manual, examples_dir, tmp_pat
     monkeypatch.setattr(transformer_impl, "te_installed", lambda: True)
     searched = tmp_path / "plan.json"
     for cluster, expected in (("mini-hetero.yaml", "transformer_engine"), ("cpu-1.yaml", "local")):
-        code, _, err = hexi_plan(
-            "plan",
-            "--cluster",
-            examples_dir / "clusters" / cluster,
-            "--model",
-            "tiny",
-            "--global-batch-size",
-            8,
-            "-o",
-            searched,
-        )
+        code, _, err = hexi_search(searched, cluster=cluster)
         assert (code, err) == (0, ""), err
         assert load_plan(searched).training.transformer_impl == expected, cluster
     assert hexi_manual(out)[::2] == (0, "")
