@@ -29,15 +29,16 @@ from megatron_hexi.config import (
 )
 from megatron_hexi.tokenizer import TOKENIZER_FILES, TOKENIZER_TYPES
 from planner.attention import ATTENTION_BACKENDS, CLI_DEFAULT_BACKEND
-from planner.cli_args import PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER
+from planner.cli_args import PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER, cuda_graph_settings
 from planner.cluster import ClusterSpec, load_cluster
+from planner.cuda_graphs import CUDA_GRAPH_IMPLS, CUDA_GRAPH_SCOPES, PLAN_DEFAULT_GRAPH_IMPL
 from planner.errors import SpecError
 from planner.membership import PlanningOptions
 from planner.models import ModelSpec, load_model
 from planner.transformer_impl import TRANSFORMER_IMPLS, default_impl
 
 if TYPE_CHECKING:
-    from planner.plan import Plan
+    from planner.plan import Plan, Training
 
 # Megatron flag -> plan model field, for the contradiction check.
 MODEL_FLAGS = {
@@ -228,6 +229,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the plan's training.transformer_impl: transformer_engine (CUDA and Transformer "
         "Engine) or local (megatron-core's torch layers)",
+    )
+    m.add_argument(
+        "--cuda-graph-impl",
+        choices=CUDA_GRAPH_IMPLS,
+        default=None,
+        help="the plan's training.cuda_graph_impl (CUDA only): local (megatron-core's "
+        "per-layer CudaGraphManager), transformer_engine (TE's graphs) or none",
+    )
+    m.add_argument(
+        "--cuda-graph-scope",
+        nargs="+",
+        choices=CUDA_GRAPH_SCOPES,
+        default=None,
+        help="the plan's training.cuda_graph_scope: the parts of each layer the graphs capture "
+        "(the plan's default: the whole layer)",
     )
     m.add_argument("--attention-dropout", type=finite_float, default=0.1)
     m.add_argument("--hidden-dropout", type=finite_float, default=0.1)
@@ -503,6 +519,12 @@ def planning_inputs(args: argparse.Namespace, cuda: bool) -> PlanningInputs:
     seq = args.seq_length if args.seq_length is not None else args.max_position_embeddings
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise SpecError(PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER)
+    graphs = cuda_graph_settings(
+        argparse.Namespace(
+            cuda_graph_impl=args.cuda_graph_impl or PLAN_DEFAULT_GRAPH_IMPL,
+            cuda_graph_scope=args.cuda_graph_scope,
+        )
+    )
     return PlanningInputs(
         load_cluster(args.hetero_cluster),
         load_model(args.hetero_model),
@@ -517,6 +539,8 @@ def planning_inputs(args: argparse.Namespace, cuda: bool) -> PlanningInputs:
             attention_backend=attention_backend(args) or CLI_DEFAULT_BACKEND,
             sequence_parallel=bool(args.sequence_parallel),
             transformer_impl=args.transformer_impl or default_impl(cuda),
+            cuda_graph_impl=graphs[0],
+            cuda_graph_scope=graphs[1],
         ),
     )
 
@@ -540,6 +564,26 @@ def attention_backend(args: argparse.Namespace) -> str | None:
             f"--use-flash-attn contradicts --attention-backend {args.attention_backend}"
         )
     return "flash" if args.use_flash_attn else args.attention_backend
+
+
+def cuda_graph_problems(args: argparse.Namespace, t: Training) -> list[str]:
+    """--cuda-graph-impl and --cuda-graph-scope against the plan's CUDA graphs: each given flag
+    must say what the plan says (a scope given alone speaks of the plan's implementation)."""
+    problems = []
+    impl, scope = args.cuda_graph_impl, args.cuda_graph_scope
+    if impl is not None and impl != t.cuda_graph_impl:
+        problems.append(
+            f"--cuda-graph-impl {impl} contradicts the plan (cuda_graph_impl: "
+            f"{t.cuda_graph_impl}); re-plan with hexi-plan ... --cuda-graph-impl {impl}"
+        )
+    if scope is not None and (tuple(scope) != t.cuda_graph_scope or t.cuda_graph_impl == "none"):
+        planned = " ".join(t.cuda_graph_scope) or "whole layers"
+        problems.append(
+            f"--cuda-graph-scope {' '.join(scope)} contradicts the plan (cuda_graph_impl: "
+            f"{t.cuda_graph_impl}, cuda_graph_scope: {planned}); re-plan with hexi-plan ... "
+            f"--cuda-graph-impl IMPL --cuda-graph-scope {' '.join(scope)}"
+        )
+    return problems
 
 
 def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
@@ -625,6 +669,7 @@ def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
             f"--transformer-impl {impl} contradicts the plan (transformer_impl: "
             f"{t.transformer_impl}); re-plan with hexi-plan ... --transformer-impl {impl}"
         )
+    problems.extend(cuda_graph_problems(args, t))
     wants_recompute = args.recompute_granularity == "full"
     if args.recompute_granularity is not None and wants_recompute != plan.training.recompute:
         problems.append("--recompute-granularity full contradicts the plan (recompute: false)")
@@ -663,6 +708,8 @@ NOT_IN_RUN_CONFIG = frozenset(
         "use_flash_attn",
         "sequence_parallel",
         "transformer_impl",
+        "cuda_graph_impl",
+        "cuda_graph_scope",
         "optimizer",  # adam only
     }
 )

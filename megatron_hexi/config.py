@@ -188,6 +188,21 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class FusionConfig:
+    """megatron-core's fused kernels; Megatron-LM's `--no-*-fusion` flags switch each off.
+
+    They run on CUDA only, each where its requirements are met; on CPU every one is off, so the
+    CPU path keeps the reference layers and the equivalence tests stay exact."""
+
+    bias_activation_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    apply_rope_fusion: bool = True
+    masked_softmax_fusion: bool = True
+    gradient_accumulation_fusion: bool = True
+    cross_entropy_loss_fusion: bool = False
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs besides its plan, one frozen value per concern."""
 
@@ -201,3 +216,4 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    fusions: FusionConfig = field(default_factory=FusionConfig)

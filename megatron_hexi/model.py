@@ -33,6 +33,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
+from megatron_hexi.cuda_graphs import config_fields, rng_tracker_options, set_megatron_globals
 from megatron_hexi.layer_specs import stage_block_spec, te_to_local_name
 from megatron_hexi.process_groups import SingleRank
 from planner.layout import canonical_shards, rank_param_shards
@@ -63,9 +64,9 @@ def stage_config(
     Under Transformer Engine it also carries the plan's attention backend, which megatron-core
     hands to TE's attention (megatron_hexi.layer_specs), and parameters are created on the GPU;
     the local spec picks its core attention from the spec instead and keeps megatron-core's
-    default."""
+    default. The plan's CUDA graphs (megatron_hexi.cuda_graphs) are the config's."""
     m, tp = plan.model, view.tp_size
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, object] = config_fields(plan.training)
     if transformer_impl == "transformer_engine":
         from megatron.core.transformer.enums import AttnBackend
 
@@ -135,6 +136,7 @@ def build_stage_model(
     vocab = view.vocab[0] * tp if view.vocab else m.vocab_size
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # attention's scratch buffer
         parallel_state._set_global_memory_buffer()
+    set_megatron_globals(config, view)
     model = GPTModel(
         config=config,
         transformer_layer_spec=stage_block_spec(config, attention_backend, transformer_impl),
@@ -160,9 +162,18 @@ def build_stage_model(
     return model
 
 
-def seed_rng(seed: int, tp_rank: int) -> None:
-    """Megatron's RNG tracker (dropout in TP regions), seeded the way Megatron-LM does."""
-    model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+def seed_rng(seed: int, tp_rank: int, cuda_graph_impl: str = "none") -> None:
+    """Megatron's RNG tracker (dropout in TP regions), seeded the way Megatron-LM does; a
+    graph-safe one under the plan's CUDA graphs (megatron_hexi.cuda_graphs). The tracker is made
+    anew, so its kind follows this call and not an earlier one in the process."""
+    model_parallel_cuda_manual_seed(
+        seed,
+        tp_rank=tp_rank,
+        ep_rank=0,
+        etp_rank=0,
+        force_reset_rng=True,
+        **rng_tracker_options(cuda_graph_impl),
+    )
 
 
 # Rows (or columns) per independently seeded block of a canonical tensor. A constant of the

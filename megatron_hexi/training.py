@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron_hexi import tensorboard_log, wandb_log
 from megatron_hexi.arguments import check_against_plan, parse_args, planning_inputs, run_config
 from megatron_hexi.communicator import Boundary, StageCommunicator
+from megatron_hexi.cuda_graphs import check_cuda_graphs
 from megatron_hexi.exit_signal import ExitSignal
 from megatron_hexi.grad_sync import FP32MainGrads, GradientSync
 from megatron_hexi.layer_specs import check_transformer_impl
@@ -81,7 +82,7 @@ class Trainer:
         self.rank = self.groups.plan_rank
         startup_line(f"process groups built ({len(rank_sets)} gradient rank set(s))")
         self.view = view = plan.rank_view(self.rank)
-        seed_rng(config.training.seed, view.tp_rank)
+        seed_rng(config.training.seed, view.tp_rank, plan.training.cuda_graph_impl)
         bf16 = config.precision.bf16
         dtype = torch.bfloat16 if bf16 else torch.float32
         backend, impl = plan.training.attention_backend, plan.training.transformer_impl
@@ -974,6 +975,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan = load_plan(args.hetero_plan_path)
             check_against_plan(args, plan)
             check_transformer_impl(plan.training.transformer_impl, cuda)
+            check_cuda_graphs(plan.training.cuda_graph_impl, cuda)
             plan_file: str | None = os.path.basename(args.hetero_plan_path)
             where = f"plan loaded: {args.hetero_plan_path}"
             device = init_distributed(plan, config)
@@ -981,6 +983,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # the files are read before any process group
             inputs = planning_inputs(args, cuda=cuda)
             check_transformer_impl(inputs.options.transformer_impl, cuda)
+            check_cuda_graphs(inputs.options.cuda_graph_impl, cuda)
             device = init_distributed(None, config)
             started = plan_at_start(inputs, config.checkpoint, _device_name(device))
             plan, plan_file = started.plan, started.file_name

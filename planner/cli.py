@@ -17,15 +17,18 @@ from planner.cli_args import (
     ArgumentParser,
     Register,
     add_attention_backend_flag,
+    add_cuda_graph_flags,
     add_sequence_parallel_flag,
     add_transformer_impl_flag,
     bounded_int,
+    cuda_graph_settings,
     percent,
     resolve_transformer_impl,
     with_examples,
     with_seq_length,
 )
 from planner.cluster import load_cluster
+from planner.cuda_graphs import describe as describe_graphs
 from planner.errors import SpecError
 from planner.inputs import read_json
 from planner.limits import MAX_BATCH, MAX_REPORTED_PROBLEMS, MAX_SEQ_LENGTH
@@ -48,6 +51,7 @@ def cmd_validate(args: argparse.Namespace) -> None:
 def cmd_manual(args: argparse.Namespace) -> None:
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise SpecError(PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER)
+    impl, scope = cuda_graph_settings(args)
     cluster = load_cluster(args.cluster)
     model = with_seq_length(load_model(args.model), args.seq_length)
     pipelines = read_json(args.pipelines, "pipelines file")
@@ -66,6 +70,8 @@ def cmd_manual(args: argparse.Namespace) -> None:
         attention_backend=args.attention_backend,
         sequence_parallel=args.sequence_parallel,
         transformer_impl=resolve_transformer_impl(args, runs_on_gpus(cluster)),
+        cuda_graph_impl=impl,
+        cuda_graph_scope=scope,
     )
     save_plan(plan, args.output)
     print(f"wrote {args.output}: {plan.world_size} ranks, {len(plan.pipelines)} pipelines")
@@ -89,17 +95,22 @@ def _sizes(sizes: object) -> str:
 
 def training_settings(plan: Plan) -> str:
     """The plan's runtime settings in one line: recompute, optimizer, overlap, attention,
-    sequence parallelism, transformer implementation."""
+    sequence parallelism, transformer implementation, and CUDA graphs where the plan has them."""
     t = plan.training
     optimizer = (
         f"distributed ({t.optimizer_shard} shards)" if t.use_distributed_optimizer else "plain"
     )
     on = {True: "on", False: "off"}
+    graphs = (
+        f", cuda-graphs {describe_graphs(t.cuda_graph_impl, t.cuda_graph_scope)}"
+        if t.cuda_graph_impl != "none"
+        else ""
+    )
     return (
         f"recompute {on[t.recompute]}, optimizer {optimizer}, overlap-grad-reduce "
         f"{on[t.overlap_grad_reduce]}, overlap-param-gather {on[t.overlap_param_gather]}, "
         f"attention {t.attention_backend}, sequence-parallel {on[t.sequence_parallel]}, "
-        f"transformer-impl {t.transformer_impl}"
+        f"transformer-impl {t.transformer_impl}" + graphs
     )
 
 
@@ -228,6 +239,7 @@ def build_parser() -> ArgumentParser:
     add_attention_backend_flag(p)
     add_sequence_parallel_flag(p, default=False)
     add_transformer_impl_flag(p)
+    add_cuda_graph_flags(p)
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_manual)
 

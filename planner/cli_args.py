@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, TypeAlias
 
 from planner.attention import ATTENTION_BACKENDS, CLI_DEFAULT_BACKEND
+from planner.cuda_graphs import CUDA_GRAPH_IMPLS, CUDA_GRAPH_SCOPES, PLAN_DEFAULT_GRAPH_IMPL
 from planner.errors import SpecError
 from planner.limits import MAX_NUMBER_CHARS
 from planner.models import ModelSpec, model_from_dict
@@ -123,6 +124,40 @@ def add_transformer_impl_flag(p: argparse.ArgumentParser) -> None:
 def resolve_transformer_impl(args: argparse.Namespace, gpu_cluster: bool) -> str:
     """The --transformer-impl given, else the default for a cluster (of GPUs or not)."""
     return args.transformer_impl or default_impl(gpu_cluster)
+
+
+def add_cuda_graph_flags(p: argparse.ArgumentParser) -> None:
+    """--cuda-graph-impl and --cuda-graph-scope of `plan`, `min-nodes` and `manual`: the runtime's
+    flags of those names (megatron-core's meanings, planner.cuda_graphs), which the plan records
+    (`training.cuda_graph_impl`, `training.cuda_graph_scope`)."""
+    p.add_argument(
+        "--cuda-graph-impl",
+        choices=CUDA_GRAPH_IMPLS,
+        default=PLAN_DEFAULT_GRAPH_IMPL,
+        help="CUDA graphs the runtime will capture per layer: local (megatron-core's "
+        "CudaGraphManager) or transformer_engine (TE's make_graphed_callables); CUDA only, "
+        f"and not with recompute or an overlapped parameter gather (default: "
+        f"{PLAN_DEFAULT_GRAPH_IMPL})",
+    )
+    p.add_argument(
+        "--cuda-graph-scope",
+        nargs="+",
+        choices=CUDA_GRAPH_SCOPES,
+        default=None,
+        help="with --cuda-graph-impl: capture only these parts of each layer (default: the "
+        "whole layer)",
+    )
+
+
+def cuda_graph_settings(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
+    """(impl, scope) from --cuda-graph-impl and --cuda-graph-scope; SpecError for a scope given
+    without graphs, or given twice."""
+    impl, scope = args.cuda_graph_impl, tuple(args.cuda_graph_scope or ())
+    if scope and impl == "none":
+        raise SpecError("--cuda-graph-scope: needs --cuda-graph-impl local or transformer_engine")
+    if len(set(scope)) != len(scope):
+        raise SpecError(f"--cuda-graph-scope: repeats a scope: {' '.join(scope)}")
+    return impl, scope
 
 
 def bounded_int(lo: int, hi: int) -> Callable[[str], int]:

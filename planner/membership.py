@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from planner.attention import PLAN_DEFAULT_BACKEND
 from planner.cli_args import with_seq_length
 from planner.cluster import ClusterSpec, LinkOverride
+from planner.cuda_graphs import PLAN_DEFAULT_GRAPH_IMPL
 from planner.errors import ClusterError, SpecError
 from planner.models import ModelSpec
 from planner.plan import Plan
@@ -41,19 +42,36 @@ class PlanningOptions:
     sequence_parallel: bool = True
     # the runtime's --transformer-impl (planner.transformer_impl's names; the plan records it)
     transformer_impl: str = PLAN_DEFAULT_IMPL
+    # the runtime's --cuda-graph-impl / --cuda-graph-scope (planner.cuda_graphs; the plan
+    # records them)
+    cuda_graph_impl: str = PLAN_DEFAULT_GRAPH_IMPL
+    cuda_graph_scope: tuple[str, ...] = ()
 
 
 def plan_for(
     cluster: ClusterSpec, model: ModelSpec, options: PlanningOptions, progress: bool = False
 ) -> Plan:
-    """The searched plan; SpecError (naming what is missing) when nothing fits."""
-    return search_plan(
+    """The searched plan; SpecError (naming what is missing) when nothing fits. With CUDA graphs
+    the search plans without recompute (graphs cannot capture it: planner.cuda_graphs), and the
+    plan records the graphs."""
+    graphs = options.cuda_graph_impl != PLAN_DEFAULT_GRAPH_IMPL
+    if graphs and options.recompute == "on":
+        raise SpecError(
+            f"--recompute on: --cuda-graph-impl {options.cuda_graph_impl} cannot capture full "
+            "activation recompute"
+        )
+    if graphs and options.overlap_param_gather:
+        raise SpecError(
+            f"--overlap-param-gather: --cuda-graph-impl {options.cuda_graph_impl} cannot run "
+            "the overlapped parameter gather's forward pre-hooks"
+        )
+    plan = search_plan(
         cluster,
         with_seq_length(model, options.seq_length),
         options.global_batch_size,
         strategy=options.strategy,
         micro_batch_size=options.micro_batch_size,
-        recompute=options.recompute,
+        recompute="off" if graphs else options.recompute,
         seed=options.seed,
         use_distributed_optimizer=options.use_distributed_optimizer,
         progress=progress,
@@ -63,6 +81,12 @@ def plan_for(
         sequence_parallel=options.sequence_parallel,
         transformer_impl=options.transformer_impl,
     )
+    training = replace(
+        plan.training,
+        cuda_graph_impl=options.cuda_graph_impl,
+        cuda_graph_scope=options.cuda_graph_scope,
+    )
+    return replace(plan, training=training)
 
 
 def present_cluster(cluster: ClusterSpec, processes: Mapping[str, int]) -> ClusterSpec:

@@ -271,6 +271,10 @@ def plan_figure(plan: Plan) -> Figure:
             (f"{plan.training.attention_backend} attention", True),
             ("sequence parallel", plan.training.sequence_parallel),
             ("Transformer Engine", plan.training.transformer_impl == "transformer_engine"),
+            (
+                f"{plan.training.cuda_graph_impl} CUDA graphs",
+                plan.training.cuda_graph_impl != "none",
+            ),
         )
         if on
     ]

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from planner.attention import ATTENTION_BACKENDS, PLAN_DEFAULT_BACKEND
 from planner.cluster import ClusterSpec, load_cluster_dict
+from planner.cuda_graphs import PLAN_DEFAULT_GRAPH_IMPL, graph_problems
 from planner.errors import PlanError, SpecError
 from planner.inputs import (
     document_problems,
@@ -54,6 +55,8 @@ _TRAINING_KEYS = {
     "attention_backend",
     "sequence_parallel",
     "transformer_impl",
+    "cuda_graph_impl",
+    "cuda_graph_scope",
 }
 _PIPELINE_KEYS = {"micro_batch_size", "num_microbatches", "stages"}
 _STAGE_KEYS = {"ranks", "layers", "shards"}
@@ -134,6 +137,10 @@ class Training:
     sequence_parallel: bool = False
     # planner.transformer_impl's names; absent in a plan: local (what plans meant before)
     transformer_impl: str = PLAN_DEFAULT_IMPL
+    # planner.cuda_graphs' names (megatron-core's); absent in a plan: none (what plans meant
+    # before); the scope empty or absent: whole layers
+    cuda_graph_impl: str = PLAN_DEFAULT_GRAPH_IMPL
+    cuda_graph_scope: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -153,6 +160,10 @@ class Training:
             d["sequence_parallel"] = True
         if self.transformer_impl != PLAN_DEFAULT_IMPL:
             d["transformer_impl"] = self.transformer_impl
+        if self.cuda_graph_impl != PLAN_DEFAULT_GRAPH_IMPL:
+            d["cuda_graph_impl"] = self.cuda_graph_impl
+        if self.cuda_graph_scope:
+            d["cuda_graph_scope"] = list(self.cuda_graph_scope)
         return d
 
 
@@ -491,6 +502,7 @@ def validate_plan_dict(data: object) -> list[str]:
                 f"training.transformer_impl: must be one of {', '.join(TRANSFORMER_IMPLS)}, "
                 f"got {short(impl)}"
             )
+        problems.extend(graph_problems(training))
 
     sequence_parallel = isinstance(training, dict) and training.get("sequence_parallel") is True
     pipelines = data["pipelines"]
@@ -647,6 +659,8 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         t.get("attention_backend", PLAN_DEFAULT_BACKEND),
         t.get("sequence_parallel", False),
         t.get("transformer_impl", PLAN_DEFAULT_IMPL),
+        t.get("cuda_graph_impl", PLAN_DEFAULT_GRAPH_IMPL),
+        tuple(t.get("cuda_graph_scope", ())),
     )
     pipelines = [
         Pipeline(
@@ -700,6 +714,8 @@ def build_plan(
     attention_backend: str = PLAN_DEFAULT_BACKEND,
     sequence_parallel: bool = False,
     transformer_impl: str = PLAN_DEFAULT_IMPL,
+    cuda_graph_impl: str = PLAN_DEFAULT_GRAPH_IMPL,
+    cuda_graph_scope: Sequence[str] = (),
 ) -> Plan:
     """A complete plan from a `pipelines` array (the plan's own shape, as dicts).
 
@@ -737,6 +753,8 @@ def build_plan(
             attention_backend,
             sequence_parallel,
             transformer_impl,
+            cuda_graph_impl,
+            tuple(cuda_graph_scope),
         ).to_dict(),
         "cluster": cluster.to_dict(),
         "pipelines": pipelines,

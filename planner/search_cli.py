@@ -11,9 +11,11 @@ from planner.cli_args import (
     PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER,
     Subparsers,
     add_attention_backend_flag,
+    add_cuda_graph_flags,
     add_sequence_parallel_flag,
     add_transformer_impl_flag,
     bounded_int,
+    cuda_graph_settings,
     percent,
     resolve_transformer_impl,
     with_examples,
@@ -71,7 +73,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 def planning_options(args: argparse.Namespace, cluster: ClusterSpec) -> PlanningOptions:
     """The search options of `plan` and `min-nodes` (add_planning_flags). The overlap flags,
     when not given, follow `overlap_by_default(cluster)`; the parameter gather's only with
-    --use-distributed-optimizer."""
+    --use-distributed-optimizer, and not with CUDA graphs (they cannot run its hooks)."""
+    impl, scope = cuda_graph_settings(args)
     dist_opt = args.use_distributed_optimizer
     if args.overlap_param_gather and not dist_opt:
         raise SpecError(PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER)
@@ -81,7 +84,7 @@ def planning_options(args: argparse.Namespace, cluster: ClusterSpec) -> Planning
         if overlap_grad is None:
             overlap_grad = auto
         if overlap_gather is None:
-            overlap_gather = auto and dist_opt
+            overlap_gather = auto and dist_opt and impl == "none"
     return PlanningOptions(
         global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size,
@@ -95,6 +98,8 @@ def planning_options(args: argparse.Namespace, cluster: ClusterSpec) -> Planning
         attention_backend=args.attention_backend,
         sequence_parallel=args.sequence_parallel,
         transformer_impl=resolve_transformer_impl(args, runs_on_gpus(cluster)),
+        cuda_graph_impl=impl,
+        cuda_graph_scope=scope,
     )
 
 
@@ -164,6 +169,7 @@ def add_planning_flags(p: argparse.ArgumentParser) -> None:
     add_attention_backend_flag(p)
     add_sequence_parallel_flag(p, default=True)
     add_transformer_impl_flag(p)
+    add_cuda_graph_flags(p)
 
 
 def register_commands(sub: Subparsers) -> None:
