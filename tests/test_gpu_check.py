@@ -97,10 +97,17 @@ def test_no_cuda_is_one_line_and_exit_2():
     assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == ""
 
 
-def test_missing_megatron_core_is_named(monkeypatch):
-    spec = importlib.util.spec_from_file_location("gpu_check_module", SCRIPT)
+def _cases_module():
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check_cases", REPO / "tools" / "bench" / "_gpu_check_cases.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_missing_megatron_core_is_named(monkeypatch):
+    module = _cases_module()
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
@@ -113,48 +120,81 @@ def test_missing_megatron_core_is_named(monkeypatch):
 
 @pytest.fixture(scope="module")
 def perf_run(tmp_path_factory):
-    """One CPU run of the sdpa and megatron cases (two one-rank launches, ~6 s each)."""
+    """One CPU run of a performance pair: the runtime and plain megatron-core, fusions on (off
+    on CPU either way), 8 micro-batches of 1 (two one-rank launches, ~6 s each); the graphs case
+    is skipped on CPU."""
     out = tmp_path_factory.mktemp("gpu_check_perf")
-    r = _run("--device", "cpu", "--cases", "sdpa", "megatron", "--iters", "3", "--out", out)
+    cases = ["hexi-fused-1x8", "megatron-fused-1x8", "hexi-graphs-1x8"]
+    r = _run(
+        "--device", "cpu", "--cases", *cases, "--iters", "3", "--out", out,
+        "--results", out / "raw.json",
+    )  # fmt: skip
     return r, out
 
 
-def test_megatron_case_runs_and_is_compared_with_sdpa(perf_run):
+def test_megatron_case_runs_and_is_compared_with_the_runtime(perf_run):
     r, out = perf_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = [line for line in r.stdout.splitlines() if line.startswith("| megatron | ")]
-    assert len(rows) == 1 and "| - |" not in rows[0], rows  # step time, MFU, peak and predictions
-    assert "sdpa vs megatron: step-time ratio " in r.stdout
-    assert "| megatron: first loss near ln(vocab) | ok |" in r.stdout
-    assert "| megatron: loss decreases | ok |" in r.stdout
+    assert r.stdout.startswith("graphs cases skipped: CUDA graphs run on CUDA only\n")
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| fused | 1 x 8 | ")]
+    assert len(rows) == 1 and "- /" not in rows[0] and "(-)" not in rows[0], rows
+    assert "| megatron-fused-1x8: first loss near ln(vocab) | ok |" in r.stdout
+    assert "| megatron-fused-1x8: loss decreases | ok |" in r.stdout
     result = json.loads((out / "gpu_check.json").read_text())
-    assert sorted(result["cases"]) == ["megatron", "sdpa"]
-    metrics = result["cases"]["megatron"]["metrics"]
-    assert [m["iteration"] for m in metrics] == [1, 2, 3]
-    for key in ("lm_loss", "step_time_s", "tokens_per_s", "mfu", "grad_norm"):
-        assert all(isinstance(m[key], float) and m[key] > 0 for m in metrics), key
-    assert all(len(m["peak_memory_gb"]) == 1 for m in metrics)
-    ratio = result["sdpa_vs_megatron"]
-    assert ratio["step_time_ratio"] > 0 and ratio["mfu_ratio"] > 0
+    assert result == json.loads((out / "raw.json").read_text())  # the raw file, final
+    assert sorted(result["cases"]) == ["hexi-fused-1x8", "megatron-fused-1x8"]
+    assert result["skipped"] == ["graphs cases skipped: CUDA graphs run on CUDA only"]
+    v = result["versions"]
+    assert v["megatron_core"] == "0.16.1" and v["torch"] and v["driver"] is None
+    for case in result["cases"]:
+        metrics = result["cases"][case]["metrics"]
+        assert [m["iteration"] for m in metrics] == [1, 2, 3]
+        for key in ("lm_loss", "step_time_s", "tokens_per_s", "mfu", "grad_norm"):
+            assert all(isinstance(m[key], float) and m[key] > 0 for m in metrics), key
+        # the last step is profiled (host time), and left out of the timing
+        assert [m.get("profiled", False) for m in metrics] == [False, False, True]
+        assert 0 < metrics[-1]["host_s"] <= 10 * metrics[-1]["step_time_s"]
+    # megatron-core ran with the fusion settings of the runtime's TransformerConfig
+    fusions = result["cases"]["megatron-fused-1x8"]["metrics"][0]["fusions"]
+    assert set(fusions) >= {"bias_activation_fusion", "gradient_accumulation_fusion"}
+    assert not any(fusions.values())  # on CPU every fusion is off
+    ratio = result["against_megatron"]["fused-1x8"]
+    assert ratio["tokens_per_s_ratio"] > 0 and ratio["step_time_ratio"] > 0
     assert all(c["ok"] for c in result["checks"])
 
 
-def test_broken_megatron_case_fails_and_old_results_recheck(perf_run, tmp_path):
+def test_table_for_the_benchmark_page(perf_run):
+    r = _run("--table", perf_run[1] / "raw.json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("| variant | micro-batches | step s: runtime / megatron-core")
+    assert len(lines) == 3 and lines[2].startswith("| fused | 1 x 8 | ")
+
+
+def test_broken_megatron_case_fails(perf_run, tmp_path):
     result = json.loads((perf_run[1] / "gpu_check.json").read_text())
-    old = copy.deepcopy(result)  # written before the performance preset: the preset's sizes
-    del old["config"]["perf"], old["sdpa_vs_megatron"]
-    assert _recheck(tmp_path, old).returncode == 0
     broken = copy.deepcopy(result)
-    broken["cases"]["megatron"]["metrics"][-1]["lm_loss"] = float("inf")
+    broken["cases"]["megatron-fused-1x8"]["metrics"][-1]["lm_loss"] = float("inf")
     r = _recheck(tmp_path, broken)
     assert r.returncode == 1
-    assert "| megatron: losses finite | FAIL |" in r.stdout
+    assert "| megatron-fused-1x8: losses finite | FAIL |" in r.stdout
+
+
+def test_a_spent_budget_runs_nothing_and_says_so(tmp_path):
+    raw = tmp_path / "raw.json"
+    r = _run(
+        "--device", "cpu", "--cases", "hexi-fused-1x8", "--budget-s", "0", "--out", "",
+        "--results", raw, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(raw.read_text())
+    assert result["cases"] == {} and len(result["skipped"]) == 1
+    assert result["skipped"][0].startswith("hexi-fused-1x8 not run: ")
+    assert result["skipped"][0].endswith(" s of the 0 s budget left")
 
 
 def test_performance_cases_are_skipped_when_the_model_does_not_fit(monkeypatch):
-    spec = importlib.util.spec_from_file_location("gpu_check_module", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _cases_module()
     import torch
 
     def gpu_of(gb):
@@ -169,5 +209,25 @@ def test_performance_cases_are_skipped_when_the_model_does_not_fit(monkeypatch):
     assert module.perf_fits(estimate, "cuda") is None
     gpu_of(24)
     line = module.perf_fits(estimate, "cuda")
-    assert line.startswith("sdpa and megatron skipped: the planner predicts a peak of 29.2 GB")
+    assert line.startswith("performance cases skipped: the planner predicts a peak of 29.2 GB")
     assert module.perf_fits(estimate, "cpu") is None
+
+
+def test_skips_say_why():
+    module = _cases_module()
+    assert module.skip_reason("hexi-fused-1x8", "cpu", "no te") is None
+    assert module.skip_reason("hexi-graphs-8x1", "cpu", None) == module.GRAPHS_ON_CPU
+    assert module.skip_reason("hexi-graphs-8x1", "cuda", None) is None
+    assert module.skip_reason("megatron-te-1x8", "cuda", "no te") == "no te"
+    assert module.skip_reason("megatron-te-1x8", "cuda", None) is None
+    assert module.skip_reason("hexi-te_graphs-1x8", "cuda", None) == module.TE_GRAPHS
+    assert module.skip_reason("bf16", "cpu", "no te") is None
+    # the most important cases come first: graphs, then fusions, then eager, at 1 x 8
+    assert module.CASES[:6] == (
+        "hexi-graphs-1x8",
+        "megatron-graphs-1x8",
+        "hexi-fused-1x8",
+        "megatron-fused-1x8",
+        "hexi-eager-1x8",
+        "megatron-eager-1x8",
+    )
