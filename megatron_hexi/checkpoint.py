@@ -1364,7 +1364,9 @@ def rng_state() -> dict[str, Any]:
     return {
         "torch_cpu": _b64(torch.get_rng_state()),
         "cuda": cuda,
-        "tracker": {k: _b64(v) for k, v in get_cuda_rng_tracker().get_states().items()},
+        "tracker": {
+            k: _b64(_state_tensor(v)) for k, v in get_cuda_rng_tracker().get_states().items()
+        },
         "python": [py_state[0], _b64_words(py_state[1]), py_state[2]],
         "numpy": [
             np_state[0],
@@ -1374,6 +1376,20 @@ def rng_state() -> dict[str, Any]:
             float(np_state[4]),
         ],
     }
+
+
+def _state_tensor(state: torch.Tensor | torch.Generator) -> torch.Tensor:
+    """A tracker state as bytes: the graph-safe tracker (CUDA graphs) holds generators."""
+    return state.get_state() if isinstance(state, torch.Generator) else state
+
+
+def _into(held: object, saved: torch.Tensor) -> torch.Tensor | torch.Generator:
+    """A saved tracker state for the tracker as it is: into its generator where it holds one
+    (CUDA graphs register those generators), else the state tensor itself."""
+    if isinstance(held, torch.Generator):
+        held.set_state(saved)
+        return held
+    return saved
 
 
 def _b64_words(words: npt.ArrayLike) -> str:
@@ -1390,7 +1406,9 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(_unb64(state["torch_cpu"]))
     if state.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state(_unb64(state["cuda"]))
-    get_cuda_rng_tracker().set_states({k: _unb64(v) for k, v in state["tracker"].items()})
+    tracker = get_cuda_rng_tracker()
+    held = tracker.get_states()
+    tracker.set_states({k: _into(held.get(k), _unb64(v)) for k, v in state["tracker"].items()})
     py = state["python"]
     random.setstate((py[0], tuple(int(w) for w in _words(py[1])), py[2]))
     n = state["numpy"]

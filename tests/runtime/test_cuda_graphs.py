@@ -218,3 +218,25 @@ def test_local_graphs_set_megatron_cores_pipeline_size(plan_path, monkeypatch):
         graphs = _with_graphs(plan, "local")
         cuda_graphs.set_megatron_globals(stage_config(graphs, view), view)
         assert parallel_state.get_pipeline_model_parallel_world_size() == view.num_stages
+
+
+def test_checkpoint_rng_state_of_a_graph_safe_tracker(monkeypatch):
+    """The graph-safe tracker holds generators (CUDA graphs register them): a checkpoint saves
+    their states and loads them back into the same generators. Shown with CPU generators in a
+    tracker of that kind (a CUDA one needs CUDA)."""
+    import torch
+    from megatron.core.tensor_parallel import random
+
+    from megatron_hexi import checkpoint
+
+    tracker = random.CudaRNGStatesTracker()
+    gens = {"a": torch.Generator().manual_seed(1), "b": torch.Generator().manual_seed(2)}
+    tracker.set_states(dict(gens))
+    monkeypatch.setattr(random, "get_cuda_rng_tracker", lambda: tracker)
+    saved = checkpoint.rng_state()
+    expected = {k: torch.rand(3, generator=g) for k, g in gens.items()}  # the saved streams
+    checkpoint.set_rng_state(saved)
+    states = tracker.get_states()
+    assert states["a"] is gens["a"] and states["b"] is gens["b"]  # the same generators
+    for k, g in gens.items():
+        assert torch.equal(torch.rand(3, generator=g), expected[k])
