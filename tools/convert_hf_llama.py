@@ -3,6 +3,7 @@
 
     # HF -> ours: a params-only checkpoint (DIR/release/, pointer "release") and a model YAML
     python tools/convert_hf_llama.py import --hf-dir llama/ --output ckpt/ [--seq-length 4096]
+    # (a non-empty --output is refused; --overwrite replaces it whole, as it does for export)
     hexi-plan ... --model ckpt/model.yaml ...          # plan any layout for it
     pretrain_gpt.py --hetero-plan-path plan.json --load ckpt/ ...   # Adam starts fresh
 
@@ -464,7 +465,8 @@ def main(argv=None):
             print(f"convert_hf_llama.py: error: {line}", file=sys.stderr)
         return 2
     except OSError as err:  # the output's disk full or gone mid-write, say
-        print(f"convert_hf_llama.py: error: {err.filename}: {err.strerror}", file=sys.stderr)
+        where = err.filename or args.output
+        print(f"convert_hf_llama.py: error: {where}: {err.strerror}", file=sys.stderr)
         return 2
     return 0
 
