@@ -7,6 +7,7 @@ micro-batches of its own size.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -22,6 +23,7 @@ from megatron.core.datasets.gpt_dataset import (
 )
 from megatron.core.datasets.utils import Split
 
+from megatron_hexi.index_file import IndexSummary, check_index
 from planner.errors import SpecError
 
 if TYPE_CHECKING:
@@ -142,7 +144,8 @@ def data_blend(
 ) -> tuple[list[str], list[float] | None]:
     """--data-path in Megatron's syntax -> (prefixes, weights or None); SpecError if malformed.
 
-    `PREFIX [PREFIX ...]` (blended in proportion to their sizes) or `W1 PREFIX1 W2 PREFIX2 ...`.
+    `PREFIX [PREFIX ...]` (blended in proportion to their sizes) or `W1 PREFIX1 W2 PREFIX2 ...`
+    with every weight a finite number > 0 (megatron-core's BlendedDataset refuses a 0 weight).
     """
     from megatron.core.datasets.utils import get_blend_from_list
 
@@ -153,8 +156,13 @@ def data_blend(
             f"{flag} {' '.join(items)}: give either prefixes only or 'weight prefix' pairs"
         )
     prefixes, weights = get_blend_from_list(items)
-    if weights is not None and (any(w < 0 for w in weights) or sum(weights) <= 0):
-        raise SpecError(f"{flag}: blend weights must be >= 0 with a positive sum, got {weights}")
+    if weights is not None:
+        for text, weight, prefix in zip(items[0::2], weights, prefixes, strict=True):
+            if not (math.isfinite(weight) and weight > 0):
+                raise SpecError(
+                    f"{flag}: weight {text} of {prefix}: blend weights must be finite "
+                    f"numbers > 0 (leave a prefix out rather than give it 0)"
+                )
     return prefixes, weights
 
 
@@ -166,12 +174,14 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def check_indexed_datasets(prefixes: Sequence[str], flag: str = "--data-path") -> None:
-    """Every prefix has a readable .bin/.idx pair. Checked on every rank before megatron-core's
-    builder, which builds on rank 0 first while the others wait in a barrier (a failure there
-    would leave them waiting until the timeout)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
+def check_indexed_datasets(
+    prefixes: Sequence[str], flag: str = "--data-path"
+) -> dict[str, IndexSummary]:
+    """Every prefix has a readable .bin/.idx pair whose .idx is consistent with its own size and
+    with the .bin, and holds a token (megatron_hexi.index_file). Checked on every rank before
+    megatron-core's builder, which builds on rank 0 first while the others wait in a barrier (a
+    failure there would leave them waiting until the timeout)."""
+    summaries = {}
     for prefix in prefixes:
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
@@ -183,24 +193,33 @@ def check_indexed_datasets(prefixes: Sequence[str], flag: str = "--data-path") -
             )
             raise SpecError(f"{flag} {prefix}: {' and '.join(missing)} not found{hint}")
         try:
-            index = IndexedDataset(prefix).index
-            # The last document ends where the .bin must still have bytes: a truncated or
-            # replaced .bin would otherwise fail (or read garbage) deep inside the builder.
-            needed = (
-                int(index.sequence_pointers[-1])
-                + int(index.sequence_lengths[-1]) * index.dtype_size
-                if len(index)
-                else 0
-            )
-        except Exception as e:
+            summaries[prefix] = check_index(prefix, flag)
+        except OSError as e:
+            raise SpecError(f"{flag} {prefix}: cannot read ({e.strerror})") from None
+    return summaries
+
+
+def check_split_tokens(
+    split_matrix: Sequence[tuple[float, float] | None],
+    which: Split,
+    summaries: dict[str, IndexSummary],
+    data: DataConfig,
+) -> None:
+    """Each prefix's part of split `which` holds a token. megatron-core cuts every prefix's
+    sequences by the split (its own rounding, repeated here) and counts epochs until a part gives
+    the samples asked of it: an empty part never does, and the count never ends."""
+    part = split_matrix[which.value]
+    if part is None:
+        return
+    name = {Split.train: "training", Split.valid: "validation", Split.test: "test"}[which]
+    for prefix, summary in summaries.items():
+        count = len(summary.lengths)
+        begin, end = int(round(part[0] * float(count))), int(round(part[1] * float(count)))
+        if int(summary.lengths[begin:end].sum(dtype="int64")) == 0:
             raise SpecError(
-                f"{flag} {prefix}: not a megatron-core indexed dataset ({type(e).__name__}: {e})"
-            ) from None
-        size = os.path.getsize(prefix + ".bin")
-        if size < needed:
-            raise SpecError(
-                f"{flag} {prefix}: {prefix}.bin has {size} bytes, its .idx "
-                f"needs {needed} (truncated, or not the .bin of this .idx)"
+                f"--split {data.split}: the {name} part of {prefix} ({end - begin} of its "
+                f"{count} sequences) holds no tokens; give that part more weight or the "
+                f"prefix more documents"
             )
 
 
@@ -223,7 +242,7 @@ def _build_real_dataset(
     flag = "--valid-data-path" if own_blend else "--data-path"
     assert data.data_path is not None
     prefixes, weights = data_blend(data.valid_data_path if own_blend else data.data_path, flag)
-    check_indexed_datasets(prefixes, flag)
+    summaries = check_indexed_datasets(prefixes, flag)
     per_split: list[tuple[list[str], list[float] | None] | None] = [None, None, None]
     per_split[which.value] = (prefixes, weights)
     try:
@@ -243,6 +262,7 @@ def _build_real_dataset(
     except (AssertionError, ValueError) as e:
         raise SpecError(f"--split {data.split}: {e or 'malformed'}") from None
     _only_split(config, which, data)
+    check_split_tokens(config.split_matrix or [(0.0, 1.0)] * 3, which, summaries, data)
     sizes = [0, 0, 0]
     sizes[which.value] = num_samples
     built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()

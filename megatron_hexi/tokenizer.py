@@ -68,6 +68,7 @@ GPT2_EOD = "<|endoftext|>"  # GPT-2's end of text, also its bos and unk token
 # tokenizer_config.json classes whose vocab.json + merges.txt are GPT-2 byte-level BPE.
 GPT2_CLASSES = (None, "GPT2Tokenizer", "GPT2TokenizerFast")
 NO_PAD = -1  # megatron-core's own pad id when a tokenizer has none (nothing is masked)
+MAX_TOKEN_ID = 2**31 - 1  # the largest id of megatron-core's widest token dtype (int32)
 
 
 class TextTokenizer(Protocol):
@@ -308,6 +309,24 @@ def _byte_level_bpe(
         raise SpecError(
             f"{vocab_flag} {vocab_file}: not a GPT-2 vocab.json (a JSON object of token -> id)"
         )
+    # tokenizers stores ids as 32-bit numbers (2**40 silently becomes 0) and keeps one token of
+    # an id given twice: both would make the ids differ from the file's.
+    out_of_range = [(t, i) for t, i in vocab.items() if not 0 <= i <= MAX_TOKEN_ID]
+    if out_of_range:
+        token, token_id = out_of_range[0]
+        raise SpecError(
+            f"{vocab_flag} {vocab_file}: token {token!r} has id {token_id}, outside "
+            f"[0, {MAX_TOKEN_ID}]"
+        )
+    if len(set(vocab.values())) != len(vocab):
+        seen: dict[int, str] = {}
+        for token, token_id in vocab.items():
+            if token_id in seen:
+                raise SpecError(
+                    f"{vocab_flag} {vocab_file}: tokens {seen[token_id]!r} and {token!r} both "
+                    f"have id {token_id}"
+                )
+            seen[token_id] = token
     try:
         model = models.BPE.from_file(vocab_file, merge_file)
     except Exception as e:  # tokenizers raises plain Exception

@@ -3,6 +3,7 @@
 
     # HF -> ours: a params-only checkpoint (DIR/release/, pointer "release") and a model YAML
     python tools/convert_hf_llama.py import --hf-dir llama/ --output ckpt/ [--seq-length 4096]
+    # (a non-empty --output is refused; --overwrite replaces it whole, as it does for export)
     hexi-plan ... --model ckpt/model.yaml ...          # plan any layout for it
     pretrain_gpt.py --hetero-plan-path plan.json --load ckpt/ ...   # Adam starts fresh
 
@@ -38,23 +39,58 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from megatron_hexi.hf_files import read_config, read_tensors  # noqa: E402
+from megatron_hexi.output_folder import (  # noqa: E402
+    check_output,
+    replaced_folder,
+    write_file_atomically,
+)
 from planner.errors import SpecError  # noqa: E402
+from planner.inputs import is_int, is_number, short  # noqa: E402
 from planner.layout import canonical_shards  # noqa: E402
 from planner.models import model_from_dict  # noqa: E402
+
+_MISSING = object()
+
+
+def _int_field(cfg, key, problems, default=_MISSING):
+    """cfg[key] as an integer >= 1 (`default` when absent or null), else a problem line."""
+    value = cfg.get(key)
+    if value is None and default is not _MISSING:
+        return default
+    if value is None:
+        problems.append(f"config.json: {key} is missing")
+    elif not is_int(value) or value < 1:
+        problems.append(f"config.json: {key} is {short(value)}, expected an integer >= 1")
+    else:
+        return value
+    return None
+
+
+def _positive_number(cfg, key, default, problems):
+    """cfg[key] as a finite number > 0 (`default` when absent), else a problem line."""
+    value = cfg.get(key, default)
+    if not is_number(value) or value <= 0:
+        problems.append(f"config.json: {key} is {short(value)}, expected a finite number > 0")
+        return None
+    return float(value)
 
 
 def rope_theta(cfg):
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise SpecError(f"config.json: {key} is {short(value)}, expected an object")
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":
         raise SpecError(
-            f"config.json: rope type {kind!r} (RoPE scaling) is not supported; only "
+            f"config.json: rope type {short(kind)} (RoPE scaling) is not supported; only "
             f"plain rotary embeddings are"
         )
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    if float(theta) != int(theta):
-        raise SpecError(f"config.json: rope_theta {theta} is not an integer")
+    if not is_number(theta) or theta <= 0 or float(theta) != int(theta):
+        raise SpecError(f"config.json: rope_theta is {short(theta)}, expected an integer > 0")
     return int(theta)
 
 
@@ -68,26 +104,45 @@ def model_fields(cfg, seq_length=None):
     for flag in ("attention_bias", "mlp_bias"):
         if cfg.get(flag):
             problems.append(f"config.json: {flag} true is not supported (Llama has no biases)")
+    ints = {
+        key: _int_field(cfg, key, problems)
+        for key in (
+            "num_hidden_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "vocab_size",
+        )
+    }
+    groups = _int_field(cfg, "num_key_value_heads", problems, default=ints["num_attention_heads"])
+    head_dim = _int_field(cfg, "head_dim", problems, default=0)
+    positions = seq_length or _int_field(cfg, "max_position_embeddings", problems, default=2048)
+    eps = _positive_number(cfg, "rms_norm_eps", 1e-6, problems)
+    std = cfg.get("initializer_range", 0.02)
+    if not is_number(std) or std < 0:
+        problems.append(f"config.json: initializer_range is {short(std)}, expected a number >= 0")
+    tie = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        problems.append(f"config.json: tie_word_embeddings is {short(tie)}, expected true/false")
     if problems:
         raise SpecError(problems)
-    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    heads, hidden = ints["num_attention_heads"], ints["hidden_size"]
     fields = {
-        "num_layers": cfg["num_hidden_layers"],
+        "num_layers": ints["num_hidden_layers"],
         "hidden_size": hidden,
-        "ffn_hidden_size": cfg["intermediate_size"],
+        "ffn_hidden_size": ints["intermediate_size"],
         "num_attention_heads": heads,
-        "num_query_groups": cfg.get("num_key_value_heads") or heads,
-        "vocab_size": cfg["vocab_size"],
-        "seq_length": seq_length or cfg.get("max_position_embeddings", 2048),
+        "num_query_groups": groups,
+        "vocab_size": ints["vocab_size"],
+        "seq_length": positions,
         "swiglu": True,
-        "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
+        "untie_embeddings_and_output_weights": not tie,
         "normalization": "RMSNorm",
-        "norm_epsilon": float(cfg.get("rms_norm_eps", 1e-6)),
+        "norm_epsilon": eps,
         "rotary_base": rope_theta(cfg),
         "add_bias_linear": False,
-        "init_method_std": float(cfg.get("initializer_range", 0.02)),
+        "init_method_std": float(std),
     }
-    head_dim = cfg.get("head_dim")
     if head_dim and head_dim != hidden // heads:
         fields["kv_channels"] = head_dim
     return fields
@@ -145,11 +200,32 @@ def _check_model(model):
 def hf_to_canonical(hf, model):
     """{canonical name: tensor} from {HF name: tensor}. Every HF tensor must be used."""
     d, hpg, groups = model.head_dim, model.heads_per_group, model.num_query_groups
+    hidden, ffn, heads = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
     used, out = set(), {}
+    shapes = {
+        "model.embed_tokens.weight": (model.vocab_size, hidden),
+        "lm_head.weight": (model.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (heads * d, hidden),
+        "self_attn.k_proj.weight": (groups * d, hidden),
+        "self_attn.v_proj.weight": (groups * d, hidden),
+        "self_attn.o_proj.weight": (hidden, heads * d),
+        "mlp.gate_proj.weight": (ffn, hidden),
+        "mlp.up_proj.weight": (ffn, hidden),
+        "mlp.down_proj.weight": (hidden, ffn),
+    }
 
     def take(name):
         if name not in hf:
             raise SpecError(f"HF checkpoint: missing tensor {name}")
+        shape = shapes[name.split(".", 3)[-1] if name.startswith("model.layers.") else name]
+        if tuple(hf[name].shape) != shape:
+            raise SpecError(
+                f"HF checkpoint: {name} has shape {tuple(hf[name].shape)}, config.json "
+                f"gives {shape}"
+            )
         used.add(name)
         return hf[name]
 
@@ -216,78 +292,76 @@ def canonical_to_hf(canon, model):
 
 
 def read_hf_tensors(hf_dir):
-    """Every tensor of model.safetensors or of the shards listed in model.safetensors.index.json."""
-    from safetensors.torch import load_file
-
-    single = os.path.join(hf_dir, "model.safetensors")
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(single):
-        files = [single]
-    elif os.path.isfile(index):
-        with open(index) as f:
-            files = [
-                os.path.join(hf_dir, n) for n in sorted(set(json.load(f)["weight_map"].values()))
-            ]
-    else:
-        raise SpecError(
-            f"{hf_dir}: no model.safetensors or model.safetensors.index.json "
-            f"(only safetensors checkpoints are read)"
-        )
-    tensors = {}
-    for path in files:
-        try:
-            tensors.update(load_file(path))
-        except Exception as e:  # noqa: BLE001
-            raise SpecError(f"{path}: cannot read ({e})")
-    return tensors
+    """Every tensor of model.safetensors or of the shards listed in model.safetensors.index.json
+    (megatron_hexi.hf_files: regular files inside the folder, each tensor once, floats only)."""
+    return read_tensors(os.path.realpath(hf_dir))
 
 
-def import_hf(hf_dir, output, seq_length=None, model_yaml=None):
+def import_hf(hf_dir, output, seq_length=None, model_yaml=None, overwrite=False):
     """HF directory -> params-only checkpoint in `output` (release/) plus a model YAML.
-    Returns (ModelSpec, checkpoint directory, YAML path)."""
+    Returns (ModelSpec, checkpoint directory, YAML path). A non-empty `output` is replaced whole
+    with `overwrite`, else refused; so is an existing `model_yaml` outside it."""
     from megatron_hexi.checkpoint import save_params_only
 
-    cfg_path = os.path.join(hf_dir, "config.json")
-    try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise SpecError(f"{cfg_path}: cannot read ({e})")
+    hf_dir = os.fspath(hf_dir)
+    if not os.path.isdir(hf_dir):
+        raise SpecError(f"--hf-dir {hf_dir}: no such folder")
+    out = check_output(os.fspath(output), "--output", overwrite, [("--hf-dir", hf_dir)])
+    yml = os.path.abspath(model_yaml) if model_yaml else os.path.join(out, "model.yaml")
+    yml_inside = os.path.commonpath([yml, out]) == out
+    if not yml_inside:
+        if os.path.commonpath([os.path.realpath(yml), os.path.realpath(hf_dir)]) == (
+            os.path.realpath(hf_dir)
+        ):
+            raise SpecError(f"--model-yaml {model_yaml}: is inside --hf-dir {hf_dir}")
+        write_file_atomically(yml, None, "--model-yaml", overwrite)  # only checks
+    cfg = read_config(os.path.realpath(hf_dir))
     fields = model_fields(cfg, seq_length)
     fields["name"] = os.path.basename(os.path.normpath(hf_dir))
     model = model_from_dict(fields, "converted model")
     canon = hf_to_canonical(read_hf_tensors(hf_dir), model)
-    final = save_params_only(
-        output, model, canon, extra={"hf_config": cfg, "imported_from": os.path.abspath(hf_dir)}
+    text = (
+        f"# planner model spec of {hf_dir} (tools/convert_hf_llama.py import)\n"
+        + yaml.safe_dump({k: v for k, v in fields.items() if k != "name"}, sort_keys=False)
     )
-    model_yaml = model_yaml or os.path.join(output, "model.yaml")
-    with open(model_yaml, "w") as f:
-        f.write(f"# planner model spec of {hf_dir} (tools/convert_hf_llama.py import)\n")
-        yaml.safe_dump({k: v for k, v in fields.items() if k != "name"}, f, sort_keys=False)
-    return model, final, model_yaml
+    with replaced_folder(out, "--output") as staging:
+        final = save_params_only(
+            staging,
+            model,
+            canon,
+            extra={"hf_config": cfg, "imported_from": os.path.abspath(hf_dir)},
+        )
+        if yml_inside:
+            inner = os.path.join(staging, os.path.relpath(yml, out))
+            os.makedirs(os.path.dirname(inner), exist_ok=True)
+            with open(inner, "w") as f:
+                f.write(text)
+    if not yml_inside:
+        write_file_atomically(yml, text, "--model-yaml", overwrite)
+    return model, os.path.join(out, os.path.relpath(final, staging)), yml
 
 
-def export_hf(load_dir, output, step=None, dtype=None):
-    """Any megatron-hexi checkpoint -> HF model.safetensors + config.json in `output`."""
+def export_hf(load_dir, output, step=None, dtype=None, overwrite=False):
+    """Any megatron-hexi checkpoint -> HF model.safetensors + config.json in `output` (a
+    non-empty `output` is replaced whole with `overwrite`, else refused)."""
     from safetensors.torch import save_file
 
     from megatron_hexi.checkpoint import read_full_model
 
+    out = check_output(os.fspath(output), "--output", overwrite, [("--load", os.fspath(load_dir))])
     ckpt, model, canon = read_full_model(load_dir, step)
     _check_model(model)
     hf = canonical_to_hf(canon, model)
     if dtype is not None:
         hf = {k: v.to(dtype) for k, v in hf.items()}
     hf = {k: v.contiguous() for k, v in hf.items()}
-    os.makedirs(output, exist_ok=True)
     cfg = hf_config(model, ckpt.meta.get("hf_config"))
     cfg["dtype"] = str(next(iter(hf.values())).dtype).replace("torch.", "")
-    tmp = os.path.join(output, ".model.safetensors.tmp")
-    save_file(hf, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(output, "model.safetensors"))
-    with open(os.path.join(output, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-        f.write("\n")
+    with replaced_folder(out, "--output") as staging:
+        save_file(hf, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+            f.write("\n")
     return model, output
 
 
@@ -305,6 +379,12 @@ EXPORT_EXAMPLE = """\
   # a given iteration, as stored (fp32 master weights)
   python tools/convert_hf_llama.py export --load ckpt/ --ckpt-step 2000 --output hf-2000/
 """
+
+
+OVERWRITE_HELP = (
+    "replace a non-empty --output folder whole (default: refuse it); its old files are removed "
+    "only once the new ones are complete"
+)
 
 
 def head_dim_warning(model):
@@ -341,6 +421,7 @@ def main(argv=None):
         help="training sequence length for the model YAML (default: max_position_embeddings)",
     )
     i.add_argument("--model-yaml", default=None, help="default: OUTPUT/model.yaml")
+    i.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     e = sub.add_parser(
         "export",
         help="megatron-hexi checkpoint -> HF LlamaForCausalLM",
@@ -356,11 +437,12 @@ def main(argv=None):
         default=None,
         help="default: as stored (fp32 master weights for a trained checkpoint)",
     )
+    e.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = p.parse_args(argv)
     try:
         if args.cmd == "import":
             model, final, yml = import_hf(
-                args.hf_dir, args.output, args.seq_length, args.model_yaml
+                args.hf_dir, args.output, args.seq_length, args.model_yaml, args.overwrite
             )
             print(
                 f"imported {args.hf_dir} ({sum(_numel(s.shape) for s in canonical_shards(model))}"
@@ -372,6 +454,7 @@ def main(argv=None):
                 args.output,
                 args.ckpt_step,
                 getattr(torch, args.dtype) if args.dtype else None,
+                args.overwrite,
             )
             print(f"exported {args.load} -> {out}/model.safetensors, {out}/config.json")
             warning = head_dim_warning(model)
@@ -380,6 +463,10 @@ def main(argv=None):
     except SpecError as err:
         for line in err.problems:
             print(f"convert_hf_llama.py: error: {line}", file=sys.stderr)
+        return 2
+    except OSError as err:  # the output's disk full or gone mid-write, say
+        where = err.filename or args.output
+        print(f"convert_hf_llama.py: error: {where}: {err.strerror}", file=sys.stderr)
         return 2
     return 0
 

@@ -7,11 +7,12 @@ written as OUTPUT_PREFIX_KEY_document.bin/.idx (Megatron-LM's names), so train w
 `--data-path OUTPUT_PREFIX_text_document` and the same tokenizer flags. Token dtype as Megatron
 picks it: uint16 for vocabularies under 65,500 tokens, else int32. Documents with no tokens are
 skipped. Errors (missing file, malformed JSON line, missing key, a tokenizer file that is not
-what its flag needs) are one line naming the file; no partial output is left behind.
+what its flag needs, a line over --max-document-bytes, token ids the .bin's dtype cannot hold) are
+one line naming the file. The output is written under temporary names and renamed when complete:
+a failed run leaves no partial output and the previous output of the prefix as it was.
 """
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -28,7 +29,12 @@ from megatron_hexi.tokenizer import (  # noqa: E402
 )
 from planner.errors import SpecError  # noqa: E402
 
-CHUNK = 64  # lines per task handed to a worker
+CHUNK = 64  # lines per task handed to a worker (fewer when they are long: CHUNK_BYTES)
+# Tokenising costs about 180 bytes of memory per byte of text (tokenizers' encodings), so a
+# document's size bounds the run's memory: 4 MiB is ~0.7 GB per worker, and far above ordinary
+# documents; a task holds at most about this many bytes of lines.
+DEFAULT_MAX_DOCUMENT_BYTES = 4 * 2**20
+MEMORY_PER_BYTE = 180  # measured: an 8 MiB line of words, HuggingFaceTokenizer, 1.4 GB peak
 
 EXAMPLES = """examples:
   # a Hugging Face tokenizer.json, or a model directory holding one
@@ -87,6 +93,13 @@ def build_parser():
     r = p.add_argument_group("runtime")
     r.add_argument("--workers", type=int, default=1, help="tokenising processes (default: 1)")
     r.add_argument(
+        "--max-document-bytes",
+        type=int,
+        default=DEFAULT_MAX_DOCUMENT_BYTES,
+        help="refuse an input line longer than this (default: 4 MiB); tokenising a line takes "
+        f"about {MEMORY_PER_BYTE} times its size in memory, per worker",
+    )
+    r.add_argument(
         "--log-interval",
         type=int,
         default=10000,
@@ -141,10 +154,22 @@ def _encode_chunk(task):
     return "ok", out
 
 
-def _utf8_lines(f, path):
-    """(line number, text) of the non-blank lines; a line that is not UTF-8 is a SpecError
-    naming it (decoding the whole file would only say 'position N')."""
-    for number, raw in enumerate(f, 1):
+def _utf8_lines(f, path, max_bytes):
+    """(line number, text) of the non-blank lines; a line that is not UTF-8, or longer than
+    max_bytes (never read whole), is a SpecError naming it (decoding the whole file would only
+    say 'position N')."""
+    number = 0
+    while True:
+        raw = f.readline(max_bytes + 1)
+        if not raw:
+            return
+        number += 1
+        if len(raw) > max_bytes and not (len(raw) == max_bytes + 1 and raw.endswith(b"\n")):
+            raise SpecError(
+                f"{path}:{number}: a line longer than --max-document-bytes {max_bytes:,} "
+                f"(tokenising takes about {MEMORY_PER_BYTE} bytes of memory per byte of text; "
+                f"raise the limit if the memory is there)"
+            )
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -156,14 +181,51 @@ def _utf8_lines(f, path):
             yield number, line
 
 
-def _chunks(path, keys, append_eod):
+def _chunks(path, keys, append_eod, max_bytes):
+    """Tasks of up to CHUNK lines and about max_bytes of text."""
     with open(path, "rb") as f:
-        numbered = _utf8_lines(f, path)
-        while True:
-            lines = list(itertools.islice(numbered, CHUNK))
-            if not lines:
-                return
+        lines, size = [], 0
+        for number, line in _utf8_lines(f, path, max_bytes):
+            lines.append((number, line))
+            size += len(line)
+            if len(lines) == CHUNK or size >= max_bytes:
+                yield path, keys, append_eod, lines
+                lines, size = [], 0
+        if lines:
             yield path, keys, append_eod, lines
+
+
+def _check_paths(args, prefixes):
+    """The input must not be one of the outputs (which the run would replace)."""
+    real = os.path.realpath(args.input)
+    for prefix in prefixes.values():
+        for ext in (".bin", ".idx"):
+            out = prefix + ext
+            same = os.path.realpath(out) == real or (
+                os.path.exists(out) and os.path.samefile(out, args.input)
+            )
+            if same:
+                raise SpecError(
+                    f"--input {args.input}: is also the output {out} of --output-prefix "
+                    f"{args.output_prefix}; write the output elsewhere"
+                )
+
+
+def check_ids_fit(tokenizer, dtype):
+    """Every id of the vocabulary fits the .bin's token dtype (megatron-core's widest: int32)."""
+    import numpy
+
+    largest = tokenizer.vocab_size - 1
+    if largest > numpy.iinfo(dtype).max:
+        raise SpecError(
+            f"{tokenizer.source}: token ids up to {largest:,} do not fit the .bin's "
+            f"{dtype.__name__} (at most {numpy.iinfo(dtype).max:,}); megatron-core's indexed "
+            f"datasets hold no wider ids"
+        )
+
+
+def _temporary(path):
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp{os.getpid()}")
 
 
 def preprocess(args):
@@ -175,6 +237,8 @@ def preprocess(args):
         raise SpecError(f"--input {args.input}: no such file")
     if args.workers < 1:
         raise SpecError(f"--workers must be >= 1, got {args.workers}")
+    if args.max_document_bytes < 1:
+        raise SpecError(f"--max-document-bytes must be >= 1, got {args.max_document_bytes}")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise SpecError(f"--json-keys {' '.join(args.json_keys)}: a key is repeated")
     spec = TokenizerSpec(
@@ -184,17 +248,28 @@ def preprocess(args):
     if args.append_eod:
         require_eod(tokenizer, "--append-eod")
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
+    check_ids_fit(tokenizer, dtype)
     prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
+    _check_paths(args, prefixes)
+    temporary = {
+        key: (_temporary(p + ".bin"), _temporary(p + ".idx")) for key, p in prefixes.items()
+    }
+    builders = {}
     try:
-        builders = {
-            key: IndexedDatasetBuilder(p + ".bin", dtype=dtype) for key, p in prefixes.items()
-        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+        for key, (bin_tmp, _) in temporary.items():
+            builders[key] = IndexedDatasetBuilder(bin_tmp, dtype=dtype)
     except OSError as e:
-        raise SpecError(f"--output-prefix {args.output_prefix}: cannot write ({e.strerror})")
+        for builder in builders.values():
+            builder.data_file.close()
+        for bin_tmp, _ in temporary.values():
+            if os.path.exists(bin_tmp):
+                os.remove(bin_tmp)
+        raise SpecError(
+            f"--output-prefix {args.output_prefix}: cannot write ({e.strerror})"
+        ) from None
     counts = {key: [0, 0] for key in args.json_keys}
-    tasks = _chunks(args.input, args.json_keys, args.append_eod)
+    tasks = _chunks(args.input, args.json_keys, args.append_eod, args.max_document_bytes)
     pool = None
     start, chars, docs = time.time(), 0, 0
     global _tokenizer
@@ -221,9 +296,14 @@ def preprocess(args):
                 docs += 1
                 for key, doc in ids.items():
                     if doc:
-                        builders[key].add_document(
-                            numpy.asarray(doc, dtype=numpy.int64), [len(doc)]
-                        )
+                        array = numpy.asarray(doc, dtype=numpy.int64)
+                        if array.min() < 0 or array.max() >= tokenizer.vocab_size:
+                            raise SpecError(
+                                f"{tokenizer.source}: gave token id {int(array.max())} outside "
+                                f"its vocabulary of {tokenizer.vocab_size} for a document of "
+                                f"{args.input}"
+                            )
+                        builders[key].add_document(array, [len(doc)])
                         counts[key][0] += 1
                         counts[key][1] += len(doc)
                 if args.log_interval and docs % args.log_interval == 0:
@@ -234,26 +314,30 @@ def preprocess(args):
                         file=sys.stderr,
                         flush=True,
                     )
+        empty = [key for key, (n, _) in counts.items() if n == 0]
+        if empty:
+            raise SpecError(f"--input {args.input}: no tokens under key(s) {', '.join(empty)}")
         for key, builder in builders.items():
-            builder.finalize(prefixes[key] + ".idx")
-    except BaseException:
+            builder.finalize(temporary[key][1])
+        for key, (bin_tmp, idx_tmp) in temporary.items():
+            os.replace(bin_tmp, prefixes[key] + ".bin")
+            os.replace(idx_tmp, prefixes[key] + ".idx")
+    except BaseException as e:
         for builder in builders.values():
             builder.data_file.close()
-        for p in prefixes.values():
-            for ext in (".bin", ".idx"):
-                if os.path.exists(p + ext):
-                    os.remove(p + ext)
+        for pair in temporary.values():
+            for path in pair:
+                if os.path.exists(path):
+                    os.remove(path)
+        if isinstance(e, OSError):
+            raise SpecError(
+                f"--output-prefix {args.output_prefix}: cannot write ({e.strerror})"
+            ) from None
         raise
     finally:
         if pool is not None:
             pool.terminate()
             pool.join()
-    empty = [key for key, (n, _) in counts.items() if n == 0]
-    if empty:
-        for p in prefixes.values():
-            for ext in (".bin", ".idx"):
-                os.remove(p + ext)
-        raise SpecError(f"--input {args.input}: no tokens under key(s) {', '.join(empty)}")
     return {prefixes[k]: tuple(v) for k, v in counts.items()}, dtype
 
 
