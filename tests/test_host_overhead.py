@@ -39,9 +39,8 @@ def test_both_variants_compute_the_same_losses_and_the_ratio_line_comes_last():
     # order of a few reductions differs between the two loops: not bit for bit)
     assert float(loss.group(5)) < 1e-5, loss.group(0)
     assert abs(ours_first - plain_first) < 1e-5 and abs(ours_last - plain_last) < 1e-5
-    assert ours_last < ours_first - 0.01  # it trains
     assert "2L h32 ffn128 heads 2 vocab 256 seq 16; 3 micro-batch(es) of 2" in r.stdout
-    assert len(re.findall(r"^  round +\d+: ours", r.stdout, re.M)) == 2
+    assert len(re.findall(r"^  round +\d+: median ours", r.stdout, re.M)) == 2
     assert "Python calls per step ours" in r.stdout  # --profile
     ratios = re.findall(r"paired ratio of CPU time over 2 rounds: median (\S+)x", r.stdout)
     last = r.stdout.strip().splitlines()[-1]

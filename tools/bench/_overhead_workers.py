@@ -177,7 +177,9 @@ def build_plain(plan, iters, samples=None):
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         calculate_per_token_loss=True,
-        perform_initialization=False,  # the runtime's canonical weights, below
+        # megatron initialises (which also marks the tensor-parallel weights its grad norm counts
+        # on every TP rank), then the runtime's canonical weights replace the values, below
+        perform_initialization=True,
         use_cpu_initialization=True,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,

@@ -18,7 +18,7 @@ How. Compute threads are fixed (OMP_NUM_THREADS, default 1) before torch is impo
 idle check and --warmup untimed steps of each variant, each of --rounds rounds runs --iters
 steps of each variant, alternating step by step (ours, plain, ours, plain; the next round starts
 with plain), so machine-load drift hits both alike. A round's ratio is ours / plain of the
-summed process CPU time of its steps (the host's work; --clock wall uses wall time instead).
+median process CPU time of its steps (the host's work; --clock wall uses wall time instead).
 The result is the median of the round ratios, with their range; the last line is
 `host overhead ratio: X.XXx`. Target: <= 1.02 (TARGET) at any depth and micro-batch count.
 
@@ -97,9 +97,10 @@ class Rounds:
         self.steps = {"ours": [], "plain": []}  # [[Step, ...] per round]
 
     def ratios(self, field):
-        """Per round: ours / plain of the summed `field` (cpu or total)."""
+        """Per round: ours / plain of the median `field` (cpu or total) of the round's steps."""
         return [
-            sum(getattr(s, field) for s in o) / sum(getattr(s, field) for s in p)
+            statistics.median(getattr(s, field) for s in o)
+            / statistics.median(getattr(s, field) for s in p)
             for o, p in zip(self.steps["ours"], self.steps["plain"])
         ]
 
@@ -197,12 +198,16 @@ def main(argv=None):
         got = alternate(loops, "ours" if r % 2 == 0 else "plain", a.iters, it)
         for v in got:
             rounds.steps[v].append(got[v])
+        ms = {
+            (v, f): statistics.median(getattr(s, f) for s in got[v]) * 1e3
+            for v in got
+            for f in ("cpu", "total")
+        }
         print(
-            f"  round {r + 1:2d}: ours {sum(s.cpu for s in got['ours']) / a.iters * 1e3:7.2f} "
-            f"ms cpu ({sum(s.total for s in got['ours']) / a.iters * 1e3:7.2f} wall), plain "
-            f"{sum(s.cpu for s in got['plain']) / a.iters * 1e3:7.2f} ms cpu "
-            f"({sum(s.total for s in got['plain']) / a.iters * 1e3:7.2f} wall), ratio "
-            f"{rounds.ratios(field)[-1]:.3f}x (load {os.getloadavg()[0]:.1f})",
+            f"  round {r + 1:2d}: median ours {ms['ours', 'cpu']:7.2f} ms cpu "
+            f"({ms['ours', 'total']:7.2f} wall), plain {ms['plain', 'cpu']:7.2f} ms cpu "
+            f"({ms['plain', 'total']:7.2f} wall), ratio {rounds.ratios(field)[-1]:.3f}x "
+            f"(load {os.getloadavg()[0]:.1f})",
             flush=True,
         )
     if a.profile:

@@ -37,7 +37,7 @@ each gloo process group runs an event-loop thread that wakes every 10 ms, plain 
 builds about 30 groups where the runtime builds a few, and on an idle VM those wake-ups alone
 made collectives faster (docs/benchmarks.md); in one process both variants get them alike. A
 step's time is the slowest rank's; its CPU time is the process CPU time (all threads) summed
-over ranks. A round's ratio is ours / plain of the summed step times of its steps; the paired
+over ranks. A round's ratio is ours / plain of the median step time of its steps; the paired
 ratio is the median of the round ratios, printed with their range (the same for CPU time).
 The breakdown splits a step into forward/backward (schedule incl. P2P, without the finalize),
 gradient finalize (our token all-reduce + segment sync, or megatron's DDP sync, token
@@ -163,11 +163,13 @@ class Spread(NamedTuple):
 
 
 def round_ratios(out, key, warmup, rounds, iters):
-    """ours / plain of the summed `key` over each round's steps."""
+    """Per round, ours / plain of the median `key` over the round's steps (a median, so that one
+    step disturbed by other work does not move the round)."""
     ratios = []
     for r in range(rounds):
         lo, hi = warmup + r * iters, warmup + (r + 1) * iters
-        ratios.append(sum(out["ours"][key][lo:hi]) / sum(out["plain"][key][lo:hi]))
+        ours, plain = out["ours"][key][lo:hi], out["plain"][key][lo:hi]
+        ratios.append(statistics.median(ours) / statistics.median(plain))
     return ratios
 
 
@@ -285,7 +287,7 @@ def main(argv=None):
         )
     print(
         "(ms: median step over all timed steps; paired ratio: median over rounds of ours / "
-        "plain of the round's summed step times, [lowest-highest round]; cpu: process CPU time "
+        "plain of the round's median step times, [lowest-highest round]; cpu: process CPU time "
         "per step summed over the ranks; loss: first -> last step, same samples and weights)"
     )
     print("\nbreakdown, median ms per step (fwd/bwd incl. P2P | grad finalize | optimizer+rest):")
