@@ -1,17 +1,42 @@
-"""Per-rank bodies for tools/bench/runtime_overhead.py (module level, so spawned ranks find them).
+"""The two training loops the overhead benches compare, and their per-rank bodies.
 
-`ours` trains a plan through megatron_hexi.training.Trainer (built from the Plan and a RunConfig,
-no command line); `plain` trains the same model, sizes, micro-batches and samples with
-megatron-core's own path (parallel_state, GPTModel, its schedules
-and P2P, FP32Optimizer). Both time each step from a barrier on every rank and return, per step,
-the slowest rank's time, a breakdown (forward/backward, gradient finalize, optimizer + rest) and
-the CPU time summed over ranks.
+`build_ours` trains a plan through megatron_hexi.training.Trainer (built from the Plan and a
+RunConfig, no command line). `build_plain` trains the same model (the same initial weights, the
+runtime's canonical ones), sizes, micro-batches and samples with megatron-core alone, as
+Megatron-LM's training loop does: parallel_state, GPTModel, megatron's DistributedDataParallel,
+get_forward_backward_func, finalize_model_grads, get_megatron_optimizer, OptimizerParamScheduler
+and the data-parallel loss reduction of Megatron-LM's train_step. Each returns a `Loop` whose
+`step(iteration)` trains one step and returns its `Step` (times, CPU time, global loss).
+
+Both benches build the two loops in the same process (`build_both`) and alternate their steps
+(`alternate`): tools/bench/runtime_overhead.py on gloo ranks (one process per plan rank,
+`paired`), tools/bench/host_overhead.py on one rank.
 """
 
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+
+class Step(NamedTuple):
+    """One training step on this rank: wall seconds of the whole step, of forward/backward
+    (schedule incl. P2P, without the gradient finalize) and of the gradient finalize; process
+    CPU seconds of the step; the global loss (token-weighted mean over every pipeline)."""
+
+    total: float
+    fwd_bwd: float
+    finalize: float
+    cpu: float
+    loss: float
+
+
+class Loop(NamedTuple):
+    """A built variant: `step(iteration)` trains one step (no barrier of its own)."""
+
+    step: Callable[[int], Step]
 
 
 def run_config(iters):
@@ -59,91 +84,66 @@ class _Clock:
             self.total += time.perf_counter() - t
 
 
-def _gather_max(values):
-    """Element-wise max over ranks of a list of floats."""
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _report(steps, losses):
-    """steps: [(total, fwd_bwd, finalize, cpu)] of this rank -> per step, the max over ranks of
-    the times and the sum over ranks of the process CPU time (all threads, gloo's included)."""
-    total = _gather_max([s[0] for s in steps])
-    fwd = _gather_max([s[1] for s in steps])
-    fin = _gather_max([s[2] for s in steps])
-    cpu = torch.tensor([s[3] for s in steps], dtype=torch.float64)
-    dist.all_reduce(cpu)
-    return {
-        "step_s": total,
-        "fwd_bwd_s": fwd,
-        "finalize_s": fin,
-        "cpu_s": cpu.tolist(),
-        "losses": losses,
-        "threads": torch.get_num_threads(),
-    }
-
-
-def ours(plan, iters):
+def build_ours(plan, iters, samples=None):
+    """This runtime's Trainer on `plan` (the process group exists); `samples`: the run's
+    materialised samples (_samples), shared with the other variant in one process."""
     from megatron_hexi.training import Trainer, init_distributed
 
     config = run_config(iters)
     device = init_distributed(plan, config)
     trainer = Trainer(plan, config, device)
     if trainer.dataset is not None:
-        trainer.dataset = _samples(config, plan)
+        trainer.dataset = samples if samples is not None else _samples(config, plan)
     fin = _Clock(trainer.transformer_config.finalize_model_grads_func)
     trainer.transformer_config.finalize_model_grads_func = fin
-    # Trainer.train_step imports the schedule at call time: clock it where it is looked up.
-    import megatron.core.pipeline_parallel.schedules as schedules
+    sch = trainer._schedule = _Clock(trainer._schedule)  # the instance's, looked up per step
 
-    sch = _Clock(schedules.forward_backward_pipelining_without_interleaving)
-    schedules.forward_backward_pipelining_without_interleaving = sch
-    steps, losses = [], []
-    for it in range(iters):
-        dist.barrier()
+    def step(it):
         fin.total = sch.total = 0.0
         c0, t0 = time.process_time(), time.perf_counter()
         m = trainer.train_step(it)
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
-        steps.append((total, sch.total - fin.total, fin.total, cpu))
-        losses.append(m["lm_loss"])
-    out = _report(steps, losses)
-    return out if dist.get_rank() == 0 else None
+        return Step(total, sch.total - fin.total, fin.total, cpu, m["lm_loss"])
+
+    return Loop(step)
 
 
-def plain(plan, iters):
-    """megatron-core alone: same sizes as the plan's pipelines (uniform TP and PP; one pipeline
-    per data-parallel replica, DP = the number of pipelines)."""
+def build_plain(plan, iters, samples=None):
+    """megatron-core alone, as Megatron-LM's training loop: same sizes as the plan's pipelines
+    (uniform TP and PP; one pipeline per data-parallel replica, DP = the number of pipelines),
+    the plan's model, layer spec and initial weights."""
     from functools import partial
 
     import torch.nn.functional as F
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.optimizer.optimizer import FP32Optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.pipeline_parallel.schedules import (
-        forward_backward_no_pipelining,
-        forward_backward_pipelining_without_interleaving,
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
     )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
+    from megatron_hexi.layer_specs import local_layer_spec
+    from megatron_hexi.model import initialise_weights, local_parameters
     from megatron_hexi.patches import apply_cpu_patches
+    from planner.attention import keeps_scores
 
     apply_cpu_patches()
     run = run_config(iters)
     o = run.optimizer
     pipe = plan.pipelines[0]
     tp, pp = pipe.stages[0].tp_size, len(pipe.stages)
-    dp = len(plan.pipelines)
     assert all(
         (len(q.stages), q.micro_batch_size, q.num_microbatches, q.stages[0].tp_size)
         == (pp, pipe.micro_batch_size, pipe.num_microbatches, tp)
         for q in plan.pipelines
     ), "plain megatron-core runs uniform replicas only"
+    assert plan.training.transformer_impl == "local", "the local layer spec only"
     mbs, nmb = pipe.micro_batch_size, pipe.num_microbatches
     m = plan.model
 
@@ -153,6 +153,10 @@ def plain(plan, iters):
     model_parallel_cuda_manual_seed(run.training.seed)
     first = parallel_state.is_pipeline_first_stage()
     last = parallel_state.is_pipeline_last_stage()
+    replica = parallel_state.get_data_parallel_rank()
+    # the plan rank in megatron's place: megatron orders ranks TP, DP, PP; the plan by pipeline
+    stage = plan.pipelines[replica].stages[parallel_state.get_pipeline_model_parallel_rank()]
+    plan_rank = stage.ranks[parallel_state.get_tensor_model_parallel_rank()]
     config = TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -173,6 +177,9 @@ def plain(plan, iters):
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         calculate_per_token_loss=True,
+        # megatron initialises (which also marks the tensor-parallel weights its grad norm counts
+        # on every TP rank), then the runtime's canonical weights replace the values, below
+        perform_initialization=True,
         use_cpu_initialization=True,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -188,7 +195,10 @@ def plain(plan, iters):
         parallel_state._set_global_memory_buffer()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=m.normalization),
+        # the plan's core attention (megatron-core's local spec when unfused)
+        transformer_layer_spec=local_layer_spec(
+            m.normalization, not keeps_scores(plan.training.attention_backend)
+        ),
         vocab_size=m.vocab_size,
         max_sequence_length=m.seq_length,
         pre_process=first,
@@ -198,75 +208,34 @@ def plain(plan, iters):
         position_embedding_type="rope",
         rotary_base=m.rotary_base,
     )
-
-    if dp > 1:
-        # megatron-core's data parallelism: DDP's contiguous grad buffer, all-reduced (no
-        # overlap, as the runtime) by finalize_model_grads, which also scales per token.
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-
-        model = DistributedDataParallel(
-            config=config,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=False, overlap_grad_reduce=False
-            ),
-            module=model,
-        )
-        config.no_sync_func = model.no_sync
-
-    def finalize(model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):
-        if dp > 1:
-            return finalize_model_grads(model_chunks, num_tokens)
-        # megatron-core's finalize_model_grads at DP=1, untied, no SP: per-token scaling only.
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        dist.broadcast(
-            num_tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=pp_group
-        )
-        scale = 1.0 / num_tokens.item()
-        for chunk in model_chunks:
-            for p in chunk.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-
-    fin = _Clock(finalize)
+    initialise_weights(plan, local_parameters(plan, plan_rank, model), run.training.seed)
+    # megatron's data parallelism at every DP size, as Megatron-LM: DDP's contiguous grad
+    # buffer, all-reduced (no overlap, as the runtime's default) by finalize_model_grads,
+    # which also scales per token
+    model = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=False, overlap_grad_reduce=False
+        ),
+        module=model,
+    )
+    config.no_sync_func = model.no_sync
+    fin = _Clock(finalize_model_grads)
     config.finalize_model_grads_func = fin
     config.grad_scale_func = None
-
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-    groups = [
-        {
-            "params": g,
-            "wd_mult": w,
-            "lr_mult": 1.0,
-            "is_expert_parallel": False,
-            "default_config": True,
-        }
-        for g, w in ((decay, 1.0), (no_decay, 0.0))
-        if g
-    ]
-    inner = torch.optim.AdamW(
-        groups,
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        betas=(o.adam_beta1, o.adam_beta2),
-        eps=o.adam_eps,
-    )
-    opt = FP32Optimizer(
-        inner,
+    opt = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
             lr=o.lr,
+            min_lr=o.min_lr,
             weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
             adam_eps=o.adam_eps,
             clip_grad=o.clip_grad,
             params_dtype=torch.float32,
         ),
-        lambda _: None,
+        [model],
     )
     sched = OptimizerParamScheduler(
         opt,
@@ -282,9 +251,8 @@ def plain(plan, iters):
         wd_incr_style="constant",
     )
 
-    samples = _samples(run, plan) if (first or last) else None
-
-    replica = parallel_state.get_data_parallel_rank()
+    if first or last:
+        samples = samples if samples is not None else _samples(run, plan)
 
     def batches(it):
         base = it * plan.global_batch_size + replica * mbs * nmb
@@ -295,7 +263,7 @@ def plain(plan, iters):
                 for key in ("tokens", "labels", "loss_mask", "position_ids")
             }
 
-    def loss_func(loss_mask, per_token):
+    def loss_func(loss_mask, per_token):  # Megatron-LM's pretrain_gpt loss, per-token sums
         mask = loss_mask.float()
         loss_sum = (per_token.float() * mask).sum()
         return (
@@ -312,41 +280,102 @@ def plain(plan, iters):
         out = model(tokens, positions, None, labels=labels)
         return out, (partial(loss_func, b["loss_mask"]) if last else None)
 
-    schedule = (
-        forward_backward_pipelining_without_interleaving
-        if pp > 1
-        else forward_backward_no_pipelining
-    )
-    steps, losses = [], []
-    for it in range(iters):
-        dist.barrier()
+    forward_backward = get_forward_backward_func()
+    dp_group = parallel_state.get_data_parallel_group()
+    # the loss counts once per pipeline: from its last stage's TP rank 0
+    counts = last and parallel_state.get_tensor_model_parallel_rank() == 0
+
+    def step(it):
         fin.total = 0.0
         c0, t0 = time.process_time(), time.perf_counter()
         model.train()
+        model.zero_grad_buffer()
         opt.zero_grad()
-        if dp > 1:
-            model.zero_grad_buffer()
-        data = batches(it) if samples is not None else iter(())
-        store = schedule(
+        data = batches(it) if (first or last) else iter(())
+        store = forward_backward(
             forward_step_func=forward_step,
             data_iterator=data,
             model=[model],
             num_microbatches=nmb,
             seq_length=m.seq_length,
             micro_batch_size=mbs,
+            forward_only=False,
         )
         t1 = time.perf_counter()
         opt.step()
         sched.step(increment=1)
+        # Megatron-LM's train_step: the loss summed over micro-batches, all-reduced over DP
+        # on the last stages, and read for the log
+        reported = torch.zeros(2, dtype=torch.float64)
+        if last:
+            reported = torch.stack([x["lm loss"] for x in store]).sum(0)
+            dist.all_reduce(reported, group=dp_group)
+            reported.tolist()
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
-        steps.append((total, t1 - t0 - fin.total, fin.total, cpu))
-        if last and store:
-            s = torch.stack([x["lm loss"] for x in store]).sum(0)
-            losses.append(s.tolist())
-    # the last stages hold the loss: token-weighted over the replicas
-    t = torch.tensor(losses or [[0.0, 0.0]] * iters, dtype=torch.float64)
-    dist.all_reduce(t)
-    t = t[:, 0] / t[:, 1]
-    out = _report(steps, t.tolist())
-    parallel_state.destroy_model_parallel()
+        # outside the step: the global loss on every rank, for the comparison
+        world = reported if counts else torch.zeros(2, dtype=torch.float64)
+        dist.all_reduce(world)
+        return Step(total, t1 - t0 - fin.total, fin.total, cpu, (world[0] / world[1]).item())
+
+    return Loop(step)
+
+
+def alternate(loops, first, iters, it):
+    """`iters` steps of each of `loops` ({"ours": Loop, "plain": Loop}), alternating step by
+    step, starting with `first`; each step starts from a barrier when there are several ranks.
+    `it`: each variant's next iteration (advanced). Returns {variant: [Step]}."""
+    order = [first, "plain" if first == "ours" else "ours"]
+    several = dist.get_world_size() > 1
+    out = {"ours": [], "plain": []}
+    for _ in range(iters):
+        for v in order:
+            if several:
+                dist.barrier()
+            out[v].append(loops[v].step(it[v]))
+            it[v] += 1
+    return out
+
+
+def build_both(ours_plan, plain_plan, iters):
+    """Both Loops in this process (the process group exists), on the same samples. Plain
+    megatron-core is built first: its initialize_model_parallel insists on creating the global
+    buffers the runtime's model builder reuses."""
+    config = run_config(iters)
+    samples = _samples(config, plain_plan)
+    plain = build_plain(plain_plan, iters, samples)
+    return {"ours": build_ours(ours_plan, iters, samples), "plain": plain}
+
+
+def _gather_max(values):
+    """Element-wise max over ranks of a list of floats."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def paired(ours_plan, plain_plan, warmup, rounds, iters):
+    """A rank of runtime_overhead.py: both variants in this process, `warmup` untimed steps of
+    each, then `rounds` rounds of `iters` steps of each, alternating (rounds start with ours and
+    plain in turn). Rank 0 returns, per variant, every step's slowest-rank times, the CPU time
+    summed over ranks (all threads, gloo's included) and the losses; round r's steps are
+    [warmup + r x iters, warmup + (r + 1) x iters)."""
+    loops = build_both(ours_plan, plain_plan, warmup + rounds * iters)
+    it = {"ours": 0, "plain": 0}
+    steps = alternate(loops, "ours", warmup, it)
+    for r in range(rounds):
+        got = alternate(loops, "ours" if r % 2 == 0 else "plain", iters, it)
+        for v in steps:
+            steps[v] += got[v]
+    out = {}
+    for v, ss in steps.items():
+        cpu = torch.tensor([s.cpu for s in ss], dtype=torch.float64)
+        dist.all_reduce(cpu)
+        out[v] = {
+            "step_s": _gather_max([s.total for s in ss]),
+            "fwd_bwd_s": _gather_max([s.fwd_bwd for s in ss]),
+            "finalize_s": _gather_max([s.finalize for s in ss]),
+            "cpu_s": cpu.tolist(),
+            "losses": [s.loss for s in ss],
+        }
+    out["threads"] = torch.get_num_threads()
     return out if dist.get_rank() == 0 else None

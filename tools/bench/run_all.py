@@ -5,6 +5,7 @@
 Benchmarks (each its own process, output streamed and kept under --log-dir):
   sync_volume       gradient-sync bytes vs lower bound (examples/plans/hetero-4rank.json)
   runtime_overhead  step time of this runtime / plain megatron-core (TP2, PP2, DP2; 2 CPU processes)
+  host_overhead     host time of this runtime's step / plain megatron-core's (one rank, tiny layers)
   fidelity          cost model vs runtime step times and memory (profile + 9 plans)
   search_quality    hexi / exhaustive and hexi / uniform throughput
   planner_scaling   search seconds vs GPUs
@@ -33,7 +34,9 @@ def commands(quick):
     return {
         "sync_volume": [py, str(BENCH / "sync_volume.py")],
         "runtime_overhead": [py, str(BENCH / "runtime_overhead.py")]
-        + (["--iters", "5", "--warmup", "2", "--rounds", "1"] if quick else []),
+        + (["--iters", "3", "--warmup", "2", "--rounds", "3"] if quick else []),
+        "host_overhead": [py, str(BENCH / "host_overhead.py")]
+        + (["--layers", "4", "--rounds", "5"] if quick else []),
         "fidelity": [py, "-W", "ignore", str(BENCH / "fidelity.py")]
         + (
             ["--steps", "4", "--warmup", "2", "--rounds", "1", "--max-profile-seconds", "60"]
@@ -61,6 +64,7 @@ RATIOS = [
         r"worst paired ratio of the uniform cases (\d+\.\d+)x",
         "runtime / megatron-core step (worst, paired)",
     ),
+    ("host_overhead", r"^host overhead ratio: (\d+\.\d+)x", "runtime / megatron-core host time"),
     (
         "fidelity",
         r"mean \|error\| (\d+\.\d+)%.*max \|error\| (\d+\.\d+)%",
