@@ -14,17 +14,22 @@ stops with the same AgreedError, which names the ranks and the numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_hexi.report import AgreedError, shown
+from planner.errors import SpecError
 from planner.memory_fit import estimate_of
 from planner.plan import Plan
+
+if TYPE_CHECKING:
+    from planner.simulator import Estimate
 
 GB = 1e9
 
@@ -97,13 +102,27 @@ def local_memory(device: torch.device, plan_rank: int) -> DeviceMemory:
     return DeviceMemory(dist.get_rank(), plan_rank, host, "cpu", available, source)
 
 
+def _estimate(plan: Plan) -> Estimate:
+    """The planner's estimate; a measured profile the plan's cluster names but this machine
+    cannot read changes only speed and capacity, not the memory a rank needs, so the estimate is
+    then made without it."""
+    try:
+        return estimate_of(plan)
+    except SpecError:
+        if not any(g.profile for g in plan.cluster.groups):
+            raise
+    groups = [dataclasses.replace(g, profile=None) for g in plan.cluster.groups]
+    cluster = dataclasses.replace(plan.cluster, groups=groups)
+    return estimate_of(dataclasses.replace(plan, cluster=cluster))
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def fit_problems(plan: Plan, everyone: Sequence[DeviceMemory]) -> list[str]:
     """One line per device (or CPU host) whose ranks' estimated peak exceeds its capacity."""
-    est = estimate_of(plan)
+    est = _estimate(plan)
     groups: dict[tuple[str, str], list[DeviceMemory]] = {}
     for m in everyone:
         groups.setdefault((m.host, m.device), []).append(m)
