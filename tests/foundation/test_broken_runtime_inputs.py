@@ -72,14 +72,14 @@ def _line(rows, case_id):
 
 
 def test_names_are_escaped_and_cut(corpus):
+    """HEXI_PLAN_NODE with a newline, an ANSI escape and 512 characters: one line, escaped, and
+    cut where the runtime names it (the planner's own message after it repeats it escaped)."""
     _, rows, _ = corpus
-    for case_id in (
-        "node name with a newline, an ANSI escape, 512 characters",
-        "start-up planning: node name with control characters",
-    ):
-        line = _line(rows, case_id)
-        assert "'evil\\nnode\\x1b[31m" in line and "... (518 characters)'" in line, line
-        assert len(line) < 300, line
+    line = _line(rows, "node name with a newline, an ANSI escape, 512 characters")
+    assert "'evil\\nnode\\x1b[31m" in line and "... (518 characters)'" in line, line
+    assert len(line) < 300, line
+    line = _line(rows, "start-up planning: node name with control characters")
+    assert "on nodes evil\\nnode\\x1b[31m" in line and "... (518 characters) (1): " in line, line
 
 
 def test_memory_refusal_names_rank_and_numbers(corpus):
