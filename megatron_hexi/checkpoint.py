@@ -81,7 +81,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from planner.errors import SpecError
+from megatron_hexi.checkpoint_files import (
+    FORMAT,
+    METADATA,
+    TEMPORARY_DIR,
+    TRACKER,
+    CheckpointError,
+    is_own,
+    mark_own,
+    pointed,
+)
 from planner.layout import canonical_shards, gradient_segments, segment_numel
 
 if TYPE_CHECKING:
@@ -104,10 +113,7 @@ if TYPE_CHECKING:
     # {kind: tensor}).
     OwnedRange = tuple[str, int, tuple[int, ...], int, dict[str, torch.Tensor]]
 
-FORMAT = "megatron-hexi-checkpoint"
 FORMAT_VERSION = 3  # 2: checksums, save id, iteration in every rank file; 3: per block
-TRACKER = "latest_checkpointed_iteration.txt"
-METADATA = "checkpoint.json"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 # Model fields that do not change the parameters or the function the model computes.
 NOT_COMPARED = ("name", "seq_length")
@@ -129,10 +135,6 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 # starts one process per GPU, and each should leave the node's other cores to the other ranks.
 VERIFY_THREADS = 4
 HEX32 = re.compile(r"[0-9a-f]{8}")
-
-
-class CheckpointError(SpecError):
-    """A missing, corrupt or incompatible checkpoint: one line naming the file or the field."""
 
 
 def iteration_dir_name(iteration: int | None) -> str:
@@ -366,7 +368,9 @@ def commit_directory(save_dir: str, tmp_dir: str, iteration: int | None) -> str:
     final = os.path.join(save_dir, iteration_dir_name(iteration))
     _fsync_dir(tmp_dir)
     old = None
-    if os.path.exists(final):
+    if os.path.lexists(final):
+        if not is_own(final):
+            raise CheckpointError(f"{final}: not written by this project's saves; not replaced")
         old = f"{tmp_dir}.old"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
@@ -448,13 +452,28 @@ def _first_non_finite(entries: Sequence[Entry]) -> tuple[int, str | None]:
 def _last_complete(save_dir: str) -> str:
     """What the pointer of `save_dir` names, for a failed save's message."""
     try:
-        with open(os.path.join(save_dir, TRACKER)) as f:
-            text = f.read().strip()
-    except OSError:
+        has, step = pointed(save_dir)
+    except CheckpointError:
+        has = False
+    if not has:
         return f"{save_dir} holds no complete checkpoint"
-    return "the last complete checkpoint is " + (
-        "release" if text == "release" else f"iteration {text}"
-    )
+    return "the last complete checkpoint is " + ("release" if step is None else f"iteration {step}")
+
+
+def _behind_foreign_pointer(save_dir: str, iteration: int) -> str | None:
+    """Why a save of `iteration` must not move the pointer of `save_dir` back, or None: the
+    pointer names a later iteration (or cannot be read) and its folder is not this project's."""
+    try:
+        has, step = pointed(save_dir)
+    except CheckpointError as e:
+        return f"{e}; not moved"
+    if has and step is not None and step > iteration:
+        if not is_own(os.path.join(save_dir, iteration_dir_name(step))):
+            return (
+                f"{os.path.join(save_dir, TRACKER)} names iteration {step}, whose folder is not "
+                f"this project's checkpoint: not moved back to {iteration}"
+            )
+    return None
 
 
 def save(trainer: Trainer, save_dir: str, iteration: int) -> tuple[float, int]:
@@ -469,16 +488,20 @@ def save(trainer: Trainer, save_dir: str, iteration: int) -> tuple[float, int]:
     if launch_rank == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
+            error = _behind_foreign_pointer(save_dir, iteration)
             for name in os.listdir(save_dir):  # left by saves that were killed
                 path = os.path.join(save_dir, name)
-                if name.startswith(".iter_") and name.endswith(".tmp.old"):
+                if not (TEMPORARY_DIR.fullmatch(name) and is_own(path)):
+                    continue  # only what a save of this project wrote is put back or removed
+                if name.endswith(".tmp.old"):
                     final = os.path.join(save_dir, name[1 : -len(".tmp.old")])
-                    if not os.path.exists(final):  # killed between the two renames: put back
+                    if not os.path.lexists(final):  # killed between the two renames: put back
                         os.replace(path, final)
                         continue
-                if name.startswith(".iter_") and ".tmp" in name:
-                    shutil.rmtree(path, ignore_errors=True)
-            os.makedirs(tmp_dir)
+                shutil.rmtree(path, ignore_errors=True)
+            if error is None:
+                os.makedirs(tmp_dir)
+                mark_own(tmp_dir)
         except OSError as e:
             error = f"cannot create {tmp_dir}: {e}"
     save_id = _agree(
@@ -602,8 +625,10 @@ def save_params_only(
         )
     os.makedirs(out_dir, exist_ok=True)
     tmp_dir = os.path.join(out_dir, f".{iteration_dir_name(iteration)}.tmp")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
+    if is_own(tmp_dir):  # left by a killed run of this project; anything else stays
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
+    mark_own(tmp_dir)
     save_id = secrets.token_hex(8)
     index = write_rank_file(
         os.path.join(tmp_dir, rank_file_name(0)), entries, iteration or 0, save_id
@@ -745,22 +770,14 @@ def check_meta(meta: dict[str, Any], path: str, iteration: int) -> None:
 
 def pointed_step(load_dir: str) -> int | None:
     """The iteration latest_checkpointed_iteration.txt names (None: `release`); CheckpointError
-    when it is missing or corrupt."""
-    pointer = os.path.join(load_dir, TRACKER)
-    if not os.path.isfile(pointer):
+    when it is missing, corrupt, or not a regular file inside `load_dir`."""
+    has, step = pointed(load_dir)
+    if not has:
         raise CheckpointError(
-            f"{pointer}: missing (no checkpoint was completed in {load_dir}; a first run of a "
-            f"restartable job can add --hetero-load-if-exists)"
+            f"{os.path.join(load_dir, TRACKER)}: missing (no checkpoint was completed in "
+            f"{load_dir}; a first run of a restartable job can add --hetero-load-if-exists)"
         )
-    text = open(pointer).read().strip()
-    if text == "release":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(
-            f"{pointer}: corrupt (holds {text[:40]!r}, expected an iteration number or 'release')"
-        )
+    return step
 
 
 class Checkpoint:
@@ -792,6 +809,8 @@ class Checkpoint:
                 self.meta = json.load(f)
         except FileNotFoundError:
             raise CheckpointError(f"{meta_path}: missing")
+        except RecursionError:
+            raise CheckpointError(f"{meta_path}: corrupt (nested too deeply)")
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{meta_path}: corrupt ({e})")
         if not isinstance(self.meta, dict) or self.meta.get("format") != FORMAT:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from megatron_hexi.report import shown
 from planner.errors import SpecError
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ def resolve_ranks(
     elif len(named) != len(identities):
         missing = sorted(i.launch_rank for i in identities if not i.node)
         raise LaunchError(
-            f"processes {missing} (host {identities[missing[0]].hostname}) could not "
+            f"processes {missing} (host {shown(identities[missing[0]].hostname)}) could not "
             f"be placed on a plan node: set HEXI_PLAN_NODE or list their host in "
             f"the cluster's hostname(s)"
         )
@@ -83,13 +84,13 @@ def resolve_ranks(
         for i in identities:
             if i.node not in nodes:
                 raise LaunchError(
-                    f"process {i.launch_rank} (host {i.hostname}) says node "
-                    f"{i.node!r}, which is not a node of cluster "
+                    f"process {i.launch_rank} (host {shown(i.hostname)}) says node "
+                    f"'{shown(i.node)}', which is not a node of cluster "
                     f"{plan.cluster.name!r}"
                 )
             if (i.node, i.local_rank) not in slot:
                 raise LaunchError(
-                    f"process {i.launch_rank} on node {i.node} has local rank "
+                    f"process {i.launch_rank} on node {shown(i.node)} has local rank "
                     f"{i.local_rank}, but the plan uses no such GPU there"
                 )
             mapping[i.launch_rank] = slot[i.node, i.local_rank]
@@ -107,8 +108,8 @@ def resolve_ranks(
             if got is None or got.name != want:
                 raise LaunchError(
                     f"plan rank {mapping[i.launch_rank]} (process {i.launch_rank} "
-                    f"on {i.hostname}) expects {want}, but the device is "
-                    f"{i.device!r}; re-plan for this cluster or use the plan made "
+                    f"on {shown(i.hostname)}) expects {want}, but the device is "
+                    f"'{shown(i.device)}'; re-plan for this cluster or use the plan made "
                     f"for it"
                 )
     return mapping

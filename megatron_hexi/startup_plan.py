@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron_hexi.arguments import PlanningInputs
 from megatron_hexi.config import CheckpointConfig
 from megatron_hexi.rank_mapping import Identity, LaunchError, local_identity
+from megatron_hexi.report import AgreedError, shown
 from planner.cluster import ClusterSpec
 from planner.errors import SpecError
 from planner.membership import plan_for, present_cluster
@@ -47,8 +48,8 @@ def processes_per_node(cluster: ClusterSpec, device_name: str) -> dict[str, int]
     if unnamed:
         first = unnamed[0]
         raise LaunchError(
-            f"process {first.launch_rank} (host {first.hostname}) could not be placed on a node "
-            f"of cluster {cluster.name!r}: set HEXI_PLAN_NODE to its node name, or list the "
+            f"process {first.launch_rank} (host {shown(first.hostname)}) could not be placed on "
+            f"a node of cluster {cluster.name!r}: set HEXI_PLAN_NODE to its node name, or list the "
             f"host in the cluster file's hostname(s)"
         )
     return dict(Counter(i.node for i in everyone))
@@ -82,7 +83,7 @@ def _decide(
     inputs: PlanningInputs, checkpoint: CheckpointConfig, present: dict[str, int]
 ) -> _Decision:
     """Launch rank 0: plan for `present` and keep the plan under --save."""
-    nodes = ", ".join(f"{n} ({k})" for n, k in present.items())
+    nodes = ", ".join(f"{shown(n)} ({k})" for n, k in present.items())
     try:
         plan = plan_for(present_cluster(inputs.cluster, present), inputs.model, inputs.options)
     except SpecError as e:
@@ -91,9 +92,18 @@ def _decide(
     if not checkpoint.save:
         return _Decision(plan.to_dict())
     name = f"plan_{resume_iteration(checkpoint)}.json"
+    plans = os.path.join(checkpoint.save, PLANS_DIR)
+    if os.path.islink(plans) or (os.path.lexists(plans) and not os.path.isdir(plans)):
+        return _Decision(
+            problems=(
+                f"--save {checkpoint.save}: {plans} is "
+                f"{'a symbolic link' if os.path.islink(plans) else 'not a folder'}; start-up "
+                f"plans are kept only in a folder of that name inside the checkpoint folder",
+            )
+        )
     try:
-        os.makedirs(os.path.join(checkpoint.save, PLANS_DIR), exist_ok=True)
-        save_plan(plan, os.path.join(checkpoint.save, PLANS_DIR, name))
+        os.makedirs(plans, exist_ok=True)
+        save_plan(plan, os.path.join(plans, name))
     except OSError as e:
         return _Decision(problems=(f"--save {checkpoint.save}: cannot write the plan ({e})",))
     return _Decision(plan.to_dict(), file_name=name)
@@ -112,7 +122,7 @@ def plan_at_start(
     decision = message[0]
     assert decision is not None  # rank 0 always sends one
     if decision.problems or decision.plan is None:
-        raise SpecError(list(decision.problems))
+        raise AgreedError(list(decision.problems))
     return StartedPlan(plan_from_dict(decision.plan, "start-up plan"), decision.file_name)
 
 

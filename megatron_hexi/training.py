@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from megatron_hexi import tensorboard_log, wandb_log
+from megatron_hexi import interrupt, tensorboard_log, wandb_log
 from megatron_hexi.arguments import check_against_plan, parse_args, planning_inputs, run_config
 from megatron_hexi.communicator import Boundary, StageCommunicator
 from megatron_hexi.cuda_graphs import check_cuda_graphs
@@ -34,6 +34,7 @@ from megatron_hexi.exit_signal import ExitSignal
 from megatron_hexi.grad_sync import FP32MainGrads, GradientSync
 from megatron_hexi.layer_specs import check_transformer_impl
 from megatron_hexi.loss import sharded_cross_entropy
+from megatron_hexi.memory_fit import check_memory_fit
 from megatron_hexi.model import (
     build_stage_model,
     initialise_weights,
@@ -44,7 +45,9 @@ from megatron_hexi.model import (
 from megatron_hexi.optimizer import build_optimizer
 from megatron_hexi.process_groups import SingleRank, StagePosition, build_groups
 from megatron_hexi.rank_mapping import check_world_size, map_processes
-from megatron_hexi.startup_plan import plan_at_start
+from megatron_hexi.report import error_lines, prints, shown
+from megatron_hexi.run_paths import MetricsFile, check_run_paths
+from megatron_hexi.startup_plan import plan_at_start, resume_iteration
 from megatron_hexi.tensorboard_log import iteration_scalars, perplexity, validation_scalars
 from planner.catalog import get_gpu
 from planner.errors import SpecError
@@ -596,37 +599,6 @@ def check_finite(metrics: Mapping[str, Any]) -> None:
         )
 
 
-def check_output_paths(config: RunConfig) -> None:
-    """--save and --hetero-metrics-path are writable, checked at start-up on every rank that
-    writes there (every rank writes its checkpoint file; rank 0 the metrics), so an unwritable
-    place fails now rather than at the first save. Every rank learns every problem (one
-    all-gather under the collective timeout) and fails with the same lines."""
-    import tempfile
-
-    problems = []
-    save, metrics_path = config.checkpoint.save, config.logging.metrics_path
-    if save:
-        try:
-            os.makedirs(save, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=save, prefix=".hexi-write-check-"):
-                pass
-        except OSError as e:
-            problems.append(f"--save {save}: cannot write there ({e.strerror or e})")
-    if metrics_path and dist.get_rank() == 0:
-        try:
-            with open(metrics_path, "a"):
-                pass
-        except OSError as e:
-            problems.append(
-                f"--hetero-metrics-path {metrics_path}: cannot write there ({e.strerror or e})"
-            )
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problems)
-    found = list(dict.fromkeys(p for rank_problems in everyone for p in rank_problems))
-    if found:
-        raise SpecError(found)
-
-
 def _save(trainer: Trainer, iteration: int) -> None:
     from megatron_hexi import checkpoint
 
@@ -678,7 +650,8 @@ def _train(
     with contextlib.ExitStack() as outputs:  # closed on every way out, errors included
         if rank == 0:
             if log.metrics_path:  # a resumed run appends to the history it continues
-                metrics_file = outputs.enter_context(open(log.metrics_path, "a" if first else "w"))
+                metrics_file = MetricsFile(log.metrics_path, append=bool(first))
+                outputs.callback(metrics_file.close)
             if log.tensorboard_dir:
                 writers.append(
                     tensorboard_log.TensorBoardLogger(
@@ -726,8 +699,7 @@ def _train(
                 if (it + 1) % log.log_interval == 0:
                     print(interval.line(), flush=True)
                 if metrics_file:
-                    metrics_file.write(json.dumps(m) + "\n")
-                    metrics_file.flush()
+                    metrics_file.write_line(json.dumps(m))
             for w in writers:
                 w.log(it + 1, iteration_scalars(m, plan.global_batch_size))
             if train.check_for_nan_in_loss_and_grad:
@@ -758,11 +730,9 @@ def _train(
         if ev.batches and not signalled:  # a signalled run has seconds left: save, then go
             result = evaluate(last, end=True)
             if metrics_file:  # a line of its own: the last iteration's may hold another one
-                metrics_file.write(
+                metrics_file.write_line(
                     json.dumps({"iteration": last, "eval_lm_loss": result.lm_loss, "end": True})
-                    + "\n"
                 )
-                metrics_file.flush()
         if rank in (0, world - 1):
             text = _summary(history, first, tokens_per_iter, flops, peak, device, trainer)
             if rank == 0:
@@ -872,14 +842,21 @@ def failure_lines(exc: Exception, config: RunConfig) -> tuple[list[str], bool]:
         )
         save = config.checkpoint.save
         if save:
-            pointer = os.path.join(save, "latest_checkpointed_iteration.txt")
-            last = open(pointer).read().strip() if os.path.isfile(pointer) else None
-            lines.append(
-                f"pretrain_gpt.py: error: last complete checkpoint: "
-                f"{'iteration ' + last if last else 'none'} in {save}; rerun the "
-                f"same command with --load {save} to resume"
-            )
+            lines.append(f"pretrain_gpt.py: error: {resume_advice(save)}")
     return lines, collective
+
+
+def resume_advice(save: str) -> str:
+    """What to rerun after a failure: --load only where a checkpoint that loads exists."""
+    from megatron_hexi.checkpoint_files import last_loadable
+
+    found, where = last_loadable(save), shown(save, 200)
+    if found is None:
+        return f"last complete checkpoint: none in {where}; rerun the same command to start over"
+    return (
+        f"last complete checkpoint: {found} in {where}; rerun the same command with --load "
+        f"{where} to resume"
+    )
 
 
 def available_cores() -> int:
@@ -963,14 +940,18 @@ def init_distributed(plan: Plan | None, config: RunConfig) -> torch.device:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run pretrain_gpt.py; returns the exit code (2: a clear error). A failure after the process
     group exists ends the process itself (exit 1). Call `cli` to end the process with the code."""
+    interrupt.install()
+    save: str | None = None
     try:
         args = parse_args(argv)
         config = run_config(args)
+        save = config.checkpoint.save
         if config.logging.tensorboard_dir:
             tensorboard_log.check_available()
         if config.logging.wandb_project:
             wandb_log.check_available()
         cuda = wants_cuda(config.runtime)
+        input_files = [args.hetero_plan_path, args.hetero_cluster, args.hetero_model]
         if args.hetero_plan_path:
             plan = load_plan(args.hetero_plan_path)
             check_against_plan(args, plan)
@@ -979,12 +960,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan_file: str | None = os.path.basename(args.hetero_plan_path)
             where = f"plan loaded: {args.hetero_plan_path}"
             device = init_distributed(plan, config)
+            check_run_paths(config, input_files, resume_iteration(config.checkpoint))
         else:
             # the files are read before any process group
             inputs = planning_inputs(args, cuda=cuda)
             check_transformer_impl(inputs.options.transformer_impl, cuda)
             check_cuda_graphs(inputs.options.cuda_graph_impl, cuda)
             device = init_distributed(None, config)
+            check_run_paths(config, input_files, resume_iteration(config.checkpoint))
             started = plan_at_start(inputs, config.checkpoint, _device_name(device))
             plan, plan_file = started.plan, started.file_name
             check_against_plan(args, plan)
@@ -995,16 +978,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{where}: {plan.world_size} rank(s) in {len(plan.pipelines)} pipeline(s), "
             f"global batch {plan.global_batch_size}"
         )
-        check_output_paths(config)
+        check_memory_fit(plan, device, _device_name(device))
         run(plan, config, device, plan_file)
+    except KeyboardInterrupt:
+        interrupt.leave(save)
     except SpecError as e:
-        for line in e.problems:
-            print(f"pretrain_gpt.py: error: {line}", file=sys.stderr, flush=True)
+        if interrupt.received():
+            interrupt.leave(save)
+        if prints(e):
+            for line in error_lines(e.problems):
+                print(line, file=sys.stderr, flush=True)
         return 2
     except Exception as e:  # noqa: BLE001 - after start-up: say which rank and why, never hang
+        if interrupt.received():
+            interrupt.leave(save)
         if not dist.is_initialized():
             raise
         _failure(e, config)
+    finally:
+        interrupt.restore()
     return 0
 
 

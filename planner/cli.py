@@ -41,7 +41,12 @@ if TYPE_CHECKING:
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
+    from planner.memory_fit import memory_problems
+
     plan = load_plan(args.plan)
+    problems = memory_problems(plan, str(args.plan))
+    if problems:
+        raise SpecError(problems)
     print(
         f"{args.plan}: valid plan, {plan.world_size} ranks, {len(plan.pipelines)} pipelines, "
         f"global batch {plan.global_batch_size}; {training_settings(plan)}"
