@@ -2,7 +2,8 @@
 
 The plan (planner.plan.Plan) holds the model, the batch and the parallel layout; a `RunConfig`
 holds the rest: optimizer and learning-rate schedule, precision, dropout, data, checkpoints,
-logging and the process group. Code builds one directly (the profiler, the benchmarks, tests):
+logging, the process group and the fused kernels allowed. Code builds one directly (the
+profiler, the benchmarks, tests):
 
     config = RunConfig(training=TrainingConfig(train_iters=10),
                        optimizer=OptimizerConfig(lr=1e-3), data=DataConfig(mock_data=True))
@@ -188,6 +189,21 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class FusionConfig:
+    """megatron-core's fused kernels; Megatron-LM's `--no-*-fusion` flags switch each off.
+
+    They run on CUDA only, each where its requirements are met; on CPU every one is off, so the
+    CPU path keeps the reference layers and the equivalence tests stay exact."""
+
+    bias_activation_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    apply_rope_fusion: bool = True
+    masked_softmax_fusion: bool = True
+    gradient_accumulation_fusion: bool = True
+    cross_entropy_loss_fusion: bool = False
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs besides its plan, one frozen value per concern."""
 
@@ -201,3 +217,4 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    fusions: FusionConfig = field(default_factory=FusionConfig)

@@ -64,7 +64,12 @@ class FP32MainGrads:
     schedule sums tens of gradients with an 8-bit mantissa. Here each backward's `.grad` is added
     to the parameter's fp32 `main_grad` as soon as autograd has accumulated it, and `.grad` is
     dropped. One flat buffer holds every `main_grad` (4 bytes per parameter, like Megatron-LM's
-    grad buffer), so zeroing is one call."""
+    grad buffer), so zeroing is one call.
+
+    Under the gradient-accumulation fusion (megatron_hexi.fusions) a linear layer's weight-
+    gradient GEMM adds into `main_grad` itself, hands autograd a dummy `.grad` and sets
+    `grad_added_to_main_grad`; the hook then only drops `.grad`, as megatron-core's DDP does,
+    or that gradient would count twice. The flag is cleared with the buffer."""
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter]):
         params = [p for p in dict.fromkeys(parameters) if p.requires_grad]
@@ -73,17 +78,25 @@ class FP32MainGrads:
             sum(p.numel() for p in params), dtype=torch.float32, device=device
         )
         offset = 0
+        self.params = params
         for p in params:
             p.main_grad = self.buffer[offset : offset + p.numel()].view(p.shape)
+            # its presence makes megatron-core's fused layers return a dummy `.grad`, so that
+            # this hook (and the overlapped sync's) still runs for them
+            p.grad_added_to_main_grad = False
             offset += p.numel()
             p.register_post_accumulate_grad_hook(_add_to_main_grad)
 
     def zero(self) -> None:
         self.buffer.zero_()
+        for p in self.params:
+            p.grad_added_to_main_grad = False
 
 
 def _add_to_main_grad(param: torch.Tensor) -> None:
-    param.main_grad.add_(param.grad)
+    """megatron-core DDP's rule: add `.grad` unless the fused GEMM has added it already."""
+    if not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False):
+        param.main_grad.add_(param.grad)
     param.grad = None
 
 

@@ -30,6 +30,7 @@ from megatron_hexi import tensorboard_log, wandb_log
 from megatron_hexi.arguments import check_against_plan, parse_args, planning_inputs, run_config
 from megatron_hexi.communicator import Boundary, StageCommunicator
 from megatron_hexi.exit_signal import ExitSignal
+from megatron_hexi.fusions import stage_fusions
 from megatron_hexi.grad_sync import FP32MainGrads, GradientSync
 from megatron_hexi.layer_specs import check_transformer_impl
 from megatron_hexi.loss import sharded_cross_entropy
@@ -85,6 +86,15 @@ class Trainer:
         bf16 = config.precision.bf16
         dtype = torch.bfloat16 if bf16 else torch.float32
         backend, impl = plan.training.attention_backend, plan.training.transformer_impl
+        self.fusions = stage_fusions(
+            config.fusions,
+            device.type == "cuda",
+            plan.model,
+            bf16=bf16,
+            transformer_impl=impl,
+            holds_output=view.holds_output,
+        )
+        startup_line(self.fusions.line())
         tc = self.transformer_config = stage_config(
             plan,
             view,
@@ -94,6 +104,7 @@ class Trainer:
             recompute=plan.training.recompute,
             transformer_impl=impl,
             attention_backend=backend,
+            fusions=self.fusions,
         )
         self.model = build_stage_model(
             plan, view, self.groups.tp, tc, device, attention_backend=backend, transformer_impl=impl
@@ -213,7 +224,12 @@ class Trainer:
     ) -> LossOutput:
         v = self.view
         per_token = sharded_cross_entropy(
-            logits.float(), labels, v.vocab[1], self.groups.tp, v.tp_size
+            logits.float(),
+            labels,
+            v.vocab[1],
+            self.groups.tp,
+            v.tp_size,
+            fused=self.fusions.cross_entropy_loss_fusion,
         )
         mask = loss_mask.float()
         loss_sum = (per_token * mask).sum()
