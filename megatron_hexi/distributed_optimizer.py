@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
+from megatron_hexi.adam import adamw
 from megatron_hexi.grad_sync import Pending, global_norm
 from megatron_hexi.process_groups import group_order
 from planner.layout import optimizer_weight, weighted_split
@@ -168,12 +169,13 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                 "is_expert_parallel": False,
             },
         ]
-        inner = torch.optim.AdamW(
+        inner = adamw(
             [g for g in groups if g["params"]] or [{"params": []}],
             lr=config.lr,
             weight_decay=config.weight_decay,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
+            device=device,
         )
         super().__init__(inner, config, lambda o: None)
         self.is_stub_optimizer = False

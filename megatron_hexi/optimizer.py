@@ -21,6 +21,7 @@ from megatron.core.optimizer.optimizer import (
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_hexi.adam import adamw
 from megatron_hexi.grad_sync import global_norm
 
 if TYPE_CHECKING:
@@ -130,12 +131,13 @@ def build_optimizer(
             plan, grad_sync, core, plan.training.optimizer_shard, device, model
         )
     else:
-        inner = torch.optim.AdamW(
+        inner = adamw(
             param_groups(model.named_parameters()),
             lr=o.lr,
             weight_decay=o.weight_decay,
             betas=(o.adam_beta1, o.adam_beta2),
             eps=o.adam_eps,
+            device=next(model.parameters()).device,
         )
         if bf16:
             opt = HeteroFloat16Optimizer(inner, core, None, lambda _: None)
