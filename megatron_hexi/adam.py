@@ -1,11 +1,11 @@
-"""The Adam(W) inside the runtime's optimizers: torch's fused kernel on CUDA.
+"""The Adam(W) inside the runtime's optimizers: torch's fused kernel, on every device.
 
 `torch.optim.AdamW(fused=True)` updates every parameter of a dtype in one multi-tensor kernel and
-keeps its step count on the device, so the step needs no host read (torch's foreach AdamW reads
-each step count back to the host). Transformer Engine's and apex's FusedAdam, which megatron-core
-prefers, are not used: they keep Adam's step count per parameter group rather than per parameter
-(`state["step"]`), the layout megatron_hexi.checkpoint saves and restores. On CPU the optimizer is
-torch's default AdamW, so the CPU equivalence tests compare what they always did.
+keeps its step count beside the parameters, so the step needs no host read (torch's other AdamW
+implementations read each step count back to the host). Transformer Engine's and apex's
+FusedAdam, which megatron-core prefers, are not used: they keep Adam's step count per parameter
+group rather than per parameter (`state["step"]`), the layout megatron_hexi.checkpoint saves and
+restores. torch has a fused CPU kernel too, so the CPU equivalence tests run the same optimizer.
 """
 
 from __future__ import annotations
@@ -23,13 +23,10 @@ def adamw(
     weight_decay: float,
     betas: tuple[float, float],
     eps: float,
-    device: torch.device,
-    fused: bool | None = None,
+    fused: bool = True,
 ) -> torch.optim.AdamW:
-    """AdamW over `param_groups` (fp32 masters or fp32 parameters on `device`); `fused`: None
-    means fused on CUDA, the default implementation elsewhere."""
-    if fused is None:
-        fused = device.type == "cuda"
+    """AdamW over `param_groups` (fp32 masters, or the fp32 parameters themselves); `fused`
+    False: torch's default implementation (the fused kernel's reference in the tests)."""
     return torch.optim.AdamW(
         list(param_groups),
         lr=lr,
