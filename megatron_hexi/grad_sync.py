@@ -419,12 +419,20 @@ def _bounded_buckets(placed: Sequence[_Placed], bound: int, groups: HeteroGroups
 def global_norm(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The gradient norm over every rank, as a float64 tensor [1] on `device` (read it once, at
     the step's end): each rank passes the tensors it owns (every element is owned by exactly one
-    rank). Per-tensor norms accumulated in fp32 by one `_foreach_norm` (strided slices are read
-    in place: no copies), their squares summed in float64 in one reduction, then one
+    rank). Per-tensor norms accumulated in fp32 by `_foreach_norm`: one call for the contiguous
+    tensors (CUDA's multi-tensor kernel) and one for the strided slices (column ranges, read in
+    place one by one: no copies); their squares summed in float64 in one reduction, then one
     all-reduce."""
     tensors = list(tensors)
     if tensors:
-        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        dense = [t for t in tensors if t.is_contiguous()]
+        strided = [t for t in tensors if not t.is_contiguous()]
+        norms = [
+            n
+            for group in (dense, strided)
+            if group
+            for n in torch._foreach_norm(group, 2, dtype=torch.float32)
+        ]
         total = torch.stack(norms).double().square().sum().reshape(1)
     else:
         total = torch.zeros(1, dtype=torch.float64, device=device)
