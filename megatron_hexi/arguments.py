@@ -19,6 +19,7 @@ from megatron_hexi.config import (
     DataConfig,
     DropoutConfig,
     EvaluationConfig,
+    FusionConfig,
     LoggingConfig,
     LRScheduleConfig,
     OptimizerConfig,
@@ -309,6 +310,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--bf16", action="store_true")
     b.add_argument("--seed", type=int, default=1234)
+    f = p.add_argument_group(
+        "fusions (megatron-core's fused kernels: on CUDA each runs where its requirements are "
+        "met, the start-up log says which; on CPU all are off)"
+    )
+    for flag, dest, what in (
+        ("--no-bias-swiglu-fusion", "bias_swiglu_fusion", "bias-SwiGLU"),
+        ("--no-bias-gelu-fusion", "bias_gelu_fusion", "bias-GELU"),
+    ):
+        f.add_argument(
+            flag,
+            action="store_false",
+            dest=dest,
+            help=f"unfused {what} (the model has one activation: either flag turns its "
+            f"bias-activation fusion off)",
+        )
+    for flag, dest in (
+        ("--no-bias-dropout-fusion", "bias_dropout_fusion"),
+        ("--no-rope-fusion", "apply_rope_fusion"),
+        ("--no-masked-softmax-fusion", "masked_softmax_fusion"),
+        ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
+    ):
+        f.add_argument(flag, action="store_false", dest=dest)
+    f.add_argument(
+        "--cross-entropy-loss-fusion",
+        action="store_true",
+        help="megatron-core's fused cross-entropy (bf16 runs; off by default, as in Megatron-LM)",
+    )
     d = p.add_argument_group("data and logging")
     d.add_argument("--mock-data", action="store_true")
     d.add_argument("--data-path", nargs="+", default=None)
@@ -787,5 +815,13 @@ def run_config(args: argparse.Namespace) -> RunConfig:
             distributed_backend=args.distributed_backend,
             distributed_timeout_minutes=args.distributed_timeout_minutes,
             ddp_bucket_size=args.ddp_bucket_size,
+        ),
+        fusions=FusionConfig(
+            bias_activation_fusion=args.bias_swiglu_fusion and args.bias_gelu_fusion,
+            bias_dropout_fusion=args.bias_dropout_fusion,
+            apply_rope_fusion=args.apply_rope_fusion,
+            masked_softmax_fusion=args.masked_softmax_fusion,
+            gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+            cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         ),
     )

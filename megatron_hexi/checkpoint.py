@@ -81,6 +81,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_hexi.adam import step_state
 from megatron_hexi.checkpoint_files import (
     FORMAT,
     METADATA,
@@ -1335,7 +1336,7 @@ def restore_optimizer(trainer: Trainer, ckpt: Checkpoint, adam_step: int | None)
             t = torch.empty(like.shape, dtype=torch.float32)
             ckpt.read_range(kind, name, dim, start, like.shape[dim], shape, t)
             out[kind] = t.to(like.device, like.dtype)
-        return {"step": torch.tensor(float(adam_step), dtype=torch.float32), **out}
+        return {"step": step_state(adam_step, like, opt.optimizer), **out}
 
     if _is_sharded(opt):
         shapes = {shard.name: shard.shape for shard, _ in trainer.params}
@@ -1354,7 +1355,7 @@ def restore_optimizer(trainer: Trainer, ckpt: Checkpoint, adam_step: int | None)
         if mp is not param:
             mp.copy_(ckpt.read_local(shard, "param"))
         if adam_step is not None:
-            st = {"step": torch.tensor(float(adam_step), dtype=torch.float32)}
+            st = {"step": step_state(adam_step, mp, opt.optimizer)}
             for kind in KINDS[1:]:
                 st[kind] = ckpt.read_local(shard, kind).to(mp.device, mp.dtype)
             state[mp] = st

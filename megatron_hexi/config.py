@@ -2,7 +2,8 @@
 
 The plan (planner.plan.Plan) holds the model, the batch and the parallel layout; a `RunConfig`
 holds the rest: optimizer and learning-rate schedule, precision, dropout, data, checkpoints,
-logging and the process group. Code builds one directly (the profiler, the benchmarks, tests):
+logging, the process group and the fused kernels allowed. Code builds one directly (the
+profiler, the benchmarks, tests):
 
     config = RunConfig(training=TrainingConfig(train_iters=10),
                        optimizer=OptimizerConfig(lr=1e-3), data=DataConfig(mock_data=True))

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
-from megatron_hexi.grad_sync import Pending, global_norm
+from megatron_hexi.adam import adamw
+from megatron_hexi.grad_sync import Pending, clip_by_norm_, global_norm
 from megatron_hexi.process_groups import group_order
 from planner.layout import optimizer_weight, weighted_split
 
@@ -67,7 +68,7 @@ class _Gather(NamedTuple):
     """A bucket's all-gather in flight: one chunk per member (group rank order)."""
 
     chunks: list[torch.Tensor]
-    work: dist.Work | None
+    work: dist.Work
 
 
 @dataclass
@@ -168,7 +169,7 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                 "is_expert_parallel": False,
             },
         ]
-        inner = torch.optim.AdamW(
+        inner = adamw(
             [g for g in groups if g["params"]] or [{"params": []}],
             lr=config.lr,
             weight_decay=config.weight_decay,
@@ -190,6 +191,8 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         """Lay the bucket's gradients out member by member and start the reduce-scatter."""
         rs = self.sets[index]
         ranks, group, slots, regions = rs.ranks, rs.group, rs.slots, rs.regions
+        if group is None:  # this rank alone: finish_bucket reads the gradients in place
+            return Pending(None, None)
         width = rs.width
         buf = self.grad_sync.buffers.get(index, width * len(ranks), slots[0].param.device)
         buf.zero_()
@@ -202,29 +205,41 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                     g = slot.grad().narrow(slot.dim, slot.start + start, n)
                     buf[offset : offset + numel].copy_(g.reshape(-1))
                 offset += numel
-        if group is None:
-            return Pending(buf, None)
         mine = torch.empty(width, dtype=buf.dtype, device=buf.device)
         return Pending(mine, dist.reduce_scatter_tensor(mine, buf, group=group, async_op=True))
 
     @torch.no_grad()
-    def finish_bucket(self, index: int, pending: Pending, num_tokens: float) -> None:
+    def finish_bucket(self, index: int, pending: Pending, num_tokens: torch.Tensor | float) -> None:
         """Wait, divide by the token count, and make this rank's part its masters' gradient."""
         rs = self.sets[index]
         buf, work = pending
-        width = rs.width
-        if work is not None:
-            work.wait()
-        if buf.numel() > width:  # the whole buffer (this rank alone): take my chunk
-            at = rs.regions[rs.me].position * width
-            buf = buf[at : at + width]
+        self._found_grads = True
+        if buf is None:  # this rank alone: its masters' gradients straight from the gradients
+            self._own_gradients(rs, num_tokens)
+            return
+        work.wait()
         mine = buf / num_tokens
         offset = 0
         for part, (_, _, n, numel) in zip(rs.mine, rs.regions[rs.me].pieces):
             if n:
                 part.master.grad = mine[offset : offset + numel].view_as(part.master).clone()
             offset += numel
-        self._found_grads = True
+
+    def _own_gradients(self, rs: _RankSet, num_tokens: torch.Tensor | float) -> None:
+        """A rank set of one holder: each master's gradient is its slice of the gradient
+        divided by the token count, in one foreach call (no flat buffer, no copies)."""
+        parts, views = [], []
+        for part, (k, start, n, _) in zip(rs.mine, rs.regions[rs.me].pieces):
+            slot = rs.slots[k]
+            if n:
+                parts.append(part)
+                if slot.contributes:
+                    # fp32 `main_grad` under bf16 (grad_sync.FP32MainGrads), else `.grad`
+                    views.append(slot.grad().narrow(slot.dim, slot.start + start, n))
+                else:
+                    views.append(torch.zeros_like(part.master))
+        for part, grad in zip(parts, torch._foreach_div(views, num_tokens) if views else []):
+            part.master.grad = grad.contiguous()
 
     # -- parameters ------------------------------------------------------------------------
     @torch.no_grad()
@@ -239,6 +254,17 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         the buckets' global order, so again one order on every rank)."""
         for i in reversed(range(len(self.sets))):
             rs = self.sets[i]
+            if rs.group is None:  # this rank alone: the masters go straight into the parameters
+                parts = [part for part in rs.mine if part.length]
+                if parts:
+                    torch._foreach_copy_(
+                        [
+                            part.param.data.narrow(part.dim, part.local_start, part.length)
+                            for part in parts
+                        ],
+                        [part.master for part in parts],
+                    )
+                continue
             width = rs.width
             mine = torch.zeros(width, dtype=rs.slots[0].param.dtype, device=self.device)
             offset = 0
@@ -246,12 +272,9 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                 if n:
                     mine[offset : offset + numel].copy_(part.master.reshape(-1))
                 offset += numel
-            if rs.group is None:
-                self._gathers[i] = _Gather([mine], None)
-            else:
-                gathered = [torch.empty_like(mine) for _ in rs.ranks]
-                work = dist.all_gather(gathered, mine, group=rs.group, async_op=True)
-                self._gathers[i] = _Gather(gathered, work)
+            gathered = [torch.empty_like(mine) for _ in rs.ranks]
+            work = dist.all_gather(gathered, mine, group=rs.group, async_op=True)
+            self._gathers[i] = _Gather(gathered, work)
 
     @torch.no_grad()
     def finish_param_gather(self, indices: Iterable[int] | None = None) -> None:
@@ -261,12 +284,11 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
             got = self._gathers.pop(i, None)
             if got is None:
                 continue
-            if got.work is not None:
-                got.work.wait()
+            got.work.wait()
             rs = self.sets[i]
             for region in rs.regions:
                 offset = 0
-                chunk = got.chunks[0] if rs.group is None else got.chunks[region.position]
+                chunk = got.chunks[region.position]
                 for k, start, n, numel in region.pieces:
                     slot = rs.slots[k]
                     if n:
@@ -326,17 +348,14 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         self._found_grads = False
         return success, grad_norm, None
 
-    def get_grad_norm(self) -> float:
-        """The exact global norm: every element's master gradient lives on exactly one rank."""
+    def get_grad_norm(self) -> torch.Tensor:
+        """The exact global norm: every element's master gradient lives on exactly one rank
+        (a device tensor, read at the step's end)."""
         return global_norm(self.get_main_grads_for_grad_norm(), self.device)
 
-    def clip_grad_norm(self, clip_grad: float) -> float:
-        grads = self.get_main_grads_for_grad_norm()
+    def clip_grad_norm(self, clip_grad: float) -> torch.Tensor:
         norm = self.get_grad_norm()
-        coeff = clip_grad / (norm + 1e-6)
-        if coeff < 1.0:
-            for g in grads:
-                g.mul_(coeff)
+        clip_by_norm_(self.get_main_grads_for_grad_norm(), clip_grad, norm)
         return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:

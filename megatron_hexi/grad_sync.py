@@ -64,7 +64,12 @@ class FP32MainGrads:
     schedule sums tens of gradients with an 8-bit mantissa. Here each backward's `.grad` is added
     to the parameter's fp32 `main_grad` as soon as autograd has accumulated it, and `.grad` is
     dropped. One flat buffer holds every `main_grad` (4 bytes per parameter, like Megatron-LM's
-    grad buffer), so zeroing is one call."""
+    grad buffer), so zeroing is one call.
+
+    Under the gradient-accumulation fusion (megatron_hexi.fusions) a linear layer's weight-
+    gradient GEMM adds into `main_grad` itself, hands autograd a dummy `.grad` and sets
+    `grad_added_to_main_grad`; the hook then only drops `.grad`, as megatron-core's DDP does,
+    or that gradient would count twice. The flag is cleared with the buffer."""
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter]):
         params = [p for p in dict.fromkeys(parameters) if p.requires_grad]
@@ -73,17 +78,25 @@ class FP32MainGrads:
             sum(p.numel() for p in params), dtype=torch.float32, device=device
         )
         offset = 0
+        self.params = params
         for p in params:
             p.main_grad = self.buffer[offset : offset + p.numel()].view(p.shape)
+            # its presence makes megatron-core's fused layers return a dummy `.grad`, so that
+            # this hook (and the overlapped sync's) still runs for them
+            p.grad_added_to_main_grad = False
             offset += p.numel()
             p.register_post_accumulate_grad_hook(_add_to_main_grad)
 
     def zero(self) -> None:
         self.buffer.zero_()
+        for p in self.params:
+            p.grad_added_to_main_grad = False
 
 
 def _add_to_main_grad(param: torch.Tensor) -> None:
-    param.main_grad.add_(param.grad)
+    """megatron-core DDP's rule: add `.grad` unless the fused GEMM has added it already."""
+    if not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False):
+        param.main_grad.add_(param.grad)
     param.grad = None
 
 
@@ -129,7 +142,9 @@ class BucketCollective(Protocol):
 
     def start_bucket(self, index: int) -> Pending: ...
 
-    def finish_bucket(self, index: int, pending: Pending, num_tokens: float) -> None: ...
+    def finish_bucket(
+        self, index: int, pending: Pending, num_tokens: torch.Tensor | float
+    ) -> None: ...
 
 
 class GradientSync:
@@ -248,9 +263,11 @@ class GradientSync:
 
     # -- the sync --------------------------------------------------------------------------
     @torch.no_grad()
-    def sync(self, num_tokens: float) -> None:
+    def sync(self, num_tokens: torch.Tensor | float) -> None:
         """Sum every segment over its holders and divide by the global token count: start the
         buckets not started yet, in order, and finish all of them in the same order."""
+        if isinstance(num_tokens, torch.Tensor):
+            num_tokens = num_tokens.reshape(())  # a scalar operand of the divisions
         for p in self._params.values():
             if param_grad(p) is None:
                 p.grad = torch.zeros_like(p)
@@ -287,24 +304,26 @@ class GradientSync:
         return Pending(flat, dist.all_reduce(flat, group=group, async_op=True))
 
     @torch.no_grad()
-    def finish_bucket(self, index: int, pending: Pending, num_tokens: float) -> None:
+    def finish_bucket(self, index: int, pending: Pending, num_tokens: torch.Tensor | float) -> None:
         """Wait, divide by the token count, and write the sums back into the gradients."""
         slots = self.buckets[index].slots
         flat, work = pending
-        if flat is None:  # this rank alone: scale its slices in place (no copy)
-            for s in slots:
-                if s.contributes:
-                    s.grad_view().div_(num_tokens)
-                else:
-                    s.grad_view().zero_()
+        if flat is None:  # this rank alone: scale its slices in place (no copy), one call each
+            contributing = [s.grad_view() for s in slots if s.contributes]
+            if contributing:
+                torch._foreach_div_(contributing, num_tokens)
+            others = [s.grad_view() for s in slots if not s.contributes]
+            if others:
+                torch._foreach_zero_(others)
             return
         work.wait()
         flat.div_(num_tokens)
-        offset = 0
-        for s in slots:
-            view = s.grad_view()
-            view.copy_(flat[offset : offset + view.numel()].view_as(view))
+        views = [s.grad_view() for s in slots]
+        pieces, offset = [], 0
+        for view in views:
+            pieces.append(flat[offset : offset + view.numel()].view_as(view))
             offset += view.numel()
+        torch._foreach_copy_(views, pieces)
 
     def owned_grads(self) -> list[torch.Tensor]:
         """Views of the gradient slices this rank counts in the global norm (each element once).
@@ -397,13 +416,37 @@ def _bounded_buckets(placed: Sequence[_Placed], bound: int, groups: HeteroGroups
 
 
 @torch.no_grad()
-def global_norm(tensors: Iterable[torch.Tensor], device: torch.device) -> float:
-    """The gradient norm over every rank: each rank passes the tensors it owns (every element is
-    owned by exactly one rank). Per-tensor fp32 norms, summed in float64 on `device`, then one
-    all-reduce. Strided slices are read in place: no copies, no float64 copy of a tensor, and no
-    multi-tensor kernel (apex's and Transformer Engine's refuse strided inputs)."""
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    for t in tensors:
-        total += torch.linalg.vector_norm(t, dtype=torch.float32).double().square()
+def global_norm(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The gradient norm over every rank, as a float64 tensor [1] on `device` (read it once, at
+    the step's end): each rank passes the tensors it owns (every element is owned by exactly one
+    rank). Per-tensor norms accumulated in fp32 by `_foreach_norm`: one call for the contiguous
+    tensors (CUDA's multi-tensor kernel) and one for the strided slices (column ranges, read in
+    place one by one: no copies); their squares summed in float64 in one reduction, then one
+    all-reduce."""
+    tensors = list(tensors)
+    if tensors:
+        dense = [t for t in tensors if t.is_contiguous()]
+        strided = [t for t in tensors if not t.is_contiguous()]
+        norms = [
+            n
+            for group in (dense, strided)
+            if group
+            for n in torch._foreach_norm(group, 2, dtype=torch.float32)
+        ]
+        total = torch.stack(norms).double().square().sum().reshape(1)
+    else:
+        total = torch.zeros(1, dtype=torch.float64, device=device)
     dist.all_reduce(total)
-    return total.sqrt().item()
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_by_norm_(grads: Sequence[torch.Tensor], clip: float, norm: torch.Tensor) -> None:
+    """megatron-core's clipping (scale by clip / (norm + 1e-6) where that is below 1) without
+    reading the norm: the factor is clamped to 1 on the device and every gradient is scaled in
+    one foreach call (a factor of exactly 1 leaves it unchanged)."""
+    if grads:
+        # a true division, as megatron-core's float one (`clip / tensor` would take the
+        # reciprocal first and round twice)
+        factor = (norm.new_tensor(clip) / (norm + 1.0e-6)).clamp(max=1.0).reshape(())
+        torch._foreach_mul_(list(grads), factor)

@@ -34,6 +34,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
 from megatron_hexi.cuda_graphs import config_fields, rng_tracker_options, set_megatron_globals
+from megatron_hexi.fusions import Fusions
 from megatron_hexi.layer_specs import stage_block_spec, te_to_local_name
 from megatron_hexi.process_groups import SingleRank
 from planner.layout import canonical_shards, rank_param_shards
@@ -59,12 +60,15 @@ def stage_config(
     recompute: bool = False,
     transformer_impl: str = "local",
     attention_backend: str = "auto",
+    fusions: Fusions | None = None,
 ) -> TransformerConfig:
     """The TransformerConfig of one rank's stage (see the module docstring for the sizes).
     Under Transformer Engine it also carries the plan's attention backend, which megatron-core
     hands to TE's attention (megatron_hexi.layer_specs), and parameters are created on the GPU;
     the local spec picks its core attention from the spec instead and keeps megatron-core's
-    default. The plan's CUDA graphs (megatron_hexi.cuda_graphs) are the config's."""
+    default. The plan's CUDA graphs (megatron_hexi.cuda_graphs) are the config's. `fusions`:
+    the fused kernels that run (megatron_hexi.fusions.choose_fusions); None: none, the
+    reference layers."""
     m, tp = plan.model, view.tp_size
     kwargs: dict[str, object] = config_fields(plan.training)
     if transformer_impl == "transformer_engine":
@@ -101,12 +105,8 @@ def stage_config(
         # initialisation (its wrappers do so whether or not they initialise); on the GPU they
         # allocate only the shard, which initialise_weights fills
         use_cpu_initialization=transformer_impl != "transformer_engine",
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
         persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        **(fusions or Fusions()).config_fields(),
         sequence_parallel=view.sequence_parallel,
         batch_p2p_comm=False,
         deallocate_pipeline_outputs=False,

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
@@ -21,7 +20,8 @@ from megatron.core.optimizer.optimizer import (
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_hexi.grad_sync import global_norm
+from megatron_hexi.adam import adamw
+from megatron_hexi.grad_sync import clip_by_norm_, global_norm
 
 if TYPE_CHECKING:
     from megatron_hexi.config import RunConfig
@@ -36,24 +36,19 @@ class _ExactNormMixin:
         """This rank's owned gradient slices (views; some are strided column slices)."""
         return self.grad_sync.owned_grads()
 
-    def get_grad_norm(self) -> float:
-        """The exact global norm (grad_sync.global_norm), not megatron-core's multi-tensor one."""
+    def get_grad_norm(self) -> torch.Tensor:
+        """The exact global norm (grad_sync.global_norm), not megatron-core's multi-tensor one:
+        a device tensor, read at the step's end."""
         grads = self.get_main_grads_for_grad_norm()
         device = grads[0].device if grads else self.get_parameters()[0].device
         return global_norm(grads, device)
 
-    def clip_grad_norm(self, clip_grad: float) -> float:
-        """megatron-core's clipping (it scales the whole, contiguous gradients) with the exact
-        norm."""
+    def clip_grad_norm(self, clip_grad: float) -> torch.Tensor:
+        """megatron-core's clipping of the whole, contiguous gradients, with the exact norm and
+        without reading it (grad_sync.clip_by_norm_)."""
         grad_norm = self.get_grad_norm()
-        params = self.get_parameters()
-        if params:
-            clip_grad_by_total_norm_fp32(
-                params,
-                clip_grad,
-                grad_norm,
-                self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-            )
+        grads = [p.grad for p in self.get_parameters() if p.grad is not None]
+        clip_by_norm_(grads, clip_grad, grad_norm)
         return grad_norm
 
     def get_grad_stats_parallel_group(self) -> dist.ProcessGroup:
@@ -130,7 +125,7 @@ def build_optimizer(
             plan, grad_sync, core, plan.training.optimizer_shard, device, model
         )
     else:
-        inner = torch.optim.AdamW(
+        inner = adamw(
             param_groups(model.named_parameters()),
             lr=o.lr,
             weight_decay=o.weight_decay,

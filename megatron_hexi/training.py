@@ -31,6 +31,7 @@ from megatron_hexi.arguments import check_against_plan, parse_args, planning_inp
 from megatron_hexi.communicator import Boundary, StageCommunicator
 from megatron_hexi.cuda_graphs import check_cuda_graphs
 from megatron_hexi.exit_signal import ExitSignal
+from megatron_hexi.fusions import stage_fusions
 from megatron_hexi.grad_sync import FP32MainGrads, GradientSync
 from megatron_hexi.layer_specs import check_transformer_impl
 from megatron_hexi.loss import sharded_cross_entropy
@@ -48,6 +49,7 @@ from megatron_hexi.rank_mapping import check_world_size, map_processes
 from megatron_hexi.report import error_lines, prints, shown
 from megatron_hexi.run_paths import MetricsFile, check_run_paths
 from megatron_hexi.startup_plan import plan_at_start, resume_iteration
+from megatron_hexi.step_accounting import StepClock, batches_to_device, loss_mask_tokens
 from megatron_hexi.tensorboard_log import iteration_scalars, perplexity, validation_scalars
 from planner.catalog import get_gpu
 from planner.errors import SpecError
@@ -89,6 +91,15 @@ class Trainer:
         bf16 = config.precision.bf16
         dtype = torch.bfloat16 if bf16 else torch.float32
         backend, impl = plan.training.attention_backend, plan.training.transformer_impl
+        self.fusions = stage_fusions(
+            config.fusions,
+            device.type == "cuda",
+            plan.model,
+            bf16=bf16,
+            transformer_impl=impl,
+            holds_output=view.holds_output,
+        )
+        startup_line(self.fusions.line())
         tc = self.transformer_config = stage_config(
             plan,
             view,
@@ -98,6 +109,7 @@ class Trainer:
             recompute=plan.training.recompute,
             transformer_impl=impl,
             attention_backend=backend,
+            fusions=self.fusions,
         )
         self.model = build_stage_model(
             plan, view, self.groups.tp, tc, device, attention_backend=backend, transformer_impl=impl
@@ -187,29 +199,20 @@ class Trainer:
     ) -> None:
         """The global token count (its all-reduce started with the step), then the weighted
         segment sync. The pipeline's own time ends here: what follows is the data-parallel part
-        of the step."""
-        synchronize(self.device)
-        self._pipeline_end = time.perf_counter()
+        of the step. The count stays on the device (megatron_hexi.step_accounting)."""
+        self._clock.mark("pipeline_end")
         self._token_count.wait()
-        self.global_tokens = self._tokens.item()
-        if self.global_tokens <= 0:
-            raise RuntimeError("the global batch has no tokens with a loss mask")
         # the distributed optimizer is the sync's collective (reduce-scatter into its masters)
-        self.grad_sync.sync(self.global_tokens)
-        synchronize(self.device)
-        self._sync_end = time.perf_counter()
+        self.grad_sync.sync(self._tokens)
+        self._clock.mark("sync_end")
 
     def _start_token_count(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """Start the all-reduce of the global batch's loss-masked tokens before the forward
         pass: the output stages know their loss masks when they read their micro-batches, so
         the count travels while the pipeline computes, and gradient finalize only waits for it
         (the sum is exact: the same integers in float64 on every rank)."""
-        mine = (
-            sum(float(b["loss_mask"].sum()) for b in batches)
-            if (self.view.holds_output and self.view.tp_rank == 0)
-            else 0.0
-        )
-        self._tokens = torch.tensor([mine], dtype=torch.float64, device=self.device)
+        counts = self.view.holds_output and self.view.tp_rank == 0
+        self._tokens = loss_mask_tokens(batches if counts else [], self.device)
         self._token_count = dist.all_reduce(self._tokens, async_op=True)
 
     def _loss(
@@ -217,7 +220,12 @@ class Trainer:
     ) -> LossOutput:
         v = self.view
         per_token = sharded_cross_entropy(
-            logits.float(), labels, v.vocab[1], self.groups.tp, v.tp_size
+            logits.float(),
+            labels,
+            v.vocab[1],
+            self.groups.tp,
+            v.tp_size,
+            fused=self.fusions.cross_entropy_loss_fusion,
         )
         mask = loss_mask.float()
         loss_sum = (per_token * mask).sum()
@@ -231,7 +239,7 @@ class Trainer:
     def _forward_step(
         self, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
     ) -> tuple[torch.Tensor, Callable[[torch.Tensor], LossOutput] | None]:
-        v = self.view
+        v = self.view  # training batches are on the device already (train_step)
         batch = next(data_iterator) if (v.holds_embedding or v.holds_output) else None
         tokens = batch["tokens"].to(self.device) if v.holds_embedding else None
         positions = batch["position_ids"].to(self.device) if v.holds_embedding else None
@@ -256,41 +264,48 @@ class Trainer:
             if (v.holds_embedding or v.holds_output)
             else []
         )
+        # Nothing inside the step reads a value back from the device
+        # (megatron_hexi.step_accounting): its one wait and its one read come at its end.
+        batches = batches_to_device(batches, self.device)
+        self._clock = clock = StepClock(self.device)
+        clock.mark("start")
         self._start_token_count(batches)
-        data = iter(batches)
-        synchronize(self.device)
-        start = time.perf_counter()
-        store = self._schedule(data, forward_only=False)
-        pipeline_time = self._pipeline_end - start
+        store = self._schedule(iter(batches), forward_only=False)
         success, grad_norm, _ = self.optimizer.step()
         if not self.optimizer.config.clip_grad > 0.0:
             # megatron-core computes the norm only to clip (its bf16 optimizer returns 0.0)
             grad_norm = self.optimizer.get_grad_norm()
         self.scheduler.step(increment=1)
-        synchronize(self.device)  # queued optimizer work belongs to this step
-        step_time = time.perf_counter() - start
-        # One small all-reduce: loss sum (last stages, TP rank 0), each rank's times and memory.
-        # The grad norm is all-reduced already: the same on every rank.
+        clock.mark("end")
+        clock.wait("end")  # queued optimizer work belongs to this step
+        # One small all-reduce: loss sum (last stages, TP rank 0), each rank's times and memory;
+        # the token count and the grad norm are all-reduced already (the same on every rank).
         world = self.plan.world_size
         stats = torch.zeros(1 + 4 * world, dtype=torch.float64, device=self.device)
-        if v.holds_output and v.tp_rank == 0:
-            stats[0] = float(sum(s["lm loss"][0] for s in store))
+        if v.holds_output and v.tp_rank == 0 and store:
+            stats[0] = torch.stack([s["lm loss"][0] for s in store]).sum()
         per_rank = stats[1:].view(4, world)
-        per_rank[0, self.rank] = pipeline_time
-        per_rank[1, self.rank] = step_time
+        per_rank[0, self.rank] = clock.seconds("start", "pipeline_end")
+        per_rank[1, self.rank] = clock.seconds("start", "end")
         per_rank[2, self.rank] = peak_memory_gb(self.device)
         # end of this rank's last backward to the end of its gradient sync
-        per_rank[3, self.rank] = self._sync_end - self._pipeline_end
+        per_rank[3, self.rank] = clock.seconds("pipeline_end", "sync_end")
         dist.all_reduce(stats)
-        loss = stats[0].item() / self.global_tokens
-        pipelines = [max(per_rank[0, r].item() for r in p.ranks) for p in self.plan.pipelines]
+        norm = torch.as_tensor(grad_norm, dtype=torch.float64, device=self.device).reshape(1)
+        read = torch.cat([stats, self._tokens, norm]).tolist()  # the step's one read
+        loss_sum, per_rank_values = read[0], read[1 : 1 + 4 * world]
+        self.global_tokens, norm_value = read[-2], read[-1]
+        if self.global_tokens <= 0:
+            raise RuntimeError("the global batch has no tokens with a loss mask")
+        times = [per_rank_values[k * world : (k + 1) * world] for k in range(4)]
+        pipelines = [max(times[0][r] for r in p.ranks) for p in self.plan.pipelines]
         return {
-            "lm_loss": loss,
-            "grad_norm": float(grad_norm),
+            "lm_loss": loss_sum / self.global_tokens,
+            "grad_norm": norm_value,
             "success": bool(success),
-            "step_time_s": per_rank[1].max().item(),
-            "grad_sync_exposed_s": per_rank[3].max().item(),
-            "peak_memory_gb": per_rank[2].tolist(),
+            "step_time_s": max(times[1]),
+            "grad_sync_exposed_s": max(times[3]),
+            "peak_memory_gb": times[2],
             "pipelines": pipelines,
             "tokens": self.global_tokens,
             "lr": self.optimizer.param_groups[0]["lr"],

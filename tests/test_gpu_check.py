@@ -231,3 +231,18 @@ def test_skips_say_why():
         "hexi-eager-1x8",
         "megatron-eager-1x8",
     )
+
+
+def test_eager_flags_turn_every_fusion_off():
+    """The eager variant's pretrain_gpt.py flags give FusionConfig with every fusion off."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check_train", REPO / "tools" / "bench" / "_gpu_check_train.py"
+    )
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    from megatron_hexi.arguments import parse_args, run_config
+
+    required = ["--hetero-plan-path", "p.json", "--train-iters", "3", "--lr", "1e-3", "--mock-data"]
+    assert run_config(parse_args(required)).fusions == train.fusion_config(True)
+    eager = run_config(parse_args(required + list(train.EAGER_FLAGS))).fusions
+    assert eager == train.fusion_config(False)

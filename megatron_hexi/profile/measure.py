@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_hexi.grad_sync import param_grad
+from megatron_hexi.config import FusionConfig
+from megatron_hexi.fusions import stage_fusions
+from megatron_hexi.grad_sync import FP32MainGrads, param_grad
 from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.model import build_stage_model, stage_config
 from planner.attention import CLI_DEFAULT_BACKEND
@@ -115,13 +117,28 @@ class Stage:
         attention_backend: str,
     ) -> None:
         plan = types.SimpleNamespace(model=model)
-        self.cfg = stage_config(plan, view, params_dtype=dtype, recompute=recompute)
+        bf16 = dtype == torch.bfloat16
+        # the fused kernels training runs on this device (megatron_hexi.fusions)
+        fusions = stage_fusions(
+            FusionConfig(),
+            device.type == "cuda",
+            model,
+            bf16=bf16,
+            transformer_impl="local",
+            holds_output=view.holds_output,
+        )
+        self.cfg = stage_config(
+            plan, view, params_dtype=dtype, recompute=recompute, fusions=fusions
+        )
         self.net = build_stage_model(
             plan, view, group or _world(), self.cfg, device, attention_backend=attention_backend
         )
         with torch.no_grad():
             for p in self.net.parameters():
                 p.normal_(0.0, 0.02) if p.ndim > 1 else p.fill_(1.0)
+        # bf16: gradients accumulate in fp32 `main_grad`, as in training (and as the gradient-
+        # accumulation fusion needs)
+        self.main_grads = FP32MainGrads(self.net.parameters()) if bf16 else None
         self.view, self.model, self.device, self.dtype = view, model, device, dtype
         s, h = model.seq_length, model.hidden_size
         gen = torch.Generator().manual_seed(1)

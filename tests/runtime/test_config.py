@@ -207,10 +207,7 @@ def test_every_flag_maps_onto_the_run_config():
         fields = {k for k in base if changed[k] != base[k]}
         assert fields, f"--{dest.replace('_', '-')} does not change the RunConfig"
         reached |= fields
-    # FusionConfig's fields have no flags yet (the --no-*-fusion flags come with the runtime
-    # that honours them)
-    unreached = {k for k in base if k.startswith("fusions.")}
-    assert reached == base.keys() - unreached, sorted(base.keys() - reached)
+    assert reached == base.keys(), sorted(base.keys() - reached)
 
 
 def test_defaults_are_the_flag_defaults():

@@ -4,9 +4,10 @@ The gradient norm counts each element once, on the owner of its segment; where a
 another TP shape cuts `linear_proj` or `linear_fc2` along their input dimension, an owned slice is a
 column range, a strided view. apex's and Transformer Engine's fused l2norm/scale kernels refuse
 strided tensors; megatron-core's CPU fallback takes them, so on CPU only a strict stand-in shows
-the difference. The norm reads those slices in place (grad_sync.global_norm, no multi-tensor
-kernel); clipping scales the whole gradients through megatron-core's kernels. With clipping
-active (--clip-grad far below the norm) the run must still match one rank.
+the difference. The norm reads those slices in place (grad_sync.global_norm: torch's
+`_foreach_norm`, which reads strided tensors one by one); clipping scales the whole gradients
+(one `_foreach_mul_`, grad_sync.clip_by_norm_). With clipping active (--clip-grad far below the
+norm) the run must still match one rank.
 """
 
 import pytest

@@ -214,8 +214,9 @@ class NonContiguousKernelInput(RuntimeError):
 
 
 def train_strict_kernels(plan_path, extra_flags=()):
-    """`train` with megatron-core's multi-tensor entry points (the l2norm and scale kernels of
-    grad clipping, the optimizer's copies) replaced by a stand-in that raises on any
+    """`train` with the multi-tensor entry points (megatron-core's l2norm, scale and copy
+    kernels, and torch's `_foreach_mul_`, which scales the gradients when clipping: its fast
+    CUDA path takes dense tensors only) replaced by a stand-in that raises on any
     non-contiguous tensor, as the fused CUDA kernels do; the CPU fallback accepts them, so the
     CPU suite could not otherwise see such inputs. Adds, summed over the ranks: the stand-in's
     calls and tensors, and how many owned gradient slices are strided views of their
@@ -243,6 +244,9 @@ def train_strict_kernels(plan_path, extra_flags=()):
 
     for module in (clip_grads, optimizer):
         module.multi_tensor_applier = strict(module.multi_tensor_applier)
+    foreach_mul = strict(lambda op, noop_flag, tensor_lists, *args: op(*tensor_lists, *args))
+    real_mul = torch._foreach_mul_
+    torch._foreach_mul_ = lambda tensors, scalar: foreach_mul(real_mul, None, [tensors], scalar)
     made = _record_trainers()
     out = train(plan_path, extra_flags=extra_flags)
     trainer = made[0]

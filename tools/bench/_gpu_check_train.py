@@ -54,6 +54,16 @@ def fusion_fields():
     return [f.name for f in dataclasses.fields(FusionConfig)]
 
 
+EAGER_FLAGS = (
+    "--no-bias-swiglu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-gradient-accumulation-fusion",
+)
+"""pretrain_gpt.py's flags that turn every fusion of FusionConfig off (the eager variant)."""
+
+
 def fusion_config(on):
     """FusionConfig's defaults (`on`), or every fusion off (the eager variant)."""
     from megatron_hexi.config import FusionConfig
@@ -80,9 +90,8 @@ def train_runtime(argv):
     on, record, profile_at, args = argv[0] == "on", Path(argv[1]), int(argv[2]), argv[3:]
     from megatron_hexi import training
 
-    fusions = fusion_config(on)
-    flags_to_config = training.run_config
-    training.run_config = lambda a: dataclasses.replace(flags_to_config(a), fusions=fusions)
+    if not on:  # Megatron-LM's switches; the fused cross-entropy is off by default
+        args = [*args, *EAGER_FLAGS]
     build, step = training.Trainer.__init__, training.Trainer.train_step
 
     def init(self, *a, **k):
