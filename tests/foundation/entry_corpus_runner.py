@@ -24,6 +24,7 @@ import signal
 import sys
 import tempfile
 import traceback
+from typing import NamedTuple
 
 EXTRA_ADDRESS_SPACE = 1024 * 2**20  # a GB on top of the imported torch and megatron-core
 CPU_SECONDS = 20
@@ -31,7 +32,8 @@ WALL_SECONDS = 120
 NOBODY = 65534
 
 
-def _mapped_bytes():
+def mapped_bytes():
+    """This process's address space, which a forked child starts with."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmSize:"):
@@ -53,21 +55,33 @@ def load_entry(entry):
     return getattr(importlib.import_module(where), func)
 
 
-def _child(function, argv, out_fd, err_fd, address_space, unprivileged):
+class Limits(NamedTuple):
+    """What one case may use: address space, CPU seconds (soft: SIGXCPU; hard: SIGKILL) and
+    wall seconds (SIGALRM: a safety net for a child that waits instead of computing)."""
+
+    address_space: int
+    cpu_soft: int
+    cpu_hard: int
+    wall: int
+
+
+def _child(function, argv, out_fd, err_fd, limits, unprivileged, env):
     code = 1
     try:
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
+        # whatever sys.stdout/err were (a test runner's capture), write to the case's files
         sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
         sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+        os.environ.update(env)
         if unprivileged and os.geteuid() == 0:
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
-        # soft limit: SIGXCPU (a hang); the hard limit's SIGKILL only if that is ignored
-        resource.setrlimit(resource.RLIMIT_CPU, (CPU_SECONDS, CPU_SECONDS + 5))
-        signal.alarm(WALL_SECONDS)
+        resource.setrlimit(resource.RLIMIT_AS, (limits.address_space, limits.address_space))
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_soft, limits.cpu_hard))
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(limits.wall)
         code = function(argv)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
@@ -80,13 +94,15 @@ def _child(function, argv, out_fd, err_fd, address_space, unprivileged):
         os._exit(code if isinstance(code, int) else 1)
 
 
-def run_case(function, argv, address_space, unprivileged=False):
+def run_case(function, argv, limits, unprivileged=False, env=None):
+    """`function(argv)` in a forked child under `limits`: its exit code (negative: killed by
+    that signal), stdout, stderr, CPU seconds and peak resident memory."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _child(function, argv, out.fileno(), err.fileno(), address_space, unprivileged)
+            _child(function, argv, out.fileno(), err.fileno(), limits, unprivileged, env or {})
         _, status, usage = os.wait4(pid, 0)
         code = os.waitstatus_to_exitcode(status)
         out.seek(0)
@@ -108,13 +124,15 @@ def main(cases_path, results_path):
         importlib.import_module(module)
     functions = {c["entry"]: load_entry(c["entry"]) for c in spec["cases"]}
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    address_space = _mapped_bytes() + EXTRA_ADDRESS_SPACE
+    # soft CPU limit: SIGXCPU (a hang); the hard limit's SIGKILL only if that is ignored
+    address_space = mapped_bytes() + EXTRA_ADDRESS_SPACE
+    limits = Limits(address_space, CPU_SECONDS, CPU_SECONDS + 5, WALL_SECONDS)
     results = {"_base_rss_mb": base_rss, "_extra_address_space_mb": EXTRA_ADDRESS_SPACE / 2**20}
     for case in spec["cases"]:
         results[case["id"]] = run_case(
             functions[case["entry"]],
             [str(a) for a in case["argv"]],
-            address_space,
+            limits,
             case.get("unprivileged", False),
         )
     with open(results_path, "w") as f:

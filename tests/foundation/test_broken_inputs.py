@@ -420,20 +420,16 @@ def test_runner_catches_a_traceback_and_a_memory_blowup(tmp_path):
         import cli_corpus_runner as runner
     finally:
         sys.path.remove(str(HERE))
-    import planner.cli
-
-    real_main = planner.cli.main
-    try:
-        planner.cli.main = lambda argv: len(bytearray(2 * runner.EXTRA_ADDRESS_SPACE))
-        blowup = runner.run_case(
-            ["validate", "x"], runner._mapped_bytes() + runner.EXTRA_ADDRESS_SPACE
-        )
-        planner.cli.main = lambda argv: 1 // 0
-        crash = runner.run_case(
-            ["validate", "x"], runner._mapped_bytes() + runner.EXTRA_ADDRESS_SPACE
-        )
-    finally:
-        planner.cli.main = real_main
+    limits = runner.Limits(
+        runner.mapped_bytes() + runner.EXTRA_ADDRESS_SPACE,
+        runner.CPU_SECONDS,
+        runner.CPU_SECONDS,
+        runner.WALL_SECONDS,
+    )
+    blowup = runner.run_case(
+        lambda argv: len(bytearray(2 * runner.EXTRA_ADDRESS_SPACE)), ["validate", "x"], limits
+    )
+    crash = runner.run_case(lambda argv: 1 // 0, ["validate", "x"], limits)
     assert blowup["exit"] == 1 and "MemoryError" in blowup["stderr"], blowup
     assert crash["exit"] == 1 and "Traceback" in crash["stderr"], crash
 

@@ -31,8 +31,9 @@ def _refuse(argv):
 
 
 def test_each_failure_has_its_category(tmp_path, monkeypatch):
-    monkeypatch.setattr(runner, "CPU_SECONDS", 1)
-    limit = runner._mapped_bytes() + runner.EXTRA_ADDRESS_SPACE
+    limit = runner.Limits(
+        runner.mapped_bytes() + runner.EXTRA_ADDRESS_SPACE, 1, 6, runner.WALL_SECONDS
+    )
     kept = tmp_path / "kept"
     kept.write_text("x")
     case = Case("c", CONVERT, [], "--output")
