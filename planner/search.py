@@ -29,7 +29,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from planner import costmodel as cm
@@ -44,6 +44,7 @@ from planner.gradsync import (
     stage_timings,
     sync_time,
 )
+from planner.host import EAGER_LOCAL, LayerImpl
 from planner.layout import even_split, total_params
 from planner.plan import build_plan
 from planner.schedule import last_backward_ends
@@ -235,6 +236,7 @@ class Searcher:
         overlap_param_gather: bool = False,
         attention_backend: str = PLAN_DEFAULT_BACKEND,
         sequence_parallel: bool = False,
+        layer_impl: LayerImpl = EAGER_LOCAL,
     ):
         if recompute not in ("auto", "on", "off"):
             raise SpecError(f"--recompute: must be auto, on or off, got {recompute!r}")
@@ -245,6 +247,7 @@ class Searcher:
             )
         self.attention_backend = attention_backend
         self.sequence_parallel = sequence_parallel
+        self.layer_impl = layer_impl
         if overlap_param_gather and not use_distributed_optimizer:
             raise SpecError(PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER)
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -287,6 +290,7 @@ class Searcher:
                 self._fits,
                 self.attention_backend,
                 self.sequence_parallel,
+                self.layer_impl,
             )
         return self._contexts[key]
 
@@ -411,6 +415,7 @@ class Searcher:
                 self.overlap_param_gather,
                 attention_backend=self.attention_backend,
                 sequence_parallel=self.sequence_parallel,
+                layer_impl=self.layer_impl,
             )
         e = cand.estimate
         return (not e.fits_memory, e.iteration_time_s)
@@ -625,6 +630,7 @@ class Searcher:
                             self.overlap_param_gather,
                             attention_backend=self.attention_backend,
                             sequence_parallel=self.sequence_parallel,
+                            layer_impl=self.layer_impl,
                         )
                         key = (not e.fits_memory, e.iteration_time_s)
                         if best is None or key < best.key:
@@ -655,6 +661,7 @@ class Searcher:
                 overlap_param_gather=self.overlap_param_gather,
                 attention_backend=self.attention_backend,
                 sequence_parallel=self.sequence_parallel,
+                transformer_impl=self.layer_impl.transformer_impl,
             )
         elif fitting_uni is not None:
             # hexi keeps the uniform layout as one of its seeds: it never does worse
@@ -669,6 +676,7 @@ class Searcher:
                 overlap_param_gather=self.overlap_param_gather,
                 attention_backend=self.attention_backend,
                 sequence_parallel=self.sequence_parallel,
+                transformer_impl=self.layer_impl.transformer_impl,
             )
         else:
             raise SpecError(self.explain_infeasible(strategy))
@@ -816,8 +824,8 @@ def search_plan(
     runtime settings the plan is made for (written into its `training`, every candidate costed
     with them; with `sequence_parallel` only TP degrees dividing seq_length are laid out); the
     caller picks them (`overlap_by_default`, planner.attention.CLI_DEFAULT_BACKEND and sequence
-    parallelism on are the CLI's defaults). `transformer_impl` changes no cost
-    (planner.transformer_impl): the search never sees it, the plan records it."""
+    parallelism on are the CLI's defaults). `transformer_impl`: the layer spec the plan records
+    and costs (the host time of a layer pass, planner.host)."""
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise SpecError(
             f"--transformer-impl: must be one of {', '.join(TRANSFORMER_IMPLS)}, "
@@ -836,6 +844,7 @@ def search_plan(
         overlap_param_gather,
         attention_backend,
         sequence_parallel,
+        LayerImpl(transformer_impl),  # the plan's CUDA-graph setting joins here once plans have one
     )
     # The search allocates millions of small tuples and no reference cycles to speak of: the
     # cyclic collector's generation scans would cost up to a fifth of the time on large clusters.
@@ -846,7 +855,7 @@ def search_plan(
     finally:
         if enabled:
             gc.enable()
-    return replace(plan, training=replace(plan.training, transformer_impl=transformer_impl))
+    return plan
 
 
 __all__ = [

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 from planner import costmodel as cm
 from planner.attention import PLAN_DEFAULT_BACKEND
+from planner.host import EAGER_LOCAL, LayerImpl
 from planner.layout import proportional_split
 from planner.schedule import linear_fit, pipeline_time, window_period
 
@@ -110,8 +111,8 @@ class PipelineDraft:
 
 class Context:
     """Inputs and caches of one search for one (micro-batch, recompute, optimizer share) knob:
-    model, topology, batch knobs, the attention backend and sequence parallelism (one per
-    search); `fits` is shared by the search's contexts.
+    model, topology, batch knobs, the attention backend, sequence parallelism and the layer
+    implementation (one per search); `fits` is shared by the search's contexts.
 
     `optimizer_fraction`: the share of its optimizer state a rank is assumed to hold while
     stages are laid out (1, or 1/K for the distributed optimizer over K pipelines); the
@@ -127,8 +128,10 @@ class Context:
         fits: Fits,
         attention_backend: str = PLAN_DEFAULT_BACKEND,
         sequence_parallel: bool = False,
+        layer_impl: LayerImpl = EAGER_LOCAL,
     ):
         self.model, self.topo, self.mbs, self.recompute = model, topo, mbs, recompute
+        self.layer_impl = layer_impl
         self.attention_backend = attention_backend
         self.sequence_parallel = sequence_parallel
         self.optimizer_fraction = optimizer_fraction
@@ -161,7 +164,9 @@ class Context:
             "ffn": tuple(proportional_split(m.ffn_hidden_size, speeds)),
             "vocab": tuple(proportional_split(m.vocab_size, speeds)),
         }
-        costs = cm.group_costs(m, devs, topo.slowest(ranks), self.attention_backend)
+        costs = cm.group_costs(
+            m, devs, topo.slowest(ranks), self.attention_backend, self.layer_impl
+        )
         cf, tf, cb, tb = costs.layer_times(
             self.mbs, shards["query_groups"], shards["ffn"], self.recompute
         )

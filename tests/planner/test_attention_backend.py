@@ -111,7 +111,7 @@ def test_unfused_time_term_by_hand():
 
 
 @pytest.mark.parametrize("name", sorted(BEFORE))
-def test_old_plan_loads_as_unfused_and_costs_as_before(name):
+def test_old_plan_loads_as_unfused_and_costs_as_before(name, device_only):
     data = _example(name)
     assert "attention_backend" not in data["training"]
     plan = plan_from_dict(data)

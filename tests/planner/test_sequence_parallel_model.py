@@ -150,7 +150,7 @@ def test_boundary_leaves_out_the_all_gathers():
 
 
 @pytest.mark.parametrize("name,backend", sorted(BEFORE))
-def test_off_is_the_old_model(name, backend):
+def test_off_is_the_old_model(name, backend, device_only):
     data = _example(name)
     assert "sequence_parallel" not in data["training"]
     data = {**data, "training": {**data["training"], "attention_backend": backend}}
