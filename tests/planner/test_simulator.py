@@ -3,6 +3,7 @@
 import os
 
 import pytest
+from host_zero import zero_host_time
 
 from planner import costmodel as cm
 from planner import flops
@@ -15,7 +16,8 @@ from planner.simulator import simulate
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_single_gpu_by_hand(device_only):
+def test_single_gpu_by_hand(monkeypatch):
+    zero_host_time(monkeypatch)
     cl = load_cluster_dict(
         {
             "name": "one",
