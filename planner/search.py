@@ -46,6 +46,7 @@ from planner.gradsync import (
 )
 from planner.host import EAGER_LOCAL, LayerImpl
 from planner.layout import even_split, total_params
+from planner.neighbours import NeighbourContexts
 from planner.plan import build_plan
 from planner.schedule import last_backward_ends
 from planner.search_partition import (
@@ -274,6 +275,7 @@ class Searcher:
         self._contexts: dict[tuple[int, bool, float], Context] = {}
         self._fits: Fits = {}  # schedule fits by stage times
         self.simulations = SimulationCache()
+        self.neighbours = NeighbourContexts(self)
 
     # -------------------------------------------------------------------------------- helpers
     def context(self, mbs: int, rc: bool, K: int) -> Context:
@@ -475,6 +477,7 @@ class Searcher:
                         )
                         if polished is not None:
                             finals.append(polished)
+                finals += self.neighbours.candidates(cands, mbs, rc, big)
                 for cand in finals:
                     if best is None or self.score(cand) < self.score(best):
                         best = cand
