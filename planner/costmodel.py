@@ -21,6 +21,7 @@ from planner.attention import PLAN_DEFAULT_BACKEND, keeps_scores, unfused_attent
 from planner.catalog import get_gpu
 from planner.errors import SpecError
 from planner.flops import attention_flops, head_flops, mlp_flops
+from planner.host import EAGER_LOCAL, HostCosts, LayerImpl, host_costs
 from planner.layout import stage_params
 from planner.profile import MeasuredCosts, ProfiledDevice, attach, read_profile
 
@@ -411,13 +412,16 @@ class StageCost:
     layer_tp_fwd: float
     fwd: float
     bwd: float
-    compute: float  # fwd + bwd compute only (incl. recompute)
+    compute: float  # fwd + bwd compute only (incl. recompute and the wait for the host)
     tp_comm: float  # fwd + bwd TP all-reduce time
+    host_wait: float = 0.0  # the part of `compute` the device waits for its host (planner.host)
 
 
 class AnalyticCosts:
     """Per micro-batch costs of a TP group from FLOPs at each device's sustained rate and ring
-    collectives on the group's slowest link."""
+    collectives on the group's slowest link; a layer pass takes at least its host time
+    (planner.host) for the layer implementation `layer_impl` on GPUs (a CPU has no separate
+    host)."""
 
     def __init__(
         self,
@@ -425,21 +429,34 @@ class AnalyticCosts:
         devices: Sequence[Device],
         tp_link: tuple[float, float],
         attention_backend: str = PLAN_DEFAULT_BACKEND,
+        layer_impl: LayerImpl = EAGER_LOCAL,
     ):
         self.m, self.devices, self.tp_link = m, devices, tp_link
         self.unfused = keeps_scores(attention_backend)
+        self.host: HostCosts | None = host_costs(layer_impl)
+        if any(d.name == "CPU" for d in devices):
+            self.host = None
 
     def layer_times(
         self, mbs: int, qg: Sequence[int], ffn: Sequence[int], recompute: bool
     ) -> tuple[float, float, float, float]:
-        """(compute_fwd, tp_comm_fwd, compute_bwd, tp_comm_bwd) of one layer.
+        """(compute_fwd, tp_comm_fwd, compute_bwd, tp_comm_bwd) of one layer (`layer_split`)."""
+        return self.layer_split(mbs, qg, ffn, recompute)[:4]
+
+    def layer_split(
+        self, mbs: int, qg: Sequence[int], ffn: Sequence[int], recompute: bool
+    ) -> tuple[float, float, float, float, float, float]:
+        """(compute_fwd, tp_comm_fwd, compute_bwd, tp_comm_bwd, host_wait_fwd, host_wait_bwd)
+        of one layer; the compute includes the host wait.
 
         Each TP rank computes its share: attention in proportion to its query groups, the MLP
         to its FFN columns; the group waits for the slowest rank at each of the two all-reduces
         per pass (after attention and after the MLP, [s, b, h] bf16 each). Backward = 2 x
         forward compute and 2 all-reduces; full recompute adds one forward (compute and its
         all-reduces) to backward. Unfused attention adds its score traffic
-        (`unfused_attention_times`) to each rank's attention share.
+        (`unfused_attention_times`) to each rank's attention share. A pass lasts at least its
+        host time: where the device (compute + TP all-reduces) is faster, the compute is
+        lengthened by the wait for the host (host_wait).
         """
         m, devices = self.m, self.devices
         g, f = m.num_query_groups, m.ffn_hidden_size
@@ -461,7 +478,11 @@ class AnalyticCosts:
             cb, tb = 2 * cf, 2 * ar
         if recompute:
             cb, tb = cb + cf, tb + tf
-        return cf, tf, cb, tb
+        wf = wb = 0.0
+        if self.host is not None:
+            hf, hb = self.host.layer_pass(recompute)
+            wf, wb = max(0.0, hf - tf - cf), max(0.0, hb - tb - cb)
+        return cf + wf, tf, cb + wb, tb, wf, wb
 
     def embedding_times(self, mbs: int) -> tuple[float, float]:
         """(fwd, bwd) of the vocab-parallel embedding: one all-reduce of [s, b, h] in forward."""
@@ -498,14 +519,17 @@ def group_costs(
     devices: Sequence[Device],
     tp_link: tuple[float, float],
     attention_backend: str = PLAN_DEFAULT_BACKEND,
+    layer_impl: LayerImpl = EAGER_LOCAL,
 ) -> AnalyticCosts | MeasuredCosts:
     """The cost source of one TP group, chosen once: measured times (planner.profile) when a
     device carries a detailed profile, else FLOPs and ring collectives (`AnalyticCosts`). Both
     answer layer_times, embedding_times, head_times and extra. `attention_backend`: the plan's;
-    an unfused one adds its score traffic wherever a layer is timed from FLOPs."""
+    an unfused one adds its score traffic wherever a layer is timed from FLOPs. `layer_impl`:
+    how layers run (planner.host), which sets the host time of a layer pass timed from FLOPs
+    (a measured layer time holds its own)."""
     if any(d.profile is not None for d in devices):
-        return MeasuredCosts(m, devices, tp_link, attention_backend)
-    return AnalyticCosts(m, devices, tp_link, attention_backend)
+        return MeasuredCosts(m, devices, tp_link, attention_backend, layer_impl)
+    return AnalyticCosts(m, devices, tp_link, attention_backend, layer_impl)
 
 
 def stage_cost(
@@ -519,10 +543,18 @@ def stage_cost(
     tp_link: tuple[float, float],
     recompute: bool,
     attention_backend: str = PLAN_DEFAULT_BACKEND,
+    layer_impl: LayerImpl = EAGER_LOCAL,
 ) -> StageCost:
     """StageCost of a stage holding `n_layers` layers (+ embedding if first, + head if last)."""
-    costs = group_costs(m, devices, tp_link, attention_backend)
-    cf, tf, cb, tb = costs.layer_times(mbs, shards["query_groups"], shards["ffn"], recompute)
+    costs = group_costs(m, devices, tp_link, attention_backend, layer_impl)
+    wait = 0.0
+    if isinstance(costs, AnalyticCosts):
+        cf, tf, cb, tb, wf, wb = costs.layer_split(
+            mbs, shards["query_groups"], shards["ffn"], recompute
+        )
+        wait = n_layers * (wf + wb)
+    else:
+        cf, tf, cb, tb = costs.layer_times(mbs, shards["query_groups"], shards["ffn"], recompute)
     fwd, bwd = n_layers * (cf + tf), n_layers * (cb + tb)
     compute, tp = n_layers * (cf + cb), n_layers * (tf + tb)
     if first:
@@ -538,7 +570,7 @@ def stage_cost(
         compute, tp = compute + 3 * c, tp + (hf - c) + (hb - 2 * c)
     xf, xb = costs.extra(mbs, shards["vocab"], first)  # measured: embedding compute, overhead
     fwd, bwd, compute = fwd + xf, bwd + xb, compute + xf + xb
-    return StageCost(cf, tf, fwd, bwd, compute, tp)
+    return StageCost(cf, tf, fwd, bwd, compute, tp, wait)
 
 
 # ---------------------------------------------------------------------------------------- memory

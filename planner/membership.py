@@ -53,7 +53,7 @@ def plan_for(
 ) -> Plan:
     """The searched plan; SpecError (naming what is missing) when nothing fits. With CUDA graphs
     the search plans without recompute (graphs cannot capture it: planner.cuda_graphs), and the
-    plan records the graphs."""
+    plan records and costs the graphs."""
     graphs = options.cuda_graph_impl != PLAN_DEFAULT_GRAPH_IMPL
     if graphs and options.recompute == "on":
         raise SpecError(
@@ -65,7 +65,7 @@ def plan_for(
             f"--overlap-param-gather: --cuda-graph-impl {options.cuda_graph_impl} cannot run "
             "the overlapped parameter gather's forward pre-hooks"
         )
-    plan = search_plan(
+    return search_plan(
         cluster,
         with_seq_length(model, options.seq_length),
         options.global_batch_size,
@@ -80,13 +80,9 @@ def plan_for(
         attention_backend=options.attention_backend,
         sequence_parallel=options.sequence_parallel,
         transformer_impl=options.transformer_impl,
-    )
-    training = replace(
-        plan.training,
         cuda_graph_impl=options.cuda_graph_impl,
         cuda_graph_scope=options.cuda_graph_scope,
     )
-    return replace(plan, training=training)
 
 
 def present_cluster(cluster: ClusterSpec, processes: Mapping[str, int]) -> ClusterSpec:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from planner.attention import PLAN_DEFAULT_BACKEND, keeps_scores, unfused_attention_times
 from planner.errors import SpecError
 from planner.flops import attention_flops, attention_fraction, head_flops, mlp_flops
+from planner.host import EAGER_LOCAL, HostCosts, LayerImpl, host_costs
 from planner.inputs import is_number, read_json
 
 if TYPE_CHECKING:
@@ -192,6 +193,7 @@ class DeviceProfile:
             if data.get("head")
             else None
         )
+        self.host = _host_costs(data["layer"], path)
         rt = data.get("runtime") or {}
         self.per_microbatch_s = float(rt.get("per_microbatch_s", 0.0))
         self.per_step_s = float(rt.get("per_step_s", 0.0))
@@ -277,6 +279,22 @@ class ProfiledDevice:
         self.profile, self.slowdown = profile, slowdown
 
 
+def _host_costs(rows: Sequence[Mapping[str, Any]], path: str) -> HostCosts | None:
+    """The host time per layer pass a profile measured (its layer rows' `host_fwd_s` and
+    `host_bwd_s`, the fastest over the grid: host time does not grow with the shard or the
+    micro-batch), or None for a profile written before hexi-profile measured it."""
+    if not rows or not all(is_number(r.get("host_fwd_s")) for r in rows):
+        return None
+    if not all(is_number(r.get("host_bwd_s")) for r in rows):
+        return None
+    return HostCosts(
+        min(float(r["host_fwd_s"]) for r in rows),
+        min(float(r["host_bwd_s"]) for r in rows),
+        0.0,
+        f"measured: profile {path}",
+    )
+
+
 @lru_cache(maxsize=None)
 def _profile_of(path: str) -> DeviceProfile:
     return DeviceProfile(read_profile(path), path)
@@ -308,8 +326,19 @@ class MeasuredCosts:
         devices: Sequence[Device],
         tp_link: Sequence[float],
         attention_backend: str = PLAN_DEFAULT_BACKEND,
+        layer_impl: LayerImpl = EAGER_LOCAL,
     ):
         self.m, self.devices, self.tp_link = m, devices, tuple(tp_link)
+        # a GPU whose layers are timed from FLOPs waits for its host: the host time its
+        # profile measured (eager runs), else the catalog's for the implementation
+        self.host = [
+            None
+            if d.name == "CPU" or (d.profile is not None and d.profile.profile.is_cpu)
+            else d.profile.profile.host
+            if d.profile is not None and d.profile.profile.host and not layer_impl.cuda_graphs
+            else host_costs(layer_impl)
+            for d in devices
+        ]
         # an unfused backend's score traffic is added where a layer is timed from FLOPs; a
         # measured layer time holds whatever its attention moved
         self.unfused = keeps_scores(attention_backend)
@@ -326,7 +355,7 @@ class MeasuredCosts:
         m = self.m
         g, f = m.num_query_groups, m.ffn_hidden_size
         cf = cb = 0.0
-        for q, x, dev, pd in zip(qg, ffn, self.devices, self.measured):
+        for q, x, dev, pd, host in zip(qg, ffn, self.devices, self.measured, self.host):
             if pd is not None:
                 s = pd.profile.share(q / g, x / f)
                 fw = pd.profile.layer("fwd_s", s, mbs) * pd.slowdown
@@ -342,6 +371,9 @@ class MeasuredCosts:
                     fw, bw = fw + xf, bw + xb
                 if recompute:
                     bw += fw
+                if host is not None:  # a pass lasts at least its host time (planner.host)
+                    hf, hb = host.layer_pass(recompute)
+                    fw, bw = max(fw, hf), max(bw, hb)
             cf, cb = max(cf, fw), max(cb, bw)
         t, prof = len(self.devices), self.comm
         if t > 1 and prof.in_situ_tp(m, t, self.tp_link):

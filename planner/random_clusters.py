@@ -69,3 +69,32 @@ def scaled_cluster(num_gpus: int, types: int = 4, nic: str = "100 Gbit/s") -> Cl
                 }
             )
     return load_cluster_dict({"name": f"scaled-{num_gpus}", "nodes": groups})
+
+
+# The mixed-NIC shape: (catalog GPU, GPUs per machine, intra-node link, NIC), in equal GPU shares.
+MIXED_SHAPES = [
+    ("A100-SXM-80GB", 8, "nvlink", "200 Gbit/s"),
+    ("A100-SXM-80GB", 4, "nvlink", "100 Gbit/s"),
+    ("RTX-4090", 8, "host", "25 Gbit/s"),
+    ("RTX-3090", 8, "host", "10 Gbit/s"),
+]
+
+
+def mixed_nic_cluster(num_gpus: int) -> ClusterSpec:
+    """num_gpus GPUs (a multiple of 32) of MIXED_SHAPES in equal shares: four machine kinds on
+    four NIC speeds, the shape where the search has the most distinct machine kinds to order."""
+    if num_gpus % 32:
+        raise ValueError(f"mixed_nic_cluster: {num_gpus} GPUs is not a multiple of 32")
+    share = num_gpus // len(MIXED_SHAPES)
+    groups = [
+        {
+            "name": f"m{i}",
+            "gpu": gpu,
+            "gpus_per_node": per,
+            "count": share // per,
+            "intra_node": intra,
+            "nic": nic,
+        }
+        for i, (gpu, per, intra, nic) in enumerate(MIXED_SHAPES)
+    ]
+    return load_cluster_dict({"name": f"mixed-{num_gpus}", "nodes": groups})

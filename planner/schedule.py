@@ -279,21 +279,34 @@ def steady_period(
     system. A slow link between two stages therefore slows the steady state, not only the
     pipeline fill.
     """
-    p = len(fwd)
+    return window_period([f + b for f, b in zip(fwd, bwd)], [f + b for f, b in zip(xfer_f, xfer_b)])
+
+
+# (lower, upper, window length) index arrays of every window of p stages, by p
+_WINDOWS: dict[int, tuple[Any, Any, Any]] = {}
+
+
+def window_period(w: Sequence[float], x: Sequence[float]) -> float:
+    """`steady_period` from each stage's forward + backward time `w` and each boundary's
+    transfers both ways `x` (the search keeps these sums; the same value, bit for bit)."""
+    p = len(w)
     if p > 16:  # O(p^2) windows at once
-        w = np.asarray(fwd, float) + np.asarray(bwd, float)
-        x = np.asarray(xfer_f, float) + np.asarray(xfer_b, float)
-        s = np.concatenate(([0.0], np.cumsum(w)))
-        c = np.concatenate(([0.0], np.cumsum(x)))  # c[z] - c[a]: boundaries a..z-1
-        lo, hi = np.triu_indices(p)  # every window lo..hi
-        return float(((s[hi + 1] - s[lo] + c[hi] - c[lo]) / (hi - lo + 1)).max())
+        got = _WINDOWS.get(p)
+        if got is None:
+            lo, hi = np.triu_indices(p)  # every window lo..hi
+            got = _WINDOWS[p] = (lo, hi, hi - lo + 1)
+        lo, hi, n = got
+        s = np.concatenate(([0.0], np.cumsum(np.asarray(w, float))))
+        c = np.concatenate(([0.0], np.cumsum(np.asarray(x, float))))  # boundaries a..z-1
+        return float(((s[hi + 1] - s[lo] + c[hi] - c[lo]) / n).max())
     best = 0.0
     for a in range(p):
-        acc = 0.0
-        for z in range(a, p):
-            acc += fwd[z] + bwd[z]
-            if z > a:
-                acc += xfer_f[z - 1] + xfer_b[z - 1]
+        acc = w[a]
+        if acc > best:
+            best = acc
+        for z in range(a + 1, p):
+            acc += w[z]
+            acc += x[z - 1]
             mean = acc / (z - a + 1)
             if mean > best:
                 best = mean

@@ -29,12 +29,13 @@ import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from planner import costmodel as cm
 from planner.attention import ATTENTION_BACKENDS, PLAN_DEFAULT_BACKEND, keeps_scores
 from planner.cli_args import PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER
+from planner.cuda_graphs import PLAN_DEFAULT_GRAPH_IMPL
 from planner.errors import SpecError
 from planner.gradsync import (
     StageLayout,
@@ -44,7 +45,9 @@ from planner.gradsync import (
     stage_timings,
     sync_time,
 )
+from planner.host import EAGER_LOCAL, LayerImpl, layer_impl
 from planner.layout import even_split, total_params
+from planner.neighbours import NeighbourContexts
 from planner.plan import build_plan
 from planner.schedule import last_backward_ends
 from planner.search_partition import (
@@ -235,6 +238,9 @@ class Searcher:
         overlap_param_gather: bool = False,
         attention_backend: str = PLAN_DEFAULT_BACKEND,
         sequence_parallel: bool = False,
+        layer_impl: LayerImpl = EAGER_LOCAL,
+        cuda_graph_impl: str = PLAN_DEFAULT_GRAPH_IMPL,
+        cuda_graph_scope: tuple[str, ...] = (),
     ):
         if recompute not in ("auto", "on", "off"):
             raise SpecError(f"--recompute: must be auto, on or off, got {recompute!r}")
@@ -245,6 +251,10 @@ class Searcher:
             )
         self.attention_backend = attention_backend
         self.sequence_parallel = sequence_parallel
+        self.layer_impl = layer_impl
+        # recorded in the plan; `layer_impl` says what they cost (planner.host.layer_impl)
+        self.cuda_graph_impl = cuda_graph_impl
+        self.cuda_graph_scope = cuda_graph_scope
         if overlap_param_gather and not use_distributed_optimizer:
             raise SpecError(PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER)
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -271,6 +281,7 @@ class Searcher:
         self._contexts: dict[tuple[int, bool, float], Context] = {}
         self._fits: Fits = {}  # schedule fits by stage times
         self.simulations = SimulationCache()
+        self.neighbours = NeighbourContexts(self)
 
     # -------------------------------------------------------------------------------- helpers
     def context(self, mbs: int, rc: bool, K: int) -> Context:
@@ -287,6 +298,7 @@ class Searcher:
                 self._fits,
                 self.attention_backend,
                 self.sequence_parallel,
+                self.layer_impl,
             )
         return self._contexts[key]
 
@@ -411,6 +423,7 @@ class Searcher:
                 self.overlap_param_gather,
                 attention_backend=self.attention_backend,
                 sequence_parallel=self.sequence_parallel,
+                layer_impl=self.layer_impl,
             )
         e = cand.estimate
         return (not e.fits_memory, e.iteration_time_s)
@@ -470,6 +483,7 @@ class Searcher:
                         )
                         if polished is not None:
                             finals.append(polished)
+                finals += self.neighbours.candidates(cands, mbs, rc, big)
                 for cand in finals:
                     if best is None or self.score(cand) < self.score(best):
                         best = cand
@@ -625,6 +639,7 @@ class Searcher:
                             self.overlap_param_gather,
                             attention_backend=self.attention_backend,
                             sequence_parallel=self.sequence_parallel,
+                            layer_impl=self.layer_impl,
                         )
                         key = (not e.fits_memory, e.iteration_time_s)
                         if best is None or key < best.key:
@@ -655,6 +670,9 @@ class Searcher:
                 overlap_param_gather=self.overlap_param_gather,
                 attention_backend=self.attention_backend,
                 sequence_parallel=self.sequence_parallel,
+                transformer_impl=self.layer_impl.transformer_impl,
+                cuda_graph_impl=self.cuda_graph_impl,
+                cuda_graph_scope=self.cuda_graph_scope,
             )
         elif fitting_uni is not None:
             # hexi keeps the uniform layout as one of its seeds: it never does worse
@@ -669,6 +687,9 @@ class Searcher:
                 overlap_param_gather=self.overlap_param_gather,
                 attention_backend=self.attention_backend,
                 sequence_parallel=self.sequence_parallel,
+                transformer_impl=self.layer_impl.transformer_impl,
+                cuda_graph_impl=self.cuda_graph_impl,
+                cuda_graph_scope=self.cuda_graph_scope,
             )
         else:
             raise SpecError(self.explain_infeasible(strategy))
@@ -809,6 +830,8 @@ def search_plan(
     attention_backend: str = PLAN_DEFAULT_BACKEND,
     sequence_parallel: bool = False,
     transformer_impl: str = PLAN_DEFAULT_IMPL,
+    cuda_graph_impl: str = PLAN_DEFAULT_GRAPH_IMPL,
+    cuda_graph_scope: tuple[str, ...] = (),
 ) -> Plan:
     """The best plan under `strategy`, validated and with `estimate` filled; SpecError if none.
 
@@ -816,8 +839,9 @@ def search_plan(
     runtime settings the plan is made for (written into its `training`, every candidate costed
     with them; with `sequence_parallel` only TP degrees dividing seq_length are laid out); the
     caller picks them (`overlap_by_default`, planner.attention.CLI_DEFAULT_BACKEND and sequence
-    parallelism on are the CLI's defaults). `transformer_impl` changes no cost
-    (planner.transformer_impl): the search never sees it, the plan records it."""
+    parallelism on are the CLI's defaults). `transformer_impl`: the layer spec the plan records
+    and costs (the host time of a layer pass, planner.host); `cuda_graph_impl` and
+    `cuda_graph_scope` the CUDA graphs it records and costs (planner.cuda_graphs)."""
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise SpecError(
             f"--transformer-impl: must be one of {', '.join(TRANSFORMER_IMPLS)}, "
@@ -836,6 +860,9 @@ def search_plan(
         overlap_param_gather,
         attention_backend,
         sequence_parallel,
+        layer_impl(transformer_impl, cuda_graph_impl, cuda_graph_scope),
+        cuda_graph_impl,
+        cuda_graph_scope,
     )
     # The search allocates millions of small tuples and no reference cycles to speak of: the
     # cyclic collector's generation scans would cost up to a fifth of the time on large clusters.
@@ -846,7 +873,7 @@ def search_plan(
     finally:
         if enabled:
             gc.enable()
-    return replace(plan, training=replace(plan.training, transformer_impl=transformer_impl))
+    return plan
 
 
 __all__ = [

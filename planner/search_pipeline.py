@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 from planner import costmodel as cm
 from planner.attention import PLAN_DEFAULT_BACKEND
+from planner.host import EAGER_LOCAL, LayerImpl
 from planner.layout import proportional_split
-from planner.schedule import linear_fit, pipeline_time, steady_period
+from planner.schedule import linear_fit, pipeline_time, window_period
 
 if TYPE_CHECKING:
     from planner.models import ModelSpec
@@ -110,8 +111,8 @@ class PipelineDraft:
 
 class Context:
     """Inputs and caches of one search for one (micro-batch, recompute, optimizer share) knob:
-    model, topology, batch knobs, the attention backend and sequence parallelism (one per
-    search); `fits` is shared by the search's contexts.
+    model, topology, batch knobs, the attention backend, sequence parallelism and the layer
+    implementation (one per search); `fits` is shared by the search's contexts.
 
     `optimizer_fraction`: the share of its optimizer state a rank is assumed to hold while
     stages are laid out (1, or 1/K for the distributed optimizer over K pipelines); the
@@ -127,8 +128,10 @@ class Context:
         fits: Fits,
         attention_backend: str = PLAN_DEFAULT_BACKEND,
         sequence_parallel: bool = False,
+        layer_impl: LayerImpl = EAGER_LOCAL,
     ):
         self.model, self.topo, self.mbs, self.recompute = model, topo, mbs, recompute
+        self.layer_impl = layer_impl
         self.attention_backend = attention_backend
         self.sequence_parallel = sequence_parallel
         self.optimizer_fraction = optimizer_fraction
@@ -142,6 +145,7 @@ class Context:
         self._fit: dict[tuple[Any, ...], int] = {}  # layers_that_fit by its arguments
         # build_pipeline templates by (unit kinds, node pattern, ks, m)
         self._pipes: dict[tuple[Any, ...], _Template | None] = {}
+        self._rows: dict[tuple[Any, ...], _Rows] = {}  # their stages, by all of that but m
 
     def stage(
         self, ranks: Sequence[int], first: bool, last: bool, position: int, num_stages: int
@@ -160,7 +164,9 @@ class Context:
             "ffn": tuple(proportional_split(m.ffn_hidden_size, speeds)),
             "vocab": tuple(proportional_split(m.vocab_size, speeds)),
         }
-        costs = cm.group_costs(m, devs, topo.slowest(ranks), self.attention_backend)
+        costs = cm.group_costs(
+            m, devs, topo.slowest(ranks), self.attention_backend, self.layer_impl
+        )
         cf, tf, cb, tb = costs.layer_times(
             self.mbs, shards["query_groups"], shards["ffn"], self.recompute
         )
@@ -259,7 +265,12 @@ class Context:
 
 
 def assign_layers(
-    L: int, c: Sequence[float], e: Sequence[float], nmax: Sequence[int], m: int
+    L: int,
+    c: Sequence[float],
+    e: Sequence[float],
+    nmax: Sequence[int],
+    m: int,
+    order: Sequence[int] | None = None,
 ) -> list[int] | None:
     """Layer counts n_k minimising (m-1) * max_k t_k + sum_k t_k with t_k = n_k c_k + e_k.
 
@@ -268,7 +279,8 @@ def assign_layers(
     optimum is at one of the values B = n c_k + e_k. Those are swept in increasing order (a heap
     of each stage's next value) from the smallest feasible B, and the sweep stops once
     (m-1) * B + (the least sum with no bound) cannot beat the best found: exact, and usually a
-    few steps. Returns a list or None.
+    few steps. Returns a list or None. `order`: the stages by c, cheapest first (stable), when
+    the caller keeps it.
     """
     p = len(c)
     if p > L:
@@ -277,7 +289,8 @@ def assign_layers(
     nmax = [min(int(x), hi) for x in nmax]
     if min(nmax) < 1 or sum(nmax) < L:
         return None
-    order = sorted(range(p), key=c.__getitem__)  # cheapest first (stable)
+    if order is None:
+        order = sorted(range(p), key=c.__getitem__)  # cheapest first (stable)
 
     def fill(cp: Sequence[int]) -> tuple[list[int], float, float]:
         left, n, T, S = L - p, [1] * p, 0.0, 0.0
@@ -345,41 +358,24 @@ def build_pipeline(
     if tpl is None:
         return None
     groups = _tp_groups(units, ks)
+    r = tpl.rows
     stages = [
-        StageDraft(g, r.shards, r.cf, r.cb, r.ef, r.eb, r.nmax, x)
-        for g, r, x in zip(groups, tpl.rows, tpl.layers)
+        StageDraft(g, sh, f, b, ef, eb, n, x)
+        for g, sh, f, b, ef, eb, n, x in zip(
+            groups, r.shards, r.cf, r.cb, r.ef, r.eb, r.nmax, tpl.layers
+        )
     ]
-    return PipelineDraft(stages, tpl.xf, tpl.xb, units=tuple(units), ks=tuple(ks))
-
-
-@dataclass(slots=True)
-class _StageRow:
-    """One stage of a template: shards, per-layer seconds, extras (including the boundary
-    all-gathers around it) and the most layers that fit."""
-
-    shards: dict[str, tuple[int, ...]]
-    cf: float
-    cb: float
-    ef: float
-    eb: float
-    nmax: int
+    return PipelineDraft(stages, r.xf, r.xb, units=tuple(units), ks=tuple(ks))
 
 
 class _Template:
-    """A laid-out pipeline without ranks: a _StageRow per stage, the layer counts, the boundary
-    transfers and phase 2's objective."""
+    """A laid-out pipeline without ranks: its stages (_Rows), the layer counts and phase 2's
+    objective."""
 
-    __slots__ = ("rows", "layers", "xf", "xb", "obj")
+    __slots__ = ("rows", "layers", "obj")
 
-    def __init__(
-        self,
-        rows: list[_StageRow],
-        layers: list[int],
-        xf: list[float],
-        xb: list[float],
-        obj: float,
-    ):
-        self.rows, self.layers, self.xf, self.xb, self.obj = rows, layers, xf, xb, obj
+    def __init__(self, rows: _Rows, layers: list[int], obj: float):
+        self.rows, self.layers, self.obj = rows, layers, obj
 
 
 def _template(
@@ -393,7 +389,11 @@ def _template(
     key = (tuple(u.key for u in units), pattern, tuple(ks), m_est)
     tpl = ctx._pipes.get(key, _MISSING)
     if tpl is _MISSING:
-        tpl = ctx._pipes[key] = _build_pipeline(ctx, units, ks, m_est)
+        rkey = key[:3]
+        rows = ctx._rows.get(rkey)
+        if rows is None:
+            rows = ctx._rows[rkey] = _build_rows(ctx, units, ks)
+        tpl = ctx._pipes[key] = _lay_out(ctx, rows, m_est)
     return tpl
 
 
@@ -427,62 +427,107 @@ def _tp_groups(units: Sequence[Unit], ks: Sequence[int]) -> list[tuple[int, ...]
     return out
 
 
-def _build_pipeline(
-    ctx: Context, units: Sequence[Unit], ks: Sequence[int], m_est: int
-) -> _Template | None:
-    """_Template for units in this order hosting ks[i] stages each, or None."""
+class _Rows:
+    """A pipeline's stages before layers are assigned (whatever the micro-batch count): per
+    stage its shards, per-layer seconds, extras (the boundary all-gathers around it included)
+    and the most layers that fit; the boundary transfers; and the sums the layer assignment and
+    the objective read (per layer, per stage, per boundary both ways)."""
+
+    __slots__ = (
+        "shards", "cf", "cb", "ef", "eb", "nmax", "xf", "xb", "c", "e", "order", "x", "sxf", "sxb",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        shards: list[dict[str, tuple[int, ...]]],
+        cf: list[float],
+        cb: list[float],
+        ef: list[float],
+        eb: list[float],
+        nmax: list[int],
+        xf: list[float],
+        xb: list[float],
+    ):
+        self.shards, self.cf, self.cb, self.ef, self.eb, self.nmax = shards, cf, cb, ef, eb, nmax
+        self.xf, self.xb = xf, xb
+        self.c = [f + b for f, b in zip(cf, cb)]
+        self.e = [f + b for f, b in zip(ef, eb)]
+        self.order = sorted(range(len(cf)), key=self.c.__getitem__)  # cheapest first
+        self.x = [f + b for f, b in zip(xf, xb)]
+        self.sxf, self.sxb = sum(xf), sum(xb)
+
+
+def _build_rows(ctx: Context, units: Sequence[Unit], ks: Sequence[int]) -> _Rows:
+    """_Rows for units in this order hosting ks[i] stages each (at most L stages)."""
     p = sum(ks)
-    L = ctx.model.num_layers
-    if p > L:
-        return None
     stage_cache, boundary_cache = ctx._unit_stage, ctx._unit_boundary
-    rows: list[_StageRow] = []
+    shards: list[dict[str, tuple[int, ...]]] = []
+    cf: list[float] = []
+    cb: list[float] = []
+    ef: list[float] = []
+    eb: list[float] = []
+    nmax: list[int] = []
     xf: list[float] = []
     xb: list[float] = []
     i = 0
-    prev: tuple[Unit, int, int] | None = (
-        None  # (unit, TP size, index in unit) of the previous stage
-    )
+    prev: tuple[Unit, int] | None = None  # (unit, TP size) of the previous unit's last stage
     for u, k in zip(units, ks):
         t = len(u.ranks) // k
+        inner: cm.BoundaryTimes | None = None  # between two TP groups of this unit
         for j in range(k):
             first, last = i == 0, i == p - 1
             st = stage_cache.get((u.key, t, first, last, p - i))
             if st is None:
                 st = ctx.unit_stage(u, u.ranks[j * t : (j + 1) * t], first, last, i, p)
-            row = _StageRow(st.shards, st.cf, st.cb, st.ef, st.eb, st.nmax)
-            if prev is not None:
-                pu, pt, pj = prev
-                bd = boundary_cache.get((pu.key, pt, u.key, t, pu.node == u.node))
-                if bd is None:
-                    bd = ctx.unit_boundary(
-                        pu, pu.ranks[pj * pt : (pj + 1) * pt], u, u.ranks[j * t : (j + 1) * t]
-                    )
+            ef_i = st.ef
+            if i:
+                if j:
+                    if inner is None:
+                        got = boundary_cache.get((u.key, t, u.key, t, True))
+                        if got is None:
+                            a, b = u.ranks[(j - 1) * t : j * t], u.ranks[j * t : (j + 1) * t]
+                            got = ctx.unit_boundary(u, a, u, b)
+                        inner = got
+                    bd = inner
+                else:
+                    assert prev is not None
+                    pu, pt = prev
+                    got = boundary_cache.get((pu.key, pt, u.key, t, pu.node == u.node))
+                    if got is None:
+                        pj = len(pu.ranks) // pt - 1
+                        got = ctx.unit_boundary(
+                            pu, pu.ranks[pj * pt : (pj + 1) * pt], u, u.ranks[:t]
+                        )
+                    bd = got
                 (tf, gf), (tb, gb) = bd
                 xf.append(tf)
                 xb.append(tb)
-                row.ef += gf
-                rows[-1].eb += gb
-            rows.append(row)
-            prev = (u, t, j)
+                ef_i += gf
+                eb[-1] += gb
+            shards.append(st.shards)
+            cf.append(st.cf)
+            cb.append(st.cb)
+            ef.append(ef_i)
+            eb.append(st.eb)
+            nmax.append(st.nmax)
             i += 1
-    n = assign_layers(
-        L, [r.cf + r.cb for r in rows], [r.ef + r.eb for r in rows], [r.nmax for r in rows], m_est
-    )
+        prev = (u, t)
+    return _Rows(shards, cf, cb, ef, eb, nmax, xf, xb)
+
+
+def _lay_out(ctx: Context, r: _Rows, m_est: int) -> _Template | None:
+    """_Template of these rows for m_est micro-batches (layers assigned), or None. Its `obj`
+    is phase 2's estimate of the 1F1B time of m_est micro-batches: the first micro-batch
+    through every stage and link, then m_est - 1 periods of the steady state (which slow links
+    lengthen, `steady_period`)."""
+    n = assign_layers(ctx.model.num_layers, r.c, r.e, r.nmax, m_est, r.order)
     if n is None:
         return None
-    f = [x * r.cf + r.ef for x, r in zip(n, rows)]
-    b = [x * r.cb + r.eb for x, r in zip(n, rows)]
-    return _Template(rows, n, xf, xb, _objective_times(f, b, xf, xb, m_est))
-
-
-def _objective_times(
-    f: Sequence[float], b: Sequence[float], xf: Sequence[float], xb: Sequence[float], m_est: int
-) -> float:
-    """Phase 2's estimate of the 1F1B time of m_est micro-batches: the first micro-batch through
-    every stage and link, then m_est - 1 periods of the steady state (which slow links lengthen,
-    `steady_period`)."""
-    return (m_est - 1) * steady_period(f, b, xf, xb) + sum(f) + sum(b) + sum(xf) + sum(xb)
+    f = [x * c + e for x, c, e in zip(n, r.cf, r.ef)]
+    b = [x * c + e for x, c, e in zip(n, r.cb, r.eb)]
+    period = window_period([a + c for a, c in zip(f, b)], r.x)
+    obj = (m_est - 1) * period + sum(f) + sum(b) + r.sxf + r.sxb
+    return _Template(r, n, obj)
 
 
 def order_units(ctx: Context, units: Sequence[Unit], tau: int = TOP_TAU) -> list[list[Unit]]:

@@ -39,6 +39,7 @@ from planner.gradsync import (
     stage_timings,
     sync_time,
 )
+from planner.host import EAGER_LOCAL, LayerImpl, layer_impl
 from planner.layout import optimizer_weight
 from planner.profile import step_overhead
 from planner.schedule import last_backward_ends, pipeline_time
@@ -81,6 +82,7 @@ class StageReport:
     compute: float
     tp_comm: float
     p2p_in: float  # transfer + gather, fwd + bwd, of the boundary before this stage
+    host_wait: float = 0.0  # the part of `compute` spent waiting for the host (planner.host)
 
 
 @dataclass
@@ -168,7 +170,14 @@ def simulate(
         bucket_elements,
         plan.training.attention_backend,
         plan.training.sequence_parallel,
+        plan_layer_impl(plan),
     )
+
+
+def plan_layer_impl(plan: Plan) -> LayerImpl:
+    """How the plan's layers run, for their host time (planner.host)."""
+    t = plan.training
+    return layer_impl(t.transformer_impl, t.cuda_graph_impl, t.cuda_graph_scope)
 
 
 def _gpu_label(topo: cm.Topology, ranks: Sequence[int]) -> str:
@@ -193,13 +202,15 @@ def simulate_layout(
     bucket_elements: int = BUCKET_ELEMENTS,
     attention_backend: str = PLAN_DEFAULT_BACKEND,
     sequence_parallel: bool = False,
+    layer_impl: LayerImpl = EAGER_LOCAL,
 ) -> Estimate:
     """Estimate of a layout: `layouts` as from layouts_of, `batches` [(mbs, num_microbatches)].
 
     `cache`: a SimulationCache shared by the calls of one search (None: a fresh one).
     `overlap_grad_reduce`, `overlap_param_gather`, `attention_backend`, `sequence_parallel`: the
     plan's training settings of those names (the parameter gather counts only with the
-    distributed optimizer; sequence parallelism acts in stages of TP degree > 1)."""
+    distributed optimizer; sequence parallelism acts in stages of TP degree > 1). `layer_impl`:
+    how the layers run (planner.host: the host time of a layer pass)."""
     m = model
     topo = topo or cm.Topology(cluster)
     cache = cache if cache is not None else SimulationCache()
@@ -215,6 +226,7 @@ def simulate_layout(
         overlapped,
         attention_backend,
         sequence_parallel,
+        layer_impl,
     )
     if overlapped:
         colls = collectives(m, layouts, distributed_optimizer)
@@ -252,6 +264,7 @@ def simulate_layout(
             overlapped,
             attention_backend,
             sequence_parallel,
+            layer_impl,
         )
         if overlapped:
             sync, serial, worst_sync = overlapped_sync()
@@ -356,6 +369,7 @@ def _pipelines(
     with_ends: bool = False,
     attention_backend: str = PLAN_DEFAULT_BACKEND,
     sequence_parallel: bool = False,
+    layer_impl: LayerImpl = EAGER_LOCAL,
 ) -> tuple[
     list[float],
     list[StageReport],
@@ -390,12 +404,14 @@ def _pipelines(
             mine,
             attention_backend,
             sequence_parallel,
+            layer_impl,
         )
         got = cache.get(key)
         if got is None:
             got = cache[key] = _pipeline_eval(
-                m, topo, stages, mbs, nmb, recompute, slow, attention_backend, sequence_parallel
-            )
+                m, topo, stages, mbs, nmb, recompute, slow, attention_backend, sequence_parallel,
+                layer_impl,
+            )  # fmt: skip
         ptime, stage_rows, mems, sched = got
         ptimes.append(ptime)
         scheds.append(sched)
@@ -459,6 +475,7 @@ def _pipeline_eval(
     slow: Mapping[int, float] | None = None,
     attention_backend: str = PLAN_DEFAULT_BACKEND,
     sequence_parallel: bool = False,
+    layer_impl: LayerImpl = EAGER_LOCAL,
 ) -> PipelineEval:
     """(1F1B seconds, per stage (fwd, bwd, compute, tp_comm, p2p_in), per rank MemoryUse
     without optimizer state, the schedule's inputs) of one pipeline. Under
@@ -481,10 +498,11 @@ def _pipeline_eval(
             link,
             recompute,
             attention_backend,
+            layer_impl,
         )
         fwd.append(c.fwd)
         bwd.append(c.bwd)
-        rows.append([c.fwd, c.bwd, c.compute, c.tp_comm, 0.0])
+        rows.append([c.fwd, c.bwd, c.compute, c.tp_comm, 0.0, c.host_wait])
         seen = {}
         split = cm.sequence_split(len(st.ranks), sequence_parallel)
         for i in range(len(st.ranks)):
@@ -523,14 +541,15 @@ def _bottleneck(
     worst_mem: tuple[float, int, dict[str, float]] | None,
     serial: float | None = None,
 ) -> str:
-    """One line naming what limits the plan: memory, a stage (and why), or a link. `serial`:
-    the collectives' serial seconds when the sync is overlapped (`sync` is then its exposed
-    part), None when it is serial."""
+    """One line naming what limits the plan, led by its kind (memory-bound, communication-bound,
+    host-bound or compute-bound): memory, a stage (and why), or a link. `serial`: the
+    collectives' serial seconds when the sync is overlapped (`sync` is then its exposed part),
+    None when it is serial."""
     if worst_mem is not None:
         over, r, t = worst_mem
         term = max((k for k in t if k != "reserve"), key=lambda k: t[k])
         return (
-            f"memory: rank {r} ({topo.device_of(r).name}) needs {sum(t.values()):.2f} GB, "
+            f"memory-bound: rank {r} ({topo.device_of(r).name}) needs {sum(t.values()):.2f} GB, "
             f"{over / 1e9:.2f} GB over capacity (largest term: {term} {t[term]:.2f} GB)"
         )
     slow = max(range(len(ptimes)), key=lambda i: ptimes[i])
@@ -539,21 +558,30 @@ def _bottleneck(
         bw, _ = topo.slowest(ranks)
         if serial is None:
             return (
-                f"gradient sync: {sync:.3g} s of {iteration:.3g} s; largest all-reduce over "
-                f"{len(ranks)} ranks ({_gpu_label(topo, ranks)}) at {bw / 1e9:.3g} GB/s"
+                f"communication-bound: gradient sync {sync:.3g} s of {iteration:.3g} s; "
+                f"largest all-reduce over {len(ranks)} ranks ({_gpu_label(topo, ranks)}) at "
+                f"{bw / 1e9:.3g} GB/s"
             )
         return (
-            f"gradient sync: {sync:.3g} s exposed of {iteration:.3g} s ({serial:.3g} s of "
-            f"collectives, overlapped); last to finish: the collective over {len(ranks)} ranks "
-            f"({_gpu_label(topo, ranks)}) at {bw / 1e9:.3g} GB/s"
+            f"communication-bound: gradient sync {sync:.3g} s exposed of {iteration:.3g} s "
+            f"({serial:.3g} s of collectives, overlapped); last to finish: the collective over "
+            f"{len(ranks)} ranks ({_gpu_label(topo, ranks)}) at {bw / 1e9:.3g} GB/s"
         )
     stages = [r for r in reports if r.pipeline == slow]
     st = max(stages, key=lambda r: r.fwd + r.bwd)
     per = st.fwd + st.bwd
-    parts = {"compute": st.compute, "TP all-reduce": st.tp_comm, "stage-boundary p2p": st.p2p_in}
+    parts = {
+        "compute": st.compute - st.host_wait,
+        "host dispatch": st.host_wait,
+        "TP all-reduce": st.tp_comm,
+        "stage-boundary p2p": st.p2p_in,
+    }
     why = max(parts, key=parts.__getitem__)
+    kind = {"compute": "compute-bound", "host dispatch": "host-bound"}.get(
+        why, "communication-bound"
+    )
     return (
-        f"pipeline {slow} stage {st.stage} ({_gpu_label(topo, st.ranks)}): {per * 1e3:.3g} ms "
-        f"per micro-batch, mostly {why} ({parts[why] / per:.0%}); pipeline "
+        f"{kind}: pipeline {slow} stage {st.stage} ({_gpu_label(topo, st.ranks)}): "
+        f"{per * 1e3:.3g} ms per micro-batch, mostly {why} ({parts[why] / per:.0%}); pipeline "
         f"{ptimes[slow]:.3g} s of iteration {iteration:.3g} s"
     )

@@ -8,10 +8,11 @@ planner.attention names). Both take the same per-rank TransformerConfig, which g
 its uneven shard, so a plan's layout means the same under either.
 
 The cost model charges both alike: the same FLOPs at the device's sustained fraction of peak,
-the same activations (TE's attention is one of the fused backends; its LayerNorm + linear keeps
-the norm's output as the local pair does), the same TP collectives. The plan records the choice
-so that a run is the run that was planned; a profile measured with the local spec stands for
-both.
+the same host time per layer pass (planner.host: TE's is stated as the local spec's until a GPU
+run measures it), the same activations (TE's attention is one of the fused backends; its
+LayerNorm + linear keeps the norm's output as the local pair does), the same TP collectives.
+The plan records the choice so that a run is the run that was planned; a profile measured with
+the local spec stands for both.
 
 Pure Python, no imports of torch or of Transformer Engine: `te_installed` only asks whether the
 package could be imported where the plan is made.

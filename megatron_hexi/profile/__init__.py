@@ -7,7 +7,10 @@ the planner (planner/profile.py). Format "hexi-device-profile/1":
   `memory_gb`, `memory_bandwidth_gbs`, `source`, `threads`, `cpu_cores`, `dtype`, `model`;
 - `layer`: per-layer forward / backward / backward-with-full-recompute seconds of one transformer
   layer holding a 1/t shard (query groups and FFN columns), for each TP width t and micro-batch
-  size b measured; compute only (the TP all-reduces come from `comm`);
+  size b measured; compute only (the TP all-reduces come from `comm`); `host_fwd_s` and
+  `host_bwd_s`, the host's part of each (until the forward and the backward call return, before
+  the device is waited for: the planner's host time per layer pass, planner/host.py; on a CPU
+  the whole pass). Profiles without them stay valid;
 - `embedding`, `head`: the embedding and the final norm + LM head + vocab-parallel cross entropy,
   per vocabulary shard 1/t and micro-batch size;
 - `optimizer`: the runtime's optimizer step (megatron-core wrapper, exact grad norm, AdamW), fit

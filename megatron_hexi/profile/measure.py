@@ -150,6 +150,7 @@ class Stage:
         self.positions = torch.arange(s, device=device).unsqueeze(0).expand(mbs, s)
         self.labels = self.tokens.clone()
         self.net.train()
+        self.host_runs: list[tuple[float, float]] = []  # per run() (forward, backward) host s
 
     def forward(self) -> torch.Tensor:
         v = self.view
@@ -171,20 +172,32 @@ class Stage:
             out.backward(self.grad)
 
     def run(self) -> tuple[float, float]:
-        """(forward s, backward s) of one micro-batch."""
+        """(forward s, backward s) of one micro-batch. Also records in `host_runs` the host's
+        part: until the forward call and the backward call return, before the device is waited
+        for (kernel launches are asynchronous on CUDA; on a CPU the host is the device, and the
+        host time is the whole pass)."""
         self.net.zero_grad(set_to_none=False)
         sync(self.device)
         t0 = time.perf_counter()
         out = self.forward()
+        hf = time.perf_counter() - t0
         sync(self.device)
         t1 = time.perf_counter()
         self.backward(out)
+        hb = time.perf_counter() - t1
         sync(self.device)
-        return t1 - t0, time.perf_counter() - t1
+        t2 = time.perf_counter()
+        self.host_runs.append((hf, hb))
+        return t1 - t0, t2 - t1
 
     def time(self, reps: int, warmup: int = 2) -> tuple[float, float]:
         """(fastest forward s, fastest backward s) of a micro-batch over `reps` runs."""
         runs = [self.run() for _ in range(warmup + reps)][warmup:]
+        return min(r[0] for r in runs), min(r[1] for r in runs)
+
+    def host_time(self, reps: int) -> tuple[float, float]:
+        """(fastest forward, fastest backward) host seconds of the last `reps` runs."""
+        runs = self.host_runs[-reps:]
         return min(r[0] for r in runs), min(r[1] for r in runs)
 
 
@@ -217,10 +230,14 @@ def layer_entry(
     *,
     attention_backend: str,
 ) -> dict[str, float]:
-    """Per-layer seconds of a 1/t shard: forward, backward, backward under full recompute."""
+    """Per-layer seconds of a 1/t shard: forward, backward, backward under full recompute, and
+    the host's part of the forward and backward (`Stage.run`; the planner's host time per
+    layer pass, planner.host)."""
     view = shard_view(model, t, layers)
     kw = {"attention_backend": attention_backend}
-    f, b = Stage(model, view, mbs, device, dtype, **kw).time(reps)
+    stage = Stage(model, view, mbs, device, dtype, **kw)
+    f, b = stage.time(reps)
+    hf, hb = stage.host_time(reps)
     _, brc = Stage(model, view, mbs, device, dtype, recompute=True, **kw).time(reps)
     return {
         "tp": t,
@@ -230,6 +247,8 @@ def layer_entry(
         "fwd_s": f / layers,
         "bwd_s": b / layers,
         "bwd_recompute_s": brc / layers,
+        "host_fwd_s": hf / layers,
+        "host_bwd_s": hb / layers,
     }
 
 

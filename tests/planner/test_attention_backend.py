@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+from host_zero import zero_host_time
 
 from planner import attention
 from planner import costmodel as cm
@@ -111,7 +112,8 @@ def test_unfused_time_term_by_hand():
 
 
 @pytest.mark.parametrize("name", sorted(BEFORE))
-def test_old_plan_loads_as_unfused_and_costs_as_before(name):
+def test_old_plan_loads_as_unfused_and_costs_as_before(name, monkeypatch):
+    zero_host_time(monkeypatch)
     data = _example(name)
     assert "attention_backend" not in data["training"]
     plan = plan_from_dict(data)

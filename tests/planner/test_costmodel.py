@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from host_zero import zero_host_time
 
 from planner import costmodel as cm
 from planner import flops, layout
@@ -101,7 +102,8 @@ def test_proportional_split():
     assert sum(layout.proportional_split(11008, [165, 71, 71])) == 11008
 
 
-def test_uneven_tp_shards_cost_in_proportion():
+def test_uneven_tp_shards_cost_in_proportion(monkeypatch):
+    zero_host_time(monkeypatch)
     dev = cm.device_for("A100-SXM-80GB")
     # fused attention: FLOPs alone (tests/planner/test_attention_backend.py: the unfused term)
     costs = cm.group_costs(TINY, [dev, dev], (1e9, 0.0), "auto")

@@ -3,6 +3,7 @@
 import os
 
 import pytest
+from host_zero import zero_host_time
 
 from planner import costmodel as cm
 from planner import flops
@@ -15,7 +16,8 @@ from planner.simulator import simulate
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_single_gpu_by_hand():
+def test_single_gpu_by_hand(monkeypatch):
+    zero_host_time(monkeypatch)
     cl = load_cluster_dict(
         {
             "name": "one",
@@ -71,6 +73,6 @@ def test_example_plans_and_overflow_reported():
     est = simulate(load_plan(os.path.join(ROOT, "examples/plans/hetero-4rank.json")))
     assert est.fits_memory and est.iteration_time_s > 0
     est = simulate(load_plan(os.path.join(ROOT, "examples/plans/mixed-lab-manual.json")))
-    assert not est.fits_memory and est.bottleneck.startswith("memory: rank")
+    assert not est.fits_memory and est.bottleneck.startswith("memory-bound: rank")
     d = est.to_dict()
     assert len(d["peak_memory_gb"]) == 36

@@ -73,6 +73,9 @@ def test_profile_contents(tiny_profile):
     assert (1, 1) in widths
     for e in data["layer"]:
         assert e["fwd_s"] > 0 and e["bwd_s"] > 0 and e["bwd_recompute_s"] > 0
+        # the host's part of each pass: on a CPU the host is the device, the part is the pass
+        # (the call returns after the work; the fastest of the same runs on both sides)
+        assert 0 < e["host_fwd_s"] <= e["fwd_s"] and 0 < e["host_bwd_s"] <= e["bwd_s"]
     assert data["head"] and data["embedding"]
     assert data["optimizer"]["s_per_param"] > 0
     assert data["seconds"] < 40

@@ -1,0 +1,111 @@
+"""Neighbour settings: the search also lays out its finalists as it would for a neighbouring
+setting, and lets the simulator score those layouts under the setting asked for.
+
+A search with sequence parallelism on, or with the distributed optimizer, lays out pipelines with
+other memory limits and other TP degrees than the search without it; a layout found for the
+neighbouring setting can be faster under the requested one (paper-hetero-b, llama2-7b, batch 64:
+the plan searched without sequence parallelism, re-costed with it, was 3.6 % faster than the plan
+searched with it). A user who flips a setting should never get a worse plan than one the planner
+already knew, so each finalist's partition is also laid out in the neighbouring settings'
+contexts (sequence parallelism toggled, distributed optimizer toggled), and the candidates join
+the finalists; the simulator scores every one under the requested setting. Layouts that the
+requested setting forbids (with sequence parallelism, a TP degree that does not divide
+seq_length) are dropped.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from planner.search_pipeline import Context
+
+if TYPE_CHECKING:
+    from planner.search import Searcher, _Candidate
+
+
+# On big unit graphs (planner.search.SMALL_UNIT_GRAPH) a neighbour's context starts with cold
+# layout caches: only the requested setting's best few candidates are laid out there, the best
+# of them polished one way, to keep the search's time within a fifth of what it was.
+BIG_POOL = 6
+BIG_FINALISTS = 2
+
+
+class Neighbour(NamedTuple):
+    """A setting next to the requested one that changes how stages are laid out."""
+
+    sequence_parallel: bool
+    distributed_optimizer: bool
+
+
+def neighbours(sequence_parallel: bool, distributed_optimizer: bool) -> list[Neighbour]:
+    """The settings one toggle away: sequence parallelism off/on, distributed optimizer off/on."""
+    return [
+        Neighbour(not sequence_parallel, distributed_optimizer),
+        Neighbour(sequence_parallel, not distributed_optimizer),
+    ]
+
+
+class NeighbourContexts:
+    """The search's pipeline contexts for its neighbouring settings, with their own caches."""
+
+    def __init__(self, searcher: Searcher):
+        self.s = searcher
+        self._contexts: dict[tuple[int, bool, float, Neighbour], Context] = {}
+
+    def context(self, n: Neighbour, mbs: int, rc: bool, K: int) -> Context:
+        fraction = 1 / K if n.distributed_optimizer else 1.0
+        key = (mbs, rc, fraction, n)
+        got = self._contexts.get(key)
+        if got is None:
+            s = self.s
+            got = self._contexts[key] = Context(
+                s.model,
+                s.topo,
+                mbs,
+                rc,
+                fraction,
+                s._fits,
+                s.attention_backend,
+                n.sequence_parallel,
+                s.layer_impl,
+            )
+        return got
+
+    def candidates(
+        self, cands: list[_Candidate], mbs: int, rc: bool, big: bool
+    ) -> list[_Candidate]:
+        """For each neighbour: the search's candidate partitions (`cands`) laid out in its
+        context, ranked by the requested setting's proxy; the best FINALISTS of them polished
+        both ways, as the search polishes its own. Only layouts the requested setting allows."""
+        from planner.search import FINALISTS
+
+        s = self.s
+        seq = s.model.seq_length
+
+        def allowed(c: _Candidate) -> bool:
+            # with sequence parallelism the sequence is cut evenly over a stage's TP ranks
+            return not s.sequence_parallel or all(
+                len(st.ranks) == 1 or seq % len(st.ranks) == 0 for d in c.drafts for st in d.stages
+            )
+
+        out: list[_Candidate] = []
+        for n in neighbours(s.sequence_parallel, s.dist_opt):
+            laid = []
+            for cand in cands[:BIG_POOL] if big else cands:
+                ctx = self.context(n, mbs, rc, len(cand.parts))
+                got = s.evaluate(ctx, cand.parts, mbs, False, ctx.pipelines)
+                if got is not None and allowed(got):
+                    laid.append(got)
+            laid.sort(key=s.proxy)
+            for cand in laid[: BIG_FINALISTS if big else FINALISTS]:
+                out.append(cand)
+                for tune_orders in (False,) if big else (False, True):
+                    got = s.evaluate(
+                        cand.ctx, cand.parts, mbs, False, cand.cache, True, tune_orders
+                    )
+                    if got is not None and allowed(got):
+                        out.append(got)
+        return out
+
+
+__all__ = ["Neighbour", "NeighbourContexts", "neighbours"]
