@@ -15,12 +15,62 @@ seq_length) are dropped.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Sequence
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
-from planner.search_pipeline import Context
+from planner import costmodel as cm
+from planner.host import LayerImpl
+from planner.models import ModelSpec
+from planner.search_pipeline import Context, Fits, PipelineDraft, Unit
 
-if TYPE_CHECKING:
-    from planner.search import Searcher, _Candidate
+
+class LaidOut(Protocol):
+    """What this module reads of a search's candidate: its pipelines and where it came from."""
+
+    @property
+    def drafts(self) -> Sequence[PipelineDraft]: ...
+    @property
+    def ctx(self) -> Context: ...
+    @property
+    def parts(self) -> list[list[Unit]]: ...
+    @property
+    def cache(self) -> Any: ...
+
+
+C = TypeVar("C", bound=LaidOut)
+
+
+class SearchState(Protocol[C]):
+    """What this module uses of the search (planner.search.Searcher): its inputs, its layout of
+    a partition in a context, and its cheap ranking of candidates."""
+
+    @property
+    def model(self) -> ModelSpec: ...
+    @property
+    def topo(self) -> cm.Topology: ...
+    @property
+    def _fits(self) -> Fits: ...
+    @property
+    def attention_backend(self) -> str: ...
+    @property
+    def sequence_parallel(self) -> bool: ...
+    @property
+    def dist_opt(self) -> bool: ...
+    @property
+    def layer_impl(self) -> LayerImpl: ...
+
+    def evaluate(
+        self,
+        ctx: Context,
+        parts: list[list[Unit]],
+        mbs: int,
+        exhaustive: bool,
+        cache: Any,
+        polish: bool = False,
+        tune_orders: bool = False,
+    ) -> C | None: ...
+
+    def proxy(self, cand: C) -> float: ...
 
 
 # On big unit graphs (planner.search.SMALL_UNIT_GRAPH) a neighbour's context starts with cold
@@ -45,11 +95,12 @@ def neighbours(sequence_parallel: bool, distributed_optimizer: bool) -> list[Nei
     ]
 
 
-class NeighbourContexts:
+class NeighbourContexts(Generic[C]):
     """The search's pipeline contexts for its neighbouring settings, with their own caches."""
 
-    def __init__(self, searcher: Searcher):
+    def __init__(self, searcher: SearchState[C], finalists: int):
         self.s = searcher
+        self.finalists = finalists  # how many of a setting's candidates the search polishes
         self._contexts: dict[tuple[int, bool, float, Neighbour], Context] = {}
 
     def context(self, n: Neighbour, mbs: int, rc: bool, K: int) -> Context:
@@ -71,33 +122,29 @@ class NeighbourContexts:
             )
         return got
 
-    def candidates(
-        self, cands: list[_Candidate], mbs: int, rc: bool, big: bool
-    ) -> list[_Candidate]:
+    def candidates(self, cands: list[C], mbs: int, rc: bool, big: bool) -> list[C]:
         """For each neighbour: the search's candidate partitions (`cands`) laid out in its
         context, ranked by the requested setting's proxy; the best FINALISTS of them polished
         both ways, as the search polishes its own. Only layouts the requested setting allows."""
-        from planner.search import FINALISTS
-
         s = self.s
         seq = s.model.seq_length
 
-        def allowed(c: _Candidate) -> bool:
+        def allowed(c: C) -> bool:
             # with sequence parallelism the sequence is cut evenly over a stage's TP ranks
             return not s.sequence_parallel or all(
                 len(st.ranks) == 1 or seq % len(st.ranks) == 0 for d in c.drafts for st in d.stages
             )
 
-        out: list[_Candidate] = []
+        out: list[C] = []
         for n in neighbours(s.sequence_parallel, s.dist_opt):
-            laid = []
+            laid: list[C] = []
             for cand in cands[:BIG_POOL] if big else cands:
                 ctx = self.context(n, mbs, rc, len(cand.parts))
                 got = s.evaluate(ctx, cand.parts, mbs, False, ctx.pipelines)
                 if got is not None and allowed(got):
                     laid.append(got)
             laid.sort(key=s.proxy)
-            for cand in laid[: BIG_FINALISTS if big else FINALISTS]:
+            for cand in laid[: BIG_FINALISTS if big else self.finalists]:
                 out.append(cand)
                 for tune_orders in (False,) if big else (False, True):
                     got = s.evaluate(
@@ -108,4 +155,4 @@ class NeighbourContexts:
         return out
 
 
-__all__ = ["Neighbour", "NeighbourContexts", "neighbours"]
+__all__ = ["LaidOut", "Neighbour", "NeighbourContexts", "SearchState", "neighbours"]

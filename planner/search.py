@@ -281,7 +281,7 @@ class Searcher:
         self._contexts: dict[tuple[int, bool, float], Context] = {}
         self._fits: Fits = {}  # schedule fits by stage times
         self.simulations = SimulationCache()
-        self.neighbours = NeighbourContexts(self)
+        self.neighbours = NeighbourContexts(self, FINALISTS)
 
     # -------------------------------------------------------------------------------- helpers
     def context(self, mbs: int, rc: bool, K: int) -> Context:
