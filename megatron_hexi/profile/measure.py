@@ -32,6 +32,7 @@ from megatron_hexi.grad_sync import FP32MainGrads, param_grad
 from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.model import build_stage_model, stage_config
 from planner.attention import CLI_DEFAULT_BACKEND
+from planner.plan import Training
 
 DEFAULT_ATTENTION_BACKEND = CLI_DEFAULT_BACKEND
 
@@ -116,7 +117,8 @@ class Stage:
         *,
         attention_backend: str,
     ) -> None:
-        plan = types.SimpleNamespace(model=model)
+        # a plan's defaults for the rest: eager layers, as a profile measures them
+        plan = types.SimpleNamespace(model=model, training=Training(global_batch_size=mbs))
         bf16 = dtype == torch.bfloat16
         # the fused kernels training runs on this device (megatron_hexi.fusions)
         fusions = stage_fusions(
