@@ -268,7 +268,9 @@ def test_in_situ_tp_comm(tmp_path):
 
     path, model = _synthetic_profile(tmp_path)
     prof = DeviceProfile(json.loads(path.read_text()), str(path))
-    dev = types.SimpleNamespace(profile=ProfiledDevice(prof, prof.contention(2)), flops=1e11)
+    dev = types.SimpleNamespace(
+        name=prof.data["device"], profile=ProfiledDevice(prof, prof.contention(2)), flops=1e11
+    )
     assert prof.contention(2) == pytest.approx(1.5)
     # forward: 8 ms measured, compute estimate 10 ms x 1/2 x 1.5 = 7.5 ms -> 0.5 ms of comm
     cf, tf, cb, tb = MeasuredCosts(model, [dev, dev], prof.link).layer_times(
