@@ -17,7 +17,17 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as _Math
 
 
+def _all_reduce(
+    t: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None
+) -> None:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+
+
 class _ShardedCrossEntropy(torch.autograd.Function):
+    """Plain arithmetic (`fused` False) or megatron-core's fused one, which sums the predicted
+    logits and the exponentials in one all-reduce."""
+
     @staticmethod
     def forward(
         ctx: Any,
@@ -25,64 +35,50 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         target: torch.Tensor,
         vocab_start: int,
         group: dist.ProcessGroup | None,
+        fused: bool,
     ) -> torch.Tensor:
-        logits, logits_max = _Math.calculate_logits_max(logits)
-        if group is not None:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        math: Any = _Math
+        if fused:  # imported only where used: it compiles with megatron-core's jit_fuser
+            from megatron.core.fusions import fused_cross_entropy as math
+        logits, logits_max = math.calculate_logits_max(logits)
+        _all_reduce(logits_max, dist.ReduceOp.MAX, group)
         vocab_end = vocab_start + logits.size(-1)
-        target_mask, masked_target_1d, predicted, sum_exp, exp_logits = (
-            _Math.calculate_predicted_logits(logits, target, logits_max, vocab_start, vocab_end)
-        )
-        if group is not None:
-            dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=group)
-            dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
-        softmax, loss = _Math.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
+        if fused:
+            target_mask, masked_target_1d, predicted_and_sum, exp_logits = (
+                math.calculate_predicted_logits(logits, target, logits_max, vocab_start, vocab_end)
+            )
+            _all_reduce(predicted_and_sum, dist.ReduceOp.SUM, group)
+            softmax, loss = math.calculate_cross_entropy_loss(exp_logits, predicted_and_sum)
+        else:
+            target_mask, masked_target_1d, predicted, sum_exp, exp_logits = (
+                math.calculate_predicted_logits(logits, target, logits_max, vocab_start, vocab_end)
+            )
+            _all_reduce(predicted, dist.ReduceOp.SUM, group)
+            _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
+            softmax, loss = math.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
+        ctx.fused = fused
         ctx.save_for_backward(softmax, target_mask, masked_target_1d)
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(
+        ctx: Any, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None, None]:
         softmax, target_mask, masked_target_1d = ctx.saved_tensors
-        grad_2d, arange_1d, update, grad_input = _Math.prepare_gradient_calculation_operands(
-            softmax, target_mask
-        )
-        grad_input = _Math.calculate_gradients(
-            grad_2d, arange_1d, masked_target_1d, update, grad_input, grad_output
-        )
-        return grad_input, None, None, None
+        if ctx.fused:
+            from megatron.core.fusions import fused_cross_entropy
 
-
-class _FusedShardedCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        logits: torch.Tensor,
-        target: torch.Tensor,
-        vocab_start: int,
-        group: dist.ProcessGroup | None,
-    ) -> torch.Tensor:
-        from megatron.core.fusions import fused_cross_entropy as fused
-
-        logits, logits_max = fused.calculate_logits_max(logits)
-        if group is not None:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        vocab_end = vocab_start + logits.size(-1)
-        target_mask, masked_target_1d, predicted_and_sum, exp_logits = (
-            fused.calculate_predicted_logits(logits, target, logits_max, vocab_start, vocab_end)
-        )
-        if group is not None:
-            dist.all_reduce(predicted_and_sum, op=dist.ReduceOp.SUM, group=group)
-        softmax, loss = fused.calculate_cross_entropy_loss(exp_logits, predicted_and_sum)
-        ctx.save_for_backward(softmax, target_mask, masked_target_1d)
-        return loss
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        from megatron.core.fusions import fused_cross_entropy as fused
-
-        softmax, target_mask, masked_target_1d = ctx.saved_tensors
-        grad_input = fused.calculate_gradients(softmax, grad_output, target_mask, masked_target_1d)
-        return grad_input, None, None, None
+            grad_input = fused_cross_entropy.calculate_gradients(
+                softmax, grad_output, target_mask, masked_target_1d
+            )
+        else:
+            grad_2d, arange_1d, update, grad_input = _Math.prepare_gradient_calculation_operands(
+                softmax, target_mask
+            )
+            grad_input = _Math.calculate_gradients(
+                grad_2d, arange_1d, masked_target_1d, update, grad_input, grad_output
+            )
+        return grad_input, None, None, None, None
 
 
 def sharded_cross_entropy(
@@ -96,5 +92,6 @@ def sharded_cross_entropy(
 ) -> torch.Tensor:
     """Per-token loss [..] from logits [.., local vocab] of the shard starting at vocab_start;
     `fused`: megatron-core's fused arithmetic (CUDA, bf16 runs: megatron_hexi.fusions)."""
-    fn = _FusedShardedCrossEntropy if fused else _ShardedCrossEntropy
-    return fn.apply(logits, target, vocab_start, group if tp_size > 1 else None)
+    return _ShardedCrossEntropy.apply(
+        logits, target, vocab_start, group if tp_size > 1 else None, fused
+    )

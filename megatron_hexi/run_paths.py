@@ -96,20 +96,27 @@ def _common(flag: str, path: str, inputs: Sequence[str], folders: Sequence[str])
     return None
 
 
+def _wrong_kind(flag: str, path: str, folder: bool) -> str | None:
+    """Why an existing `path` is not the kind of entry the flag writes (absent is fine)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"{flag} {shown(path, 200)}: cannot use it ({e.strerror or e})"
+    if folder and not stat.S_ISDIR(mode):
+        return f"{flag} {shown(path, 200)}: is {_kind(mode)}, not a folder"
+    if not folder and not stat.S_ISREG(mode):
+        return f"{flag} {shown(path, 200)}: is {_kind(mode)}, not a regular file"
+    return None
+
+
 def file_problem(flag: str, path: str, inputs: Sequence[str], folders: Sequence[str]) -> str | None:
     """Why the output file `path` cannot be written, or None (it is created, empty, if absent)."""
-    problem = _common(flag, path, inputs, folders)
+    problem = _common(flag, path, inputs, folders) or _wrong_kind(flag, path, folder=False)
     if problem:
         return problem
     where = f"{flag} {shown(path, 200)}"
-    try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            return f"{where}: is {_kind(mode)}, not a regular file"
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        return f"{where}: cannot use it ({e.strerror or e})"
     try:
         # O_NONBLOCK: a FIFO put there since the check must not block the start-up
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
@@ -123,18 +130,10 @@ def folder_problem(
     flag: str, path: str, inputs: Sequence[str], folders: Sequence[str]
 ) -> str | None:
     """Why the output folder `path` cannot be written, or None (it is created if absent)."""
-    problem = _common(flag, path, inputs, folders)
+    problem = _common(flag, path, inputs, folders) or _wrong_kind(flag, path, folder=True)
     if problem:
         return problem
     where = f"{flag} {shown(path, 200)}"
-    try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISDIR(mode):
-            return f"{where}: is {_kind(mode)}, not a folder"
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        return f"{where}: cannot use it ({e.strerror or e})"
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".hexi-write-check-"):
