@@ -174,12 +174,11 @@ def _megatron_loop(a, plan, device, fusions, profile_at):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
+    from _megatron_adam import megatron_adam  # tools/bench, on the path as for every bench
     from megatron_hexi.cuda_graphs import rng_tracker_options
     from megatron_hexi.layer_specs import local_layer_spec, te_layer_spec
     from megatron_hexi.model import stage_config
@@ -232,34 +231,14 @@ def _megatron_loop(a, plan, device, fusions, profile_at):
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
         module=model,
     )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=a.lr,
-            min_lr=a.min_lr,
-            weight_decay=a.weight_decay,
-            adam_beta1=a.adam_beta1,
-            adam_beta2=a.adam_beta2,
-            adam_eps=a.adam_eps,
-            clip_grad=a.clip_grad,
-            bf16=True,
-            params_dtype=torch.bfloat16,
-        ),
-        [model],
-    )
     n = a.train_iters
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=a.lr,
+    optimizer, scheduler = megatron_adam(
+        model,
+        a,
+        decay_steps=max(n, 1),
+        decay_style=a.lr_decay_style,
         min_lr=a.min_lr,
-        lr_warmup_steps=0,
-        lr_decay_steps=max(n, 1),
-        lr_decay_style=a.lr_decay_style,
-        start_wd=a.weight_decay,
-        end_wd=a.weight_decay,
-        wd_incr_steps=max(n, 1),
-        wd_incr_style="constant",
+        bf16=True,
     )
     tc.finalize_model_grads_func = finalize_model_grads  # as Megatron-LM's training loop
     tc.grad_scale_func = optimizer.scale_loss

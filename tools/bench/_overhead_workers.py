@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from _megatron_adam import megatron_adam
+
 
 class Step(NamedTuple):
     """One training step on this rank: wall seconds of the whole step, of forward/backward
@@ -122,8 +124,6 @@ def build_plain(plan, iters, samples=None):
         finalize_model_grads,
     )
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
@@ -223,32 +223,8 @@ def build_plain(plan, iters, samples=None):
     fin = _Clock(finalize_model_grads)
     config.finalize_model_grads_func = fin
     config.grad_scale_func = None
-    opt = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2,
-            adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad,
-            params_dtype=torch.float32,
-        ),
-        [model],
-    )
-    sched = OptimizerParamScheduler(
-        opt,
-        init_lr=0.0,
-        max_lr=o.lr,
-        min_lr=0.0,
-        lr_warmup_steps=0,
-        lr_decay_steps=iters,
-        lr_decay_style="constant",
-        start_wd=o.weight_decay,
-        end_wd=o.weight_decay,
-        wd_incr_steps=iters,
-        wd_incr_style="constant",
+    opt, sched = megatron_adam(
+        model, o, decay_steps=iters, decay_style="constant", min_lr=0.0, bf16=False
     )
 
     if first or last:
