@@ -94,7 +94,7 @@ AddSegment: TypeAlias = Callable[[tuple[int, ...], int, int, int, bool, int], No
 BUCKET_ELEMENTS = 40_000_000
 
 # axes of layout.UnitTensors / UnitParams
-_QUERY_GROUP, _FFN_COLUMN, _LAYER_REPLICATED, _VOCAB_ROW, _FINAL_NORM = range(5)
+_QUERY_GROUP, _FFN_COLUMN, _LAYER_REPLICATED, _VOCAB_ROW, _FINAL_NORM, _POSITION_TABLE = range(6)
 
 
 def _add_axis(
@@ -185,6 +185,8 @@ def _sweep(
         holders += [(st.vocab, st.ranks) for pipe, st in zip(pipelines, lasts) if len(pipe) > 1]
         _add_axis(add, holders, _VOCAB_ROW, 1, 0)
     _replicated(add, lasts, _FINAL_NORM, 1, together(lasts), L)
+    if model.position_rows:
+        _replicated(add, firsts, _POSITION_TABLE, 1, together(firsts), 0)
 
 
 def rank_sets(

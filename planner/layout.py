@@ -92,6 +92,9 @@ class ParamShard:
     tp_replicated: bool  # identical on every rank of the stage (norms, row biases)
     init: str  # "normal", "scaled_normal" (output projections), "ones",
     # "zeros"
+    # A replicated tensor used before sequence parallelism splits the sequence (the learned
+    # position table): every TP rank's gradient is the whole sum even under it.
+    whole_sequence: bool = False
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -147,6 +150,12 @@ def param_shards(m: ModelSpec, v: RankView | StageView) -> list[ParamShard]:
         out.append(
             ParamShard(emb, emb, (V, h), 0, (Piece(0, v.vocab[1], v.vocab[0]),), False, "normal")
         )
+        if m.position_rows:
+            pos = "embedding.position_embeddings.weight"
+            shape = (m.position_rows, h)
+            out.append(
+                ParamShard(pos, pos, shape, 0, (Piece(0, 0, shape[0]),), True, "normal", True)
+            )
     qg_n, qg_off = v.query_groups
     heads_n, heads_off = v.heads
     f_n, f_off = v.ffn
@@ -174,7 +183,7 @@ def param_shards(m: ModelSpec, v: RankView | StageView) -> list[ParamShard]:
                 "normal",
             )
         )
-        if m.add_bias_linear:
+        if m.qkv_bias:
             out.append(
                 ParamShard(
                     f"{lp}self_attention.linear_qkv.bias",
@@ -338,24 +347,26 @@ class UnitTensors(NamedTuple):
     layer_replicated: tuple[TensorCut, ...]
     vocab_row: tuple[TensorCut, ...]
     final_norm: tuple[TensorCut, ...]
+    position_table: tuple[TensorCut, ...]
 
 
 def unit_tensors(m: ModelSpec) -> UnitTensors:
     """UnitTensors of model spec `m` (LayerNorm has a bias beside its weight; RMSNorm none)."""
     h, d, hpg = m.hidden_size, m.head_dim, m.heads_per_group
-    bias = m.add_bias_linear
+    bias, qkv_bias = m.add_bias_linear, m.qkv_bias
     norm = [TensorCut(h, 1)] * (2 if m.normalization == "LayerNorm" else 1)
     fc1 = [TensorCut(1, h)] * (2 if m.swiglu else 1)
     return UnitTensors(
         query_group=tuple(
             [TensorCut((hpg + 2) * d, h)]
-            + [TensorCut((hpg + 2) * d, 1)] * bias
+            + [TensorCut((hpg + 2) * d, 1)] * qkv_bias
             + [TensorCut(hpg * d, h)]
         ),
         ffn_column=tuple(fc1 + [TensorCut(1, 1)] * len(fc1) * bias + [TensorCut(1, h)]),
         layer_replicated=tuple(2 * norm + [TensorCut(h, 1)] * 2 * bias),
         vocab_row=(TensorCut(1, h),),
         final_norm=tuple(norm),
+        position_table=(TensorCut(m.position_rows, h),) if m.position_rows else (),
     )
 
 
@@ -368,6 +379,7 @@ class UnitParams(NamedTuple):
     layer_replicated: int
     vocab_row: int
     final_norm: int
+    position_table: int
 
 
 def unit_params(m: ModelSpec) -> UnitParams:
@@ -378,11 +390,12 @@ def unit_params(m: ModelSpec) -> UnitParams:
     norm = h * (2 if m.normalization == "LayerNorm" else 1)
     fc1_rows = 2 if m.swiglu else 1
     return UnitParams(
-        (hpg + 2) * d * (h + bias) + hpg * d * h,
+        (hpg + 2) * d * (h + (1 if m.qkv_bias else 0)) + hpg * d * h,
         fc1_rows * (h + bias) + h,
         2 * norm + 2 * h * bias,
         h,
         norm,
+        m.position_rows * h,
     )
 
 
@@ -409,7 +422,7 @@ def stage_params(
     u = unit_params(m)
     p = n_layers * _layer_params(u, query_groups, ffn)
     if first:
-        p += vocab * u.vocab_row
+        p += vocab * u.vocab_row + u.position_table
     if last:
         p += u.final_norm
         if not (first and not m.untie_embeddings_and_output_weights):
@@ -475,7 +488,11 @@ def gradient_segments(plan: Plan) -> list[Segment]:
                 for p in shard.pieces:
                     if p.global_start <= start and end <= p.global_start + p.length:
                         members.append((rank, p.local_start + start - p.global_start))
-                        if not shard.tp_replicated or v.tp_rank == 0 or v.sequence_parallel:
+                        if (
+                            not shard.tp_replicated
+                            or v.tp_rank == 0
+                            or (v.sequence_parallel and not shard.whole_sequence)
+                        ):
                             contributors.add(rank)
             if members:
                 members.sort()

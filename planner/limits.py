@@ -67,6 +67,8 @@ MAX_VOCAB = 2**24
 MAX_SEQ_LENGTH = 2**27
 # RoPE base: 1e4 (Llama 2) to 5e5-1e7 for long context.
 MAX_ROTARY_BASE = 2**40
+# Llama 3.2 uses 32; a larger factor is no longer a scaling anyone trains with.
+MAX_ROPE_SCALING_FACTOR = 1024.0
 # norm_epsilon is ~1e-6..1e-5 and init_method_std ~0.006..0.02 in real models.
 MAX_NORM_EPSILON = 1.0
 MAX_INIT_METHOD_STD = 1.0

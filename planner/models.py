@@ -19,7 +19,9 @@ from planner.limits import (
     MAX_HIDDEN,
     MAX_INIT_METHOD_STD,
     MAX_NORM_EPSILON,
+    MAX_ROPE_SCALING_FACTOR,
     MAX_ROTARY_BASE,
+    MAX_SEQ_LENGTH,
     MODEL_INT_BOUNDS,
 )
 
@@ -50,6 +52,10 @@ class ModelSpec:
     position_embedding_type: str = "rope"
     rotary_base: int = 10000
     add_bias_linear: bool = False
+    add_qkv_bias: bool = False  # biases on q, k and v only (Qwen2); add_bias_linear implies them
+    rope_scaling: bool = False  # Llama 3.x's frequency scaling (megatron-core's rope_scaling)
+    rope_scaling_factor: float = 8.0
+    max_position_embeddings: int = 0  # rows of the learned position table; 0: seq_length
     kv_channels: int = 0  # 0: hidden_size // num_attention_heads
     init_method_std: float = 0.02
     name: str = ""
@@ -57,6 +63,18 @@ class ModelSpec:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the fused q/k/v projection has a bias (megatron-core's rule)."""
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of the learned absolute position table (0 under rotary embeddings)."""
+        if self.position_embedding_type != "learned_absolute":
+            return 0
+        return self.max_position_embeddings or self.seq_length
 
     @property
     def heads_per_group(self) -> int:
@@ -94,10 +112,20 @@ def model_from_dict(data: object, where: str = "model") -> ModelSpec:
             bad = int_problem(data[k], f"{where}.{k}", 1, MODEL_INT_BOUNDS[k])
             if bad:
                 problems.append(bad)
-    for k in ("swiglu", "untie_embeddings_and_output_weights", "add_bias_linear"):
+    for k in (
+        "swiglu",
+        "untie_embeddings_and_output_weights",
+        "add_bias_linear",
+        "add_qkv_bias",
+        "rope_scaling",
+    ):
         if k in data and not isinstance(data[k], bool):
             problems.append(f"{where}.{k}: must be true or false, got {data[k]!r}")
-    for k, lo, hi in (("kv_channels", 0, MAX_HIDDEN), ("rotary_base", 1, MAX_ROTARY_BASE)):
+    for k, lo, hi in (
+        ("kv_channels", 0, MAX_HIDDEN),
+        ("rotary_base", 1, MAX_ROTARY_BASE),
+        ("max_position_embeddings", 0, MAX_SEQ_LENGTH),
+    ):
         if k in data:
             bad = int_problem(data[k], f"{where}.{k}", lo, hi)
             if bad:
@@ -110,8 +138,17 @@ def model_from_dict(data: object, where: str = "model") -> ModelSpec:
         problems.append(f"{where}.name: must be a string, got {data['name']!r}")
     if data.get("normalization", "RMSNorm") not in ("RMSNorm", "LayerNorm"):
         problems.append(f"{where}.normalization: must be RMSNorm or LayerNorm")
-    if data.get("position_embedding_type", "rope") != "rope":
-        problems.append(f"{where}.position_embedding_type: only rope is supported")
+    positions = data.get("position_embedding_type", "rope")
+    if positions not in ("rope", "learned_absolute"):
+        problems.append(f"{where}.position_embedding_type: must be rope or learned_absolute")
+    factor = data.get("rope_scaling_factor", 8.0)
+    if not is_number(factor) or not 1 <= factor <= MAX_ROPE_SCALING_FACTOR:
+        problems.append(
+            f"{where}.rope_scaling_factor: must be a number in [1, {MAX_ROPE_SCALING_FACTOR:g}], "
+            f"got {factor!r}"
+        )
+    if data.get("rope_scaling") is True and positions != "rope":
+        problems.append(f"{where}.rope_scaling: needs position_embedding_type rope")
     if problems:
         raise ModelSpecError(problems)
     spec = ModelSpec(**{k: v for k, v in data.items()})
@@ -125,7 +162,12 @@ def model_from_dict(data: object, where: str = "model") -> ModelSpec:
             f"{where}.hidden_size: {spec.hidden_size} is not a multiple of "
             f"num_attention_heads {spec.num_attention_heads} (or give kv_channels)"
         )
-    if spec.head_dim % 2:
+    if 0 < spec.max_position_embeddings < spec.seq_length:
+        problems.append(
+            f"{where}.max_position_embeddings: {spec.max_position_embeddings} is below "
+            f"seq_length {spec.seq_length}"
+        )
+    if spec.position_embedding_type == "rope" and spec.head_dim % 2:
         problems.append(
             f"{where}.kv_channels: rotary embeddings need an even head size, got {spec.head_dim}"
         )

@@ -321,3 +321,44 @@ def test_model_files_and_errors(tmp_path):
         "model.num_query_groups: 3 does not divide num_attention_heads 4",
         "model.kv_channels: rotary embeddings need an even head size, got 15",
     ]
+
+
+def test_model_family_fields_are_checked():
+    """Position embeddings, RoPE scaling and q/k/v biases: each bad value is one line."""
+    good = {
+        "num_layers": 2,
+        "hidden_size": 64,
+        "ffn_hidden_size": 96,
+        "num_attention_heads": 4,
+        "num_query_groups": 4,
+        "vocab_size": 50,
+        "seq_length": 16,
+    }
+    bad = {
+        **good,
+        "position_embedding_type": "alibi",
+        "rope_scaling": "yes",
+        "rope_scaling_factor": 0.5,
+        "add_qkv_bias": 1,
+    }
+    with pytest.raises(ModelSpecError) as info:
+        model_from_dict(bad)
+    assert info.value.problems == [
+        "model.add_qkv_bias: must be true or false, got 1",
+        "model.rope_scaling: must be true or false, got 'yes'",
+        "model.position_embedding_type: must be rope or learned_absolute",
+        "model.rope_scaling_factor: must be a number in [1, 1024], got 0.5",
+    ]
+    learned = {**good, "position_embedding_type": "learned_absolute", "rope_scaling": True}
+    with pytest.raises(ModelSpecError) as info:
+        model_from_dict(learned)
+    assert info.value.problems == ["model.rope_scaling: needs position_embedding_type rope"]
+    del learned["rope_scaling"]
+    with pytest.raises(ModelSpecError) as info:
+        model_from_dict({**learned, "max_position_embeddings": 8})
+    assert info.value.problems == ["model.max_position_embeddings: 8 is below seq_length 16"]
+    # an odd head size is fine without rotary embeddings; the table defaults to the sequence
+    spec = model_from_dict({**learned, "kv_channels": 15})
+    assert (spec.head_dim, spec.position_rows, spec.qkv_bias) == (15, 16, False)
+    assert model_from_dict({**good, "add_qkv_bias": True}).qkv_bias
+    assert model_from_dict(good).position_rows == 0

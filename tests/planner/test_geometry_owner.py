@@ -52,6 +52,10 @@ def _models():
             untie_embeddings_and_output_weights=False,
         ),
         "head-dim-24": dataclasses.replace(tiny, kv_channels=24),
+        "gpt-learned-positions": dataclasses.replace(
+            layernorm, position_embedding_type="learned_absolute", max_position_embeddings=300
+        ),
+        "qkv-bias": dataclasses.replace(load_model("tiny-gqa"), add_qkv_bias=True),
     }
 
 
@@ -175,6 +179,7 @@ def test_unit_params_are_the_unit_tensors(name):
         + units.layer_replicated
         + (2 if m.untie_embeddings_and_output_weights else 1) * units.vocab_row
         + units.final_norm
+        + units.position_table
     )
 
 
@@ -230,6 +235,8 @@ def _cases():
             _plan(MODELS["gqa-layernorm-bias-tied"], ("RTX-4090", "A100-SXM-80GB")),
         )
     )
+    for name in ("gpt-learned-positions", "qkv-bias"):
+        out.append((name, _plan(MODELS[name], ("RTX-4090", "A100-SXM-80GB", "RTX-3090"))))
     return [
         (
             f"{name}-{mode}",

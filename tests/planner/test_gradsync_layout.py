@@ -133,6 +133,15 @@ def _models():
         "layernorm-bias": dataclasses.replace(
             tiny, normalization="LayerNorm", add_bias_linear=True, swiglu=False
         ),
+        "gpt-learned-positions": dataclasses.replace(
+            tiny,
+            normalization="LayerNorm",
+            add_bias_linear=True,
+            swiglu=False,
+            position_embedding_type="learned_absolute",
+            max_position_embeddings=2 * tiny.seq_length,
+        ),
+        "qkv-bias": dataclasses.replace(load_model("tiny-gqa"), add_qkv_bias=True),
     }
 
 
