@@ -64,6 +64,7 @@ setup(
             "hexi-launch=megatron_hexi.launch.cli:main",
             "hexi-cluster=megatron_hexi.cluster_tools.cli:cli",
             "hexi-profile=megatron_hexi.profile.cli:cli",
+            "hexi-convert=megatron_hexi.convert.cli:cli",
         ]
     },
 )

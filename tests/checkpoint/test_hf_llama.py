@@ -157,17 +157,25 @@ def test_unsupported_hf_models_are_clear_errors(tmp_path):
     conv = converter()
     from planner.errors import SpecError
 
-    with pytest.raises(SpecError, match="rope type 'llama3'"):
-        conv.model_fields(
-            {
-                "num_hidden_layers": 2,
-                "hidden_size": 64,
-                "intermediate_size": 8,
-                "num_attention_heads": 4,
-                "vocab_size": 8,
-                "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5},
-            }
-        )
+    sizes = {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "intermediate_size": 8,
+        "num_attention_heads": 4,
+        "vocab_size": 8,
+    }
+    with pytest.raises(SpecError, match="rope type 'yarn'"):
+        conv.model_fields({**sizes, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}})
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+    with pytest.raises(SpecError, match="llama3 rope high_freq_factor is 2.0; megatron-core"):
+        conv.model_fields({**sizes, "rope_parameters": {**llama3, "high_freq_factor": 2.0}})
+    with pytest.raises(SpecError, match="model_type 'gpt2' is not supported"):
+        conv.model_fields({**sizes, "model_type": "gpt2"})
+    with pytest.raises(SpecError, match="sliding_window 16 is shorter than the sequence"):
+        conv.model_fields({**sizes, "model_type": "mistral", "sliding_window": 16}, 32)
+    # Qwen2's window applies only with use_sliding_window; Mistral's is fine when it covers all
+    assert conv.model_fields({**sizes, "model_type": "qwen2", "sliding_window": 16}, 32)
+    assert conv.model_fields({**sizes, "model_type": "mistral", "sliding_window": 32}, 32)
     with pytest.raises(SpecError, match="no model.safetensors"):
         conv.read_hf_tensors(tmp_path)
 

@@ -1,0 +1,1 @@
+"""Model conversion: Hugging Face families <-> megatron-hexi checkpoints (`hexi-convert`)."""
