@@ -11,7 +11,12 @@ if REPO not in sys.path:
 
 from megatron_hexi.convert import cli  # noqa: E402
 from megatron_hexi.convert.families import hf_config, model_fields  # noqa: E402, F401
-from megatron_hexi.convert.hf import export_hf, import_hf, read_hf_tensors  # noqa: E402, F401
+from megatron_hexi.convert.hf import (  # noqa: E402, F401
+    export_hf,
+    head_dim_warning,
+    import_hf,
+    read_hf_tensors,
+)
 from megatron_hexi.convert.tensors import canonical_to_hf, hf_to_canonical  # noqa: E402, F401
 
 

@@ -445,6 +445,7 @@ def test_overwrite_replaces_the_output_whole(tmp_path):
     argv = ["import", "--hf-dir", tmp_path / "hf", "--output", tmp_path / "ckpt", "--overwrite"]
     assert main([str(a) for a in argv]) == 0
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "hf_files",  # the HF folder's generation_config.json, kept for the export
         "latest_checkpointed_iteration.txt",
         "model.yaml",
         "release",
@@ -456,6 +457,7 @@ def test_overwrite_replaces_the_output_whole(tmp_path):
     assert main([str(a) for a in argv]) == 0
     assert sorted(p.name for p in (tmp_path / "hf-out").iterdir()) == [
         "config.json",
+        "generation_config.json",
         "model.safetensors",
     ]
     before = load_file(tmp_path / "hf" / "model.safetensors")
