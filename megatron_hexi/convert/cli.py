@@ -2,6 +2,7 @@
 
     hexi-convert import --hf-dir DIR --output CKPT [--seq-length N]
     hexi-convert export --load CKPT --output DIR [--ckpt-step N] [--dtype bfloat16]
+    hexi-convert verify --hf-dir DIR --load CKPT --hetero-plan-path PLAN [--hetero-device cpu]
 
 Every problem is one line on stderr, `hexi-convert: error: ...`, exit 2.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from megatron_hexi.convert.verify import DEFAULT_MAX_TOKENS
 
 IMPORT_EXAMPLE = """\
   # HF -> ours: a params-only checkpoint in ckpt/ (--load ckpt/) and ckpt/model.yaml
@@ -26,6 +29,11 @@ EXPORT_EXAMPLE = """\
   {prog} export --load save/ --ckpt-step 2000 --output hf-2000/ --tokenizer-dir Llama-2-7b-hf/
 """
 
+VERIFY_EXAMPLE = """\
+  # the checkpoint under the plan's shards and stages, against transformers, on this machine
+  {prog} verify --hf-dir Llama-2-7b-hf/ --load ckpt/ --hetero-plan-path plan.json
+"""
+
 OVERWRITE_HELP = (
     "replace a non-empty --output folder whole (default: refuse it); its old files are removed "
     "only once the new ones are complete"
@@ -38,7 +46,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         prog=prog,
         description="Convert between Hugging Face Llama, Mistral and Qwen2 models and "
         "megatron-hexi checkpoints.",
-        epilog=f"examples:\n{IMPORT_EXAMPLE}{EXPORT_EXAMPLE}".format(prog=prog),
+        epilog=f"examples:\n{IMPORT_EXAMPLE}{EXPORT_EXAMPLE}{VERIFY_EXAMPLE}".format(prog=prog),
         formatter_class=raw,
     )
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -80,6 +88,32 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "import kept in LOAD/hf_files, if any)",
     )
     e.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    v = sub.add_parser(
+        "verify",
+        help="the runtime's logits under a plan against transformers' (exit 1 above 1e-5)",
+        epilog=f"example:\n{VERIFY_EXAMPLE.format(prog=prog)}",
+        formatter_class=raw,
+    )
+    v.add_argument("--hf-dir", required=True, help="the HF model folder that was imported")
+    v.add_argument("--load", required=True, help="the checkpoint to check")
+    v.add_argument("--hetero-plan-path", required=True, help="the plan whose layout to check")
+    v.add_argument(
+        "--hetero-device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the plan's ranks run, all on this machine (default: cpu)",
+    )
+    v.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        help=f"tokens per sample (default: the model's, at most {DEFAULT_MAX_TOKENS}); every "
+        "pipeline runs one sample",
+    )
+    v.add_argument("--seed", type=int, default=0, help="of the random tokens (default: 0)")
+    v.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds the ranks may take (default: 600)"
+    )
     return p
 
 
@@ -87,6 +121,7 @@ def main(argv: list[str] | None = None, prog: str = "hexi-convert") -> int:
     import torch
 
     from megatron_hexi.convert.hf import export_hf, head_dim_warning, import_hf
+    from megatron_hexi.convert.verify import TOLERANCE, verify
     from planner.errors import SpecError
     from planner.layout import canonical_shards
 
@@ -98,6 +133,24 @@ def main(argv: list[str] | None = None, prog: str = "hexi-convert") -> int:
             )
             count = sum(_numel(s.shape) for s in canonical_shards(model))
             print(f"imported {args.hf_dir} ({count} parameters) -> {final}; model spec: {yml}")
+        elif args.cmd == "verify":
+            error = verify(
+                args.hf_dir,
+                args.load,
+                args.hetero_plan_path,
+                args.hetero_device,
+                args.seq_length,
+                args.seed,
+                args.timeout,
+            )
+            print(f"max relative logit error: {error:.3e}")
+            if not error <= TOLERANCE:
+                print(
+                    f"{prog}: error: above {TOLERANCE:g}: the conversion or the plan's layout "
+                    "changes what the model computes",
+                    file=sys.stderr,
+                )
+                return 1
         else:
             model, out, carried = export_hf(
                 args.load,

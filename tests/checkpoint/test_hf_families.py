@@ -143,3 +143,33 @@ def test_export_is_identical_and_of_the_same_family(imported, family, tmp_path):
     ).read_text()
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     assert type(back).__name__ == ARCHITECTURES[family]
+
+
+def test_verify_passes_a_good_conversion_and_catches_an_altered_one(imported, tmp_path, capsys):
+    """`hexi-convert verify` under the plan: the import passes; the same HF folder with layer
+    0's k and v projections swapped (a converter's typical slip) fails with exit 1."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from megatron_hexi.convert.cli import main
+
+    _, ckpt, plan, _ = imported["qwen2"]
+    source = ckpt.parent / "hf"
+    argv = ["verify", "--load", str(ckpt), "--hetero-plan-path", str(plan), "--seq-length", "16"]
+    assert main([*argv, "--hf-dir", str(source)]) == 0
+    good = capsys.readouterr().out
+    error = float(good.split("max relative logit error: ")[1].split()[0])
+    assert error < 1e-5
+    altered = tmp_path / "altered"
+    shutil.copytree(source, altered)
+    tensors = load_file(altered / "model.safetensors")
+    k, v = (f"model.layers.0.self_attn.{p}_proj.weight" for p in "kv")
+    tensors[k], tensors[v] = tensors[v].clone(), tensors[k].clone()
+    save_file(tensors, altered / "model.safetensors", metadata={"format": "pt"})
+    assert main([*argv, "--hf-dir", str(altered)]) == 1
+    captured = capsys.readouterr()
+    wrong = float(captured.out.split("max relative logit error: ")[1].split()[0])
+    print(f"verify: good conversion {error:.2e}, altered one {wrong:.2e}")
+    assert wrong > 1e-2
+    assert captured.err.startswith("hexi-convert: error: above 1e-05"), captured.err
