@@ -93,6 +93,29 @@ def apply_cpu_patches() -> Tuple[str, ...]:
     return _applied
 
 
+# Applied on top of the training patches by `apply_conversion_patches` only: they patch modules
+# the runtime never imports, so training processes do not pay for importing them.
+CONVERSION_PATCH_MODULES: Tuple[str, ...] = (
+    "dist_checkpointing_filesystem_async",
+    "dist_checkpointing_state_dict_saver",
+)
+_conversion_applied = False
+
+
+def apply_conversion_patches() -> Tuple[str, ...]:
+    """The CPU patches plus those a one-process checkpoint conversion on the CPU needs
+    (megatron-core's dist_checkpointing save). Idempotent; reverted by remove_cpu_patches."""
+    global _conversion_applied
+    applied = apply_cpu_patches()
+    if not _conversion_applied:
+        assert _log is not None
+        for name in CONVERSION_PATCH_MODULES:
+            patch = importlib.import_module(f"{__name__}.{name}")
+            patch.apply(_log, importlib.import_module(patch.UPSTREAM))
+        _conversion_applied = True
+    return applied + CONVERSION_PATCH_MODULES
+
+
 def applied_cpu_patches() -> Tuple[str, ...]:
     """Names of the applied patches (empty before :func:`apply_cpu_patches` or after removal)."""
     return _applied or ()
@@ -100,16 +123,18 @@ def applied_cpu_patches() -> Tuple[str, ...]:
 
 def remove_cpu_patches() -> None:
     """Revert every patch (for tests)."""
-    global _applied, _log
+    global _applied, _log, _conversion_applied
     if _log is not None:
         _log.undo_all()
-    _applied, _log = None, None
+    _applied, _log, _conversion_applied = None, None, False
 
 
 __all__ = [
     "TESTED_MEGATRON_CORE_VERSIONS",
     "PATCH_MODULES",
+    "CONVERSION_PATCH_MODULES",
     "apply_cpu_patches",
+    "apply_conversion_patches",
     "applied_cpu_patches",
     "megatron_core_version",
     "patched_megatron_version",

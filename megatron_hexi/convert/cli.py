@@ -2,6 +2,8 @@
 
     hexi-convert import --hf-dir DIR --output CKPT [--seq-length N]
     hexi-convert export --load CKPT --output DIR [--ckpt-step N] [--dtype bfloat16]
+    hexi-convert import-megatron --load MDIR [--ckpt-step N] --output CKPT
+    hexi-convert export-megatron --load CKPT --output MDIR
     hexi-convert verify --hf-dir DIR --load CKPT --hetero-plan-path PLAN [--hetero-device cpu]
 
 Every problem is one line on stderr, `hexi-convert: error: ...`, exit 2.
@@ -29,6 +31,12 @@ EXPORT_EXAMPLE = """\
   {prog} export --load save/ --ckpt-step 2000 --output hf-2000/ --tokenizer-dir Llama-2-7b-hf/
 """
 
+MEGATRON_EXAMPLE = """\
+  # a Megatron-LM save (its latest iteration) -> ours, and back
+  {prog} import-megatron --load megatron-save/ --output ckpt/
+  {prog} export-megatron --load ckpt/ --output megatron-out/
+"""
+
 VERIFY_EXAMPLE = """\
   # the checkpoint under the plan's shards and stages, against transformers, on this machine
   {prog} verify --hf-dir Llama-2-7b-hf/ --load ckpt/ --hetero-plan-path plan.json
@@ -46,7 +54,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         prog=prog,
         description="Convert between Hugging Face Llama, Mistral and Qwen2 models and "
         "megatron-hexi checkpoints.",
-        epilog=f"examples:\n{IMPORT_EXAMPLE}{EXPORT_EXAMPLE}{VERIFY_EXAMPLE}".format(prog=prog),
+        epilog=f"examples:\n{IMPORT_EXAMPLE}{EXPORT_EXAMPLE}{MEGATRON_EXAMPLE}{VERIFY_EXAMPLE}".format(
+            prog=prog
+        ),
         formatter_class=raw,
     )
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -88,6 +98,26 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "import kept in LOAD/hf_files, if any)",
     )
     e.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    im = sub.add_parser(
+        "import-megatron",
+        help="Megatron-LM GPT save (torch_dist, or legacy torch at TP = PP = 1) -> checkpoint",
+        epilog=f"example:\n{MEGATRON_EXAMPLE.format(prog=prog)}",
+        formatter_class=raw,
+    )
+    im.add_argument("--load", required=True, help="the Megatron-LM --save folder")
+    im.add_argument("--ckpt-step", type=int, default=None, help="default: its latest")
+    im.add_argument("--output", required=True, help="checkpoint directory (use as --load)")
+    im.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    em = sub.add_parser(
+        "export-megatron",
+        help="checkpoint -> Megatron-LM torch_dist save (loads under any TP/PP)",
+        epilog=f"example:\n{MEGATRON_EXAMPLE.format(prog=prog)}",
+        formatter_class=raw,
+    )
+    em.add_argument("--load", required=True, help="a checkpoint folder (import or training save)")
+    em.add_argument("--ckpt-step", type=int, default=None, help="default: the latest")
+    em.add_argument("--output", required=True, help="the Megatron-LM folder to write")
+    em.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     v = sub.add_parser(
         "verify",
         help="the runtime's logits under a plan against transformers' (exit 1 above 1e-5)",
@@ -133,6 +163,19 @@ def main(argv: list[str] | None = None, prog: str = "hexi-convert") -> int:
             )
             count = sum(_numel(s.shape) for s in canonical_shards(model))
             print(f"imported {args.hf_dir} ({count} parameters) -> {final}; model spec: {yml}")
+        elif args.cmd == "import-megatron":
+            from megatron_hexi.convert.megatron import import_megatron
+
+            model, final, yml = import_megatron(
+                args.load, args.output, args.ckpt_step, args.overwrite
+            )
+            count = sum(_numel(s.shape) for s in canonical_shards(model))
+            print(f"imported {args.load} ({count} parameters) -> {final}; model spec: {yml}")
+        elif args.cmd == "export-megatron":
+            from megatron_hexi.convert.megatron import export_megatron
+
+            model, folder = export_megatron(args.load, args.output, args.ckpt_step, args.overwrite)
+            print(f"exported {args.load} -> {folder} (torch_dist)")
         elif args.cmd == "verify":
             error = verify(
                 args.hf_dir,
