@@ -863,7 +863,7 @@ def failure_lines(exc: Exception, config: RunConfig) -> tuple[list[str], bool]:
 
 def resume_advice(save: str) -> str:
     """What to rerun after a failure: --load only where a checkpoint that loads exists."""
-    from megatron_hexi.checkpoint_files import last_loadable
+    from megatron_hexi.checkpoint import last_loadable
 
     found, where = last_loadable(save), shown(save, 200)
     if found is None:
