@@ -285,7 +285,7 @@ def test_collective_failure_names_its_cause(gloo_error, timed_out):
     when the rank was blocked reading from it, depending on where the hang met it); both are
     the collective timeout, and a closed connection is not."""
     from megatron_hexi.config import OptimizerConfig, RunConfig, TrainingConfig
-    from megatron_hexi.training import failure_lines
+    from megatron_hexi.distributed import failure_lines
 
     config = RunConfig(TrainingConfig(train_iters=1), OptimizerConfig(lr=1e-3))
     lines, collective = failure_lines(RuntimeError(gloo_error), config)

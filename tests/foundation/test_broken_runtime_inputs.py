@@ -172,7 +172,7 @@ def test_a_save_never_replaces_or_removes_what_it_did_not_write(tmp_path):
 
 def test_advice_names_only_a_checkpoint_that_loads(tmp_path):
     from megatron_hexi import interrupt
-    from megatron_hexi.training import resume_advice
+    from megatron_hexi.distributed import resume_advice
 
     empty = tmp_path / "empty"
     empty.mkdir()
