@@ -31,7 +31,7 @@ setup(
         "numpy>=1.26,<3",
         "pyyaml>=6.0,<7",
         "packaging>=24.2",  # megatron-core's floor
-        "safetensors>=0.4.3,<1",  # checkpoints (megatron_hexi/checkpoint.py)
+        "safetensors>=0.4.3,<1",  # checkpoints (megatron_hexi/checkpoint/)
         "tokenizers>=0.21,<1",  # HuggingFace and GPT-2 BPE tokenizers (--data-path)
         "psutil>=5.9",  # megatron-core dist_checkpointing's writer (hexi-convert export-megatron)
     ],

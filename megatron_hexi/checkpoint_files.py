@@ -38,14 +38,14 @@ class CheckpointError(SpecError):
     """A missing, corrupt or incompatible checkpoint: one line naming the file or the field."""
 
 
-def _is_real_dir(path: str) -> bool:
+def is_real_dir(path: str) -> bool:
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return False
 
 
-def _is_regular(path: str) -> bool:
+def is_regular(path: str) -> bool:
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
@@ -55,12 +55,12 @@ def _is_regular(path: str) -> bool:
 def is_own(path: str) -> bool:
     """True if `path` is a real folder (not a symbolic link) that a save of this project wrote:
     it holds SAVE_MARKER, or a checkpoint.json in this project's format."""
-    if not _is_real_dir(path):
+    if not is_real_dir(path):
         return False
-    if _is_regular(os.path.join(path, SAVE_MARKER)):
+    if is_regular(os.path.join(path, SAVE_MARKER)):
         return True
     meta = os.path.join(path, METADATA)
-    if not _is_regular(meta):
+    if not is_regular(meta):
         return False
     try:
         with open(meta, "rb") as f:
@@ -132,44 +132,6 @@ def iteration_of(name: str) -> int | None:
     return int(m.group(1)) if m and m.group(1) else None
 
 
-def last_loadable(folder: str) -> str | None:
-    """'iteration N' (or 'release') of the newest checkpoint in `folder` that opens and names
-    every file it lists, preferring the one the pointer names; None if there is none. For
-    messages after a failure or an interrupt: it reads checkpoint.json, not the tensors."""
-    from megatron_hexi.checkpoint import Checkpoint
-
-    def opens(step: int | None) -> bool:
-        try:
-            ckpt = Checkpoint(folder, step, verify=False)
-        except (SpecError, OSError, RecursionError, ValueError):
-            return False
-        return all(_is_regular(os.path.join(ckpt.dir, f)) for f in ckpt.meta["files"])
-
-    def label(step: int | None) -> str:
-        return "release" if step is None else f"iteration {step}"
-
-    if not _is_real_dir(folder):
-        return None
-    try:
-        has, step = pointed(folder)
-    except CheckpointError:
-        has, step = False, None
-    if has and opens(step):
-        return label(step)
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return None
-    found = sorted(
-        (iteration_of(n) or 0 for n in names if ITERATION_DIR.fullmatch(n)), reverse=True
-    )
-    for it in found:
-        if it and is_own(os.path.join(folder, f"iter_{it:07d}")) and opens(it):
-            # not the pointer's: loading it needs --ckpt-step
-            return label(it or None) + (f" (--ckpt-step {it})" if it else "")
-    return None
-
-
 def is_loop(path: str) -> bool:
     """True if resolving `path` meets a symbolic link loop."""
     try:
@@ -193,6 +155,7 @@ __all__ = [
     "parse_pointer",
     "pointed",
     "iteration_of",
-    "last_loadable",
+    "is_real_dir",
+    "is_regular",
     "is_loop",
 ]

@@ -215,9 +215,24 @@ class StageCommunicator:
                 works.append(work)
         for work in works:
             work.wait()
-        if recv is not None:
+        if recv is not None and received is not None:
             return self._assemble(received, recv[0], recv[1], recv[3])
         return None
+
+    @staticmethod
+    def _peer(boundary: Boundary | None) -> Boundary:
+        """The boundary to a neighbouring stage, which the schedule only asks for where the
+        stage has that neighbour."""
+        if boundary is None:
+            raise RuntimeError("p2p: no neighbouring stage on this side (schedule bug)")
+        return boundary
+
+    @staticmethod
+    def _got(t: torch.Tensor | None) -> torch.Tensor:
+        """What an exchange with a receive returned (always a tensor)."""
+        if t is None:
+            raise RuntimeError("p2p: a receive returned nothing")
+        return t
 
     @staticmethod
     def _one(tensors: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
@@ -231,8 +246,15 @@ class StageCommunicator:
     def recv_forward(self, tensor_shapes: Shapes, is_first_stage: bool) -> Received:
         t = None
         if not is_first_stage:
-            t = self._exchange(
-                recv=(self.prev, "receiver", FORWARD_TAG, self._shape(tensor_shapes))
+            t = self._got(
+                self._exchange(
+                    recv=(
+                        self._peer(self.prev),
+                        "receiver",
+                        FORWARD_TAG,
+                        self._shape(tensor_shapes),
+                    )
+                )
             )
             t.requires_grad_(True)
         return [t] if isinstance(tensor_shapes, list) else t
@@ -240,21 +262,30 @@ class StageCommunicator:
     def recv_backward(self, tensor_shapes: Shapes, is_last_stage: bool) -> Received:
         t = None
         if not is_last_stage:
-            t = self._exchange(recv=(self.next, "sender", BACKWARD_TAG, self._shape(tensor_shapes)))
+            t = self._exchange(
+                recv=(self._peer(self.next), "sender", BACKWARD_TAG, self._shape(tensor_shapes))
+            )
         return [t] if isinstance(tensor_shapes, list) else t
 
     def send_forward(
         self, output_tensors: torch.Tensor | list[torch.Tensor], is_last_stage: bool
     ) -> None:
         if not is_last_stage:
-            self._exchange(send=(self._one(output_tensors), self.next, "sender", FORWARD_TAG))
+            self._exchange(
+                send=(self._one(output_tensors), self._peer(self.next), "sender", FORWARD_TAG)
+            )
 
     def send_backward(
         self, input_tensor_grads: torch.Tensor | list[torch.Tensor], is_first_stage: bool
     ) -> None:
         if not is_first_stage:
             self._exchange(
-                send=(self._one(input_tensor_grads), self.prev, "receiver", BACKWARD_TAG)
+                send=(
+                    self._one(input_tensor_grads),
+                    self._peer(self.prev),
+                    "receiver",
+                    BACKWARD_TAG,
+                )
             )
 
     def send_forward_recv_backward(
@@ -266,8 +297,8 @@ class StageCommunicator:
         t = None
         if not is_last_stage:
             t = self._exchange(
-                send=(self._one(output_tensors), self.next, "sender", FORWARD_TAG),
-                recv=(self.next, "sender", BACKWARD_TAG, self._shape(tensor_shapes)),
+                send=(self._one(output_tensors), self._peer(self.next), "sender", FORWARD_TAG),
+                recv=(self._peer(self.next), "sender", BACKWARD_TAG, self._shape(tensor_shapes)),
             )
         return [t] if isinstance(tensor_shapes, list) else t
 
@@ -279,9 +310,12 @@ class StageCommunicator:
     ) -> Received:
         t = None
         if not is_first_stage:
-            t = self._exchange(
-                send=(self._one(input_tensor_grads), self.prev, "receiver", BACKWARD_TAG),
-                recv=(self.prev, "receiver", FORWARD_TAG, self._shape(tensor_shapes)),
+            prev = self._peer(self.prev)
+            t = self._got(
+                self._exchange(
+                    send=(self._one(input_tensor_grads), prev, "receiver", BACKWARD_TAG),
+                    recv=(prev, "receiver", FORWARD_TAG, self._shape(tensor_shapes)),
+                )
             )
             t.requires_grad_(True)
         return [t] if isinstance(tensor_shapes, list) else t

@@ -238,10 +238,10 @@ def _build_real_dataset(
     if tokenizer is None:
         raise SpecError("--data-path needs --tokenizer-type and its tokenizer files")
     check_vocab_fits(tokenizer, plan.model.vocab_size)
-    own_blend = which == Split.valid and data.valid_data_path
+    own_blend = data.valid_data_path if which == Split.valid else None
     flag = "--valid-data-path" if own_blend else "--data-path"
     assert data.data_path is not None
-    prefixes, weights = data_blend(data.valid_data_path if own_blend else data.data_path, flag)
+    prefixes, weights = data_blend(own_blend or data.data_path, flag)
     summaries = check_indexed_datasets(prefixes, flag)
     per_split: list[tuple[list[str], list[float] | None] | None] = [None, None, None]
     per_split[which.value] = (prefixes, weights)

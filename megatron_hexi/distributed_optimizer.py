@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 class MasterPart:
     """One part of one segment that this rank owns: its canonical range and fp32 master copy."""
 
-    param: torch.nn.Parameter
+    param: torch.Tensor
     name: str  # canonical parameter name
     dim: int
     global_start: int  # in the canonical tensor, along dim
@@ -169,14 +169,14 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                 "is_expert_parallel": False,
             },
         ]
-        inner = adamw(
+        adam = adamw(
             [g for g in groups if g["params"]] or [{"params": []}],
             lr=config.lr,
             weight_decay=config.weight_decay,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
         )
-        super().__init__(inner, config, lambda o: None)
+        super().__init__(adam, config, lambda o: None)
         self.is_stub_optimizer = False
         self._found_grads = False
         grad_sync.collective = self
@@ -214,7 +214,8 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         rs = self.sets[index]
         buf, work = pending
         self._found_grads = True
-        if buf is None:  # this rank alone: its masters' gradients straight from the gradients
+        if buf is None or work is None:  # this rank alone (both None): its masters' gradients
+            # straight from the gradients
             self._own_gradients(rs, num_tokens)
             return
         work.wait()
@@ -339,7 +340,8 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         return True
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None, None]:
+    def step(self) -> tuple[bool, torch.Tensor | None, None]:
+        """(success, the gradient norm as a device tensor or None unclipped, None)."""
         self.prepare_grads()
         grad_norm = None
         if self.config.clip_grad > 0.0:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from planner.transformer_impl import te_installed
 
@@ -138,7 +138,7 @@ def choose_fusions(allowed: FusionConfig, env: FusionEnvironment) -> Fusions:
         ),
         "cross_entropy_loss_fusion": None if env.main_grad else "bf16 runs only",
     }
-    on: dict[str, bool] = {}
+    on: dict[str, Any] = {}  # Fusions fields by name (all bool)
     why_not: list[tuple[str, str]] = []
     for name in FUSIONS:
         reason = (

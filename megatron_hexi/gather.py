@@ -7,7 +7,7 @@ and written at their global offsets. Small models only: everything goes through 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ def assemble(
     shard_lists: Iterable[Iterable[tuple[ParamShard, torch.Tensor]]],
 ) -> dict[str, torch.Tensor]:
     """{canonical name: full tensor} from [(ParamShard, local tensor)] lists of all ranks."""
-    full = {}
+    full: dict[str, torch.Tensor] = {}
     for shards in shard_lists:
         for shard, local in shards:
             out = full.setdefault(shard.name, torch.full(shard.shape, float("nan")))
@@ -44,6 +44,6 @@ def gather_full_parameters(
 ) -> dict[str, torch.Tensor] | None:
     """On launch rank `dst`: {name: full fp32 tensor}; elsewhere None."""
     mine = [(shard, p.detach().float().cpu().clone()) for shard, p in params]
-    everyone = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    everyone: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(mine, everyone, dst=dst)
     return assemble(everyone) if everyone is not None else None

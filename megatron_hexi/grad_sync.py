@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 class Slot:
     """A segment as this rank holds it: a slice of one local parameter."""
 
-    param: torch.nn.Parameter
+    param: torch.Tensor
     name: str  # canonical parameter name
     dim: int
     start: int  # along dim, in the local parameter
@@ -45,7 +45,10 @@ class Slot:
 
     def grad(self) -> torch.Tensor:
         """The parameter's gradient as summed: its fp32 `main_grad` where it has one."""
-        return param_grad(self.param)
+        grad = param_grad(self.param)
+        if grad is None:
+            raise RuntimeError(f"{self.name}: no gradient (the sync runs after the backward pass)")
+        return grad
 
     def grad_view(self) -> torch.Tensor:
         return self.grad().narrow(self.dim, self.start, self.length)
@@ -80,23 +83,24 @@ class FP32MainGrads:
         offset = 0
         self.params = params
         for p in params:
-            p.main_grad = self.buffer[offset : offset + p.numel()].view(p.shape)
+            # megatron-core's convention: the fp32 gradient is an attribute of the parameter
+            p.main_grad = self.buffer[offset : offset + p.numel()].view(p.shape)  # type: ignore[attr-defined]
             # its presence makes megatron-core's fused layers return a dummy `.grad`, so that
             # this hook (and the overlapped sync's) still runs for them
-            p.grad_added_to_main_grad = False
+            p.grad_added_to_main_grad = False  # type: ignore[attr-defined]
             offset += p.numel()
             p.register_post_accumulate_grad_hook(_add_to_main_grad)
 
     def zero(self) -> None:
         self.buffer.zero_()
         for p in self.params:
-            p.grad_added_to_main_grad = False
+            p.grad_added_to_main_grad = False  # type: ignore[attr-defined]
 
 
 def _add_to_main_grad(param: torch.Tensor) -> None:
     """megatron-core DDP's rule: add `.grad` unless the fused GEMM has added it already."""
-    if not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False):
-        param.main_grad.add_(param.grad)
+    if not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False):  # type: ignore[attr-defined]
+        param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
     param.grad = None
 
 
@@ -180,7 +184,7 @@ class GradientSync:
         self.plan_rank = plan_rank
         self.launch_of = groups.launch_of  # plan rank -> launch rank
         self.overlap = overlap
-        by_name = {shard.name: [] for shard, _ in params}
+        by_name: dict[str, list[torch.Tensor]] = {shard.name: [] for shard, _ in params}
         for shard, p in params:
             by_name[shard.name].append(p)
         self.owned: list[Slot] = []  # Slots this rank counts in the gradient norm
@@ -227,9 +231,9 @@ class GradientSync:
         self._params = {id(s.param): s.param for b in self.buckets for s in b.slots}
         self._reset()
         if overlap:
-            for p in self._params.values():
+            for param in self._params.values():
                 # after FP32MainGrads' hook (registered first), so `main_grad` is complete
-                p.register_post_accumulate_grad_hook(self._gradient_final)
+                param.register_post_accumulate_grad_hook(self._gradient_final)
 
     # -- overlap ---------------------------------------------------------------------------
     def no_sync(self) -> _NotFinal:
@@ -308,7 +312,8 @@ class GradientSync:
         """Wait, divide by the token count, and write the sums back into the gradients."""
         slots = self.buckets[index].slots
         flat, work = pending
-        if flat is None:  # this rank alone: scale its slices in place (no copy), one call each
+        if flat is None or work is None:  # this rank alone (both None): scale its slices in
+            # place (no copy), one call each
             contributing = [s.grad_view() for s in slots if s.contributes]
             if contributing:
                 torch._foreach_div_(contributing, num_tokens)

@@ -68,7 +68,11 @@ def forward_logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | Non
         )
     finally:
         trainer.model.train()
-    mine = (first, v.vocab[1], torch.cat(list(store), dim=0)) if v.holds_output else None
+    mine = (
+        (first, v.vocab[1], torch.cat(list(store), dim=0))
+        if v.holds_output and v.vocab is not None  # an output stage holds vocabulary rows
+        else None
+    )
     everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     if everyone is None:

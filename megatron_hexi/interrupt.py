@@ -56,7 +56,7 @@ def received() -> bool:
 
 def line(save: str | None) -> str:
     """The one line: the last checkpoint of --save that loads, and how to resume from it."""
-    from megatron_hexi.checkpoint_files import last_loadable
+    from megatron_hexi.checkpoint import last_loadable
 
     if not save:
         return f"{PROGRAM}: interrupted (SIGINT); nothing was saved (no --save)"

@@ -49,7 +49,9 @@ class SequenceParallelTorchNorm:
     """`WrappedTorchNorm`'s torch LayerNorm / RMSNorm, also under sequence parallelism (module
     docstring: why that is exact). Its parameters carry megatron's `sequence_parallel` mark."""
 
-    def __new__(
+    # A factory: megatron-core's layer spec builds a norm by calling a class, and this one
+    # returns torch's norm module itself, not an instance of this class.
+    def __new__(  # type: ignore[misc]
         cls,
         config: TransformerConfig,
         hidden_size: int,

@@ -154,6 +154,7 @@ def build_stage_model(
         pg_collection=pg,
     )
     if view.holds_embedding:
+        assert view.vocab is not None  # a stage with the embedding holds vocabulary rows
         emb = model.embedding.word_embeddings
         emb.vocab_start_index = view.vocab[1]
         emb.vocab_end_index = view.vocab[1] + view.vocab[0]

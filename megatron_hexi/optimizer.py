@@ -30,10 +30,15 @@ if TYPE_CHECKING:
 
 
 class _ExactNormMixin:
-    grad_sync = None
+    grad_sync: GradientSync | None = None  # build_optimizer sets it
+
+    if TYPE_CHECKING:  # megatron-core's MegatronOptimizer, which every user of the mixin is
+
+        def get_parameters(self) -> list[torch.nn.Parameter]: ...
 
     def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
         """This rank's owned gradient slices (views; some are strided column slices)."""
+        assert self.grad_sync is not None, "build_optimizer sets grad_sync"
         return self.grad_sync.owned_grads()
 
     def get_grad_norm(self) -> torch.Tensor:
@@ -52,7 +57,9 @@ class _ExactNormMixin:
         return grad_norm
 
     def get_grad_stats_parallel_group(self) -> dist.ProcessGroup:
-        return dist.group.WORLD
+        world = dist.group.WORLD
+        assert world is not None, "the process group exists before the optimizer is built"
+        return world
 
 
 class HeteroFP32Optimizer(_ExactNormMixin, FP32Optimizer):
@@ -81,7 +88,8 @@ def param_groups(
     named_params: Iterable[tuple[str, torch.nn.Parameter]],
 ) -> list[dict[str, Any]]:
     """Megatron's rule: no weight decay on biases and 1-D parameters (norm weights)."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, p in named_params:
         (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
     groups = [

@@ -13,7 +13,7 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -118,6 +118,6 @@ def resolve_ranks(
 def map_processes(plan: Plan, device_name: str, check_devices: bool) -> dict[int, int]:
     """All-gather identities and return {launch rank: plan rank} (same on every rank)."""
     mine = local_identity(plan.cluster, device_name)
-    everyone = [None] * dist.get_world_size()
+    everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return resolve_ranks(plan, everyone, check_devices)

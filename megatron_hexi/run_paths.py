@@ -210,7 +210,7 @@ def check_run_paths(config: RunConfig, inputs: Sequence[str], first_iteration: i
     ckpt, log = config.checkpoint, config.logging
     inputs = [p for p in inputs if p and os.path.isfile(p)]
     folders = [d for d in (ckpt.save, ckpt.load) if d]
-    problems: list[str] = []
+    problems: list[str | None] = []  # None: no problem
     if ckpt.save:
         where = f"--save {shown(ckpt.save, 200)}"
         if is_loop(ckpt.save):

@@ -1,8 +1,6 @@
-"""The training entry: start-up from a plan, the 1F1B loop per pipeline, logging and metrics.
-
-Order of start-up matters: flags and plan are checked before the process group exists, the world
-size before any collective, and the process mapping (one all-gather) before any group is built,
-so every mismatch is one clear error on every rank instead of a hang.
+"""The training entry: the Trainer (what one rank builds from the plan, and one step) and the
+loop that runs it, resumes, evaluates and saves. Start-up and failure lines are
+megatron_hexi.distributed's, the log lines and the summary megatron_hexi.metrics'.
 
 Only `main` sees the command line: it turns the checked flags into a RunConfig
 (megatron_hexi.config), and everything below it (`Trainer`, `run`, checkpoints) reads that, so
@@ -14,14 +12,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import math
 import os
-import resource
 import sys
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -30,12 +25,28 @@ from megatron_hexi import interrupt, tensorboard_log, wandb_log
 from megatron_hexi.arguments import check_against_plan, parse_args, planning_inputs, run_config
 from megatron_hexi.communicator import Boundary, StageCommunicator
 from megatron_hexi.cuda_graphs import check_cuda_graphs
+from megatron_hexi.distributed import (
+    device_name,
+    fail,
+    init_distributed,
+    startup_line,
+    wants_cuda,
+)
 from megatron_hexi.exit_signal import ExitSignal
 from megatron_hexi.fusions import stage_fusions
 from megatron_hexi.grad_sync import FP32MainGrads, GradientSync
 from megatron_hexi.layer_specs import check_transformer_impl
 from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.memory_fit import check_memory_fit
+from megatron_hexi.metrics import (
+    Evaluation,
+    IntervalLog,
+    check_finite,
+    open_outputs,
+    peak_memory_gb,
+    summary,
+    validation_lines,
+)
 from megatron_hexi.model import (
     build_stage_model,
     initialise_weights,
@@ -45,12 +56,12 @@ from megatron_hexi.model import (
 )
 from megatron_hexi.optimizer import build_optimizer
 from megatron_hexi.process_groups import SingleRank, StagePosition, build_groups
-from megatron_hexi.rank_mapping import check_world_size, map_processes
-from megatron_hexi.report import error_lines, prints, shown
-from megatron_hexi.run_paths import MetricsFile, check_run_paths
+from megatron_hexi.rank_mapping import map_processes
+from megatron_hexi.report import error_lines, prints
+from megatron_hexi.run_paths import check_run_paths
 from megatron_hexi.startup_plan import plan_at_start, resume_iteration
 from megatron_hexi.step_accounting import StepClock, batches_to_device, loss_mask_tokens
-from megatron_hexi.tensorboard_log import iteration_scalars, perplexity, validation_scalars
+from megatron_hexi.tensorboard_log import iteration_scalars, validation_scalars
 from planner.catalog import get_gpu
 from planner.errors import SpecError
 from planner.flops import model_flops_per_sample
@@ -61,7 +72,7 @@ if TYPE_CHECKING:
     from megatron.core.datasets.blended_megatron_dataset_builder import TopLevelDataset
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_hexi.config import EvaluationConfig, RunConfig, RuntimeConfig
+    from megatron_hexi.config import EvaluationConfig, RunConfig
     from megatron_hexi.tokenizer import TextTokenizer
     from planner.plan import Plan
 
@@ -79,7 +90,7 @@ class Trainer:
     def __init__(self, plan: Plan, config: RunConfig, device: torch.device) -> None:
         self.plan, self.config, self.device = plan, config, device
         timeout = datetime.timedelta(minutes=config.runtime.distributed_timeout_minutes)
-        mapping = map_processes(plan, _device_name(device), check_devices=device.type == "cuda")
+        mapping = map_processes(plan, device_name(device), check_devices=device.type == "cuda")
         segments = gradient_segments(plan)
         shard = plan.training.use_distributed_optimizer
         rank_sets = list(dict.fromkeys(s.ranks for s in segments if reduced_together(s, shard)))
@@ -219,6 +230,7 @@ class Trainer:
         self, labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor
     ) -> LossOutput:
         v = self.view
+        assert v.vocab is not None  # the loss is the output stage's, which holds vocabulary rows
         per_token = sharded_cross_entropy(
             logits.float(),
             labels,
@@ -240,7 +252,7 @@ class Trainer:
         self, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
     ) -> tuple[torch.Tensor, Callable[[torch.Tensor], LossOutput] | None]:
         v = self.view  # training batches are on the device already (train_step)
-        batch = next(data_iterator) if (v.holds_embedding or v.holds_output) else None
+        batch = next(data_iterator) if (v.holds_embedding or v.holds_output) else {}
         tokens = batch["tokens"].to(self.device) if v.holds_embedding else None
         positions = batch["position_ids"].to(self.device) if v.holds_embedding else None
         output = model(tokens, positions, None)
@@ -394,17 +406,6 @@ class Trainer:
         return gather_full_parameters(self.plan, self.rank, self.params, self.groups)
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so that a clock read after it measures that work
-    (CUDA runs asynchronously; on CPU there is nothing to wait for)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
 def build_dataset(
     plan: Plan, config: RunConfig, tokenizer: TextTokenizer | None
 ) -> TopLevelDataset:
@@ -451,125 +452,6 @@ def eval_window(iteration: int, train_iters: int, ev: EvaluationConfig, *, end: 
     return window if end else window - 1
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """CUDA allocator peak on GPU; on CPU the process's peak resident set (includes libraries)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
-
-
-class ScalarWriter(Protocol):
-    """TensorBoard (megatron_hexi.tensorboard_log) or wandb (megatron_hexi.wandb_log)."""
-
-    def log(
-        self, iteration: int, scalars: Mapping[str, float], *, always: bool = False
-    ) -> None: ...
-
-    def summary(self, text: str, iteration: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class Evaluation(NamedTuple):
-    """One validation loss: the token-weighted mean over `batches` global batches."""
-
-    lm_loss: float
-    tokens: int
-    batches: int
-
-
-class IntervalLog:
-    """Megatron-LM's iteration line, averaged over the iterations since the last one it printed
-    (--log-interval): loss and step time are means, tokens/s and MFU are over the interval's
-    total time; learning rate and grad norm are the last iteration's."""
-
-    def __init__(self, plan: Plan, train_iters: int, flops: float, log_throughput: bool) -> None:
-        self.plan, self.train_iters = plan, train_iters
-        self.flops, self.log_throughput = flops, log_throughput
-        self.rows: list[Mapping[str, Any]] = []
-        self.started = time.monotonic()
-        self.first_iteration: int | None = None
-
-    def add(self, m: Mapping[str, Any]) -> None:
-        if self.first_iteration is None:
-            self.first_iteration = m["iteration"] - 1
-        self.rows.append(m)
-
-    def line(self) -> str:
-        """The line for the iterations added since the last call."""
-        rows, self.rows = self.rows, []
-        n, last = len(rows), rows[-1]
-        seconds = sum(r["step_time_s"] for r in rows)
-        tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in rows)
-        mfu = sum(r["mfu"] * r["step_time_s"] for r in rows) / seconds
-        it, plan = last["iteration"], self.plan
-        elapsed = time.monotonic() - self.started
-        done = it - (self.first_iteration or 0)
-        eta = elapsed / done * (self.train_iters - it) if done else 0.0
-        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-        text = (
-            f" [{stamp}] iteration {it:>8d}/{self.train_iters:>8d} | consumed samples: "
-            f"{it * plan.global_batch_size:>12d} | elapsed time per iteration (ms): "
-            f"{seconds / n * 1000:.1f} | "
-        )
-        if self.log_throughput:
-            per_gpu = self.flops * n / seconds / plan.world_size / 1e12
-            text += f"throughput per GPU (TFLOP/s/GPU): {per_gpu:.4f} | "
-        skipped = sum(0 if r["success"] else 1 for r in rows)
-        nan = sum(0 if math.isfinite(r["lm_loss"]) else 1 for r in rows)
-        return text + (
-            f"learning rate: {last['lr']:.6E} | global batch size: {plan.global_batch_size:>5d} | "
-            f"lm loss: {sum(r['lm_loss'] for r in rows) / n:.6E} | loss scale: 1.0 | "
-            f"grad norm: {last['grad_norm']:.3f} | number of skipped iterations: {skipped:>3d} | "
-            f"number of nan iterations: {nan:>3d} | tokens/s: {tokens / seconds:.1f} | "
-            f"MFU: {mfu * 100:.2f}% | "
-            + (
-                f"grad sync exposed (ms): "
-                f"{sum(r['grad_sync_exposed_s'] for r in rows) / n * 1000:.1f} | "
-                if plan.training.overlap_grad_reduce
-                else ""
-            )
-            + f"elapsed: {_clock(elapsed)} | ETA: {_clock(eta)} |"
-        )
-
-
-def _clock(seconds: float) -> str:
-    """H:MM:SS."""
-    return str(datetime.timedelta(seconds=round(seconds)))
-
-
-def validation_lines(where: str, ev: Evaluation) -> str:
-    """Megatron-LM's validation block: loss and perplexity between two rules."""
-    text = (
-        f" validation loss at {where} | lm loss value: {ev.lm_loss:.6E} | lm loss PPL: "
-        f"{perplexity(ev.lm_loss):.6E} | "
-    )
-    rule = "-" * (len(text) + 1)
-    return f"{rule}\n{text}\n{rule}"
-
-
-def seconds_since_process_start() -> float:
-    """Wall time since this process started (Linux: /proc), else since this module's import."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.monotonic() - _IMPORTED
-
-
-_IMPORTED = time.monotonic()
-
-
-def startup_line(what: str) -> None:
-    """A start-up phase on launch rank 0, with the seconds since the process started (imports
-    and process-group set-up take most of a CPU launch's first seconds)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"> {what} [{seconds_since_process_start():.1f} s]", flush=True)
-
-
 def _resume_iteration(trainer: Trainer) -> int:
     """--load: the checkpoint's iteration (0 for a fresh start under --hetero-load-if-exists)."""
     from megatron_hexi import checkpoint
@@ -600,24 +482,9 @@ def _resume_iteration(trainer: Trainer) -> int:
     return loaded.iteration
 
 
-def check_finite(metrics: Mapping[str, Any]) -> None:
-    """Megatron-LM's --check-for-nan-in-loss-and-grad: stop on a NaN or infinite loss or gradient
-    norm. Both are all-reduced values, so every rank stops at the same iteration, before saving
-    the diverged weights."""
-    loss, norm = metrics["lm_loss"], metrics["grad_norm"]
-    if not (math.isfinite(loss) and math.isfinite(norm)):
-        raise SpecError(
-            f"iteration {metrics['iteration']}: lm loss {loss}, grad norm {norm}: "
-            f"training stopped on a non-finite value (lower --lr, or keep going with "
-            f"--no-check-for-nan-in-loss-and-grad); nothing was saved for this "
-            f"iteration"
-        )
-
-
-def _save(trainer: Trainer, iteration: int) -> None:
+def _save(trainer: Trainer, save: str, iteration: int) -> None:
     from megatron_hexi import checkpoint
 
-    save = trainer.config.checkpoint.save
     trainer.settle_parameters()
     seconds, size = checkpoint.save(trainer, save, iteration)
     trainer.checkpoint_events.append(
@@ -660,23 +527,8 @@ def _train(
     tokens_per_iter = plan.global_batch_size * plan.model.seq_length
     history: list[dict[str, Any]] = []
     rank, world = dist.get_rank(), dist.get_world_size()
-    metrics_file = None
-    writers: list[ScalarWriter] = []  # TensorBoard on launch rank 0, wandb on the last one
     with contextlib.ExitStack() as outputs:  # closed on every way out, errors included
-        if rank == 0:
-            if log.metrics_path:  # a resumed run appends to the history it continues
-                metrics_file = MetricsFile(log.metrics_path, append=bool(first))
-                outputs.callback(metrics_file.close)
-            if log.tensorboard_dir:
-                writers.append(
-                    tensorboard_log.TensorBoardLogger(
-                        log.tensorboard_dir, log.tensorboard_log_interval
-                    )
-                )
-                outputs.callback(writers[-1].close)
-        if rank == world - 1 and log.wandb_project:
-            writers.append(wandb_log.WandbLogger(log, ckpt.save, _wandb_config(plan, config)))
-            outputs.callback(writers[-1].close)
+        metrics_file, writers = open_outputs(outputs, plan, config, append=bool(first))
 
         def evaluate(iteration: int, end: bool) -> Evaluation:
             result = trainer.evaluate(eval_window(iteration, train.train_iters, ev, end=end))
@@ -720,7 +572,7 @@ def _train(
             if train.check_for_nan_in_loss_and_grad:
                 check_finite(m)
             if ckpt.save and ckpt.save_interval and (it + 1) % ckpt.save_interval == 0:
-                _save(trainer, it + 1)
+                _save(trainer, ckpt.save, it + 1)
                 saved = it + 1
             if stop is not None and stop.agreed():
                 signalled = True
@@ -741,7 +593,7 @@ def _train(
         last = first + len(history)
         trainer.settle_parameters()
         if ckpt.save and history and saved != last:
-            _save(trainer, last)
+            _save(trainer, ckpt.save, last)
         if ev.batches and not signalled:  # a signalled run has seconds left: save, then go
             result = evaluate(last, end=True)
             if metrics_file:  # a line of its own: the last iteration's may hold another one
@@ -749,207 +601,21 @@ def _train(
                     json.dumps({"iteration": last, "eval_lm_loss": result.lm_loss, "end": True})
                 )
         if rank in (0, world - 1):
-            text = _summary(history, first, tokens_per_iter, flops, peak, device, trainer)
+            text = summary(
+                history,
+                first,
+                tokens_per_iter,
+                flops,
+                peak,
+                device,
+                ev.skip_train,
+                [e for e in trainer.checkpoint_events if "save_iteration" in e],
+            )
             if rank == 0:
                 print(text, flush=True)
             for w in writers:
                 w.summary(text, last)
     return trainer, history
-
-
-def _wandb_config(plan: Plan, config: RunConfig) -> dict[str, Any]:
-    """What the wandb run records as its config: the run's settings and the plan's shape."""
-    import dataclasses
-
-    return {
-        **dataclasses.asdict(config),
-        "launch_rank": dist.get_rank(),
-        "plan": {
-            "world_size": plan.world_size,
-            "pipelines": len(plan.pipelines),
-            "global_batch_size": plan.global_batch_size,
-        },
-    }
-
-
-def _summary(
-    history: Sequence[Mapping[str, Any]],
-    first: int,
-    tokens_per_iter: int,
-    flops: float,
-    peak: float,
-    device: torch.device,
-    trainer: Trainer,
-) -> str:
-    """The closing line: iterations and tokens of this run, throughput, MFU, memory, checkpoints."""
-    if not history:
-        reason = (
-            "--skip-train"
-            if trainer.config.evaluation.skip_train
-            else f"resumed at iteration {first} = --train-iters"
-        )
-        return f"done: nothing trained ({reason})"
-    seconds = sum(h["step_time_s"] for h in history)
-    tokens = len(history) * tokens_per_iter
-    memory = [
-        round(max(h["peak_memory_gb"][r] for h in history), 3)
-        for r in range(len(history[0]["peak_memory_gb"]))
-    ]
-    saves = [e for e in trainer.checkpoint_events if "save_iteration" in e]
-    text = (
-        f"done: iterations {first + 1}-{first + len(history)} ({len(history)} this run), "
-        f"{tokens} tokens in {seconds:.2f} s of steps, mean {tokens / seconds:.1f} tokens/s, "
-        f"MFU {len(history) * flops / (seconds * peak):.2%} "
-        f"({'CPU processes' if device.type == 'cpu' else 'plan GPUs'} peak), peak memory per "
-        f"rank (GB): {memory}"
-    )
-    if saves:
-        text += f", {len(saves)} checkpoint save(s) in {sum(e['seconds'] for e in saves):.2f} s"
-    return text
-
-
-def _failure(exc: Exception, config: RunConfig) -> NoReturn:
-    """A rank's failure after the process group exists: one clear message, then exit at once
-    (tearing down a group whose peer died can hang)."""
-    import traceback
-
-    lines, collective = failure_lines(exc, config)
-    if not collective:
-        traceback.print_exc()
-    for line in lines:
-        print(line, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(1)
-
-
-def failure_lines(exc: Exception, config: RunConfig) -> tuple[list[str], bool]:
-    """The error lines for a failure after start-up, and whether a collective failed."""
-    rank = dist.get_rank() if dist.is_initialized() else "?"
-    collective = isinstance(exc, getattr(dist, "DistError", ())) or any(
-        word in str(exc)
-        for word in (
-            "gloo",
-            "Gloo",
-            "NCCL",
-            "Connection",
-            "connection",
-            "Timed out",
-            "timed out",
-            "timeout",
-        )
-    )
-    # gloo words one cause two ways: a wait's timeout ("Timed out waiting ...") or, when the
-    # rank was blocked reading from the peer, the pair's ("Application timeout caused pair
-    # closure"); NCCL's watchdog says "timed out"
-    timed_out = any(w in str(exc) for w in ("Timed out", "timed out", "Application timeout"))
-    first_line = (str(exc).strip().splitlines() or [""])[0][:300]
-    lines = [f"pretrain_gpt.py: error: launch rank {rank}: {type(exc).__name__}: {first_line}"]
-    if collective:
-        cause = (
-            "it timed out: another rank hung or stopped answering"
-            if timed_out
-            else "another rank died, hung or lost its connection"
-        )
-        lines.append(
-            f"pretrain_gpt.py: error: launch rank {rank}: a collective failed: {cause} "
-            f"(collective timeout --distributed-timeout-minutes "
-            f"{config.runtime.distributed_timeout_minutes:g})"
-        )
-        save = config.checkpoint.save
-        if save:
-            lines.append(f"pretrain_gpt.py: error: {resume_advice(save)}")
-    return lines, collective
-
-
-def resume_advice(save: str) -> str:
-    """What to rerun after a failure: --load only where a checkpoint that loads exists."""
-    from megatron_hexi.checkpoint_files import last_loadable
-
-    found, where = last_loadable(save), shown(save, 200)
-    if found is None:
-        return f"last complete checkpoint: none in {where}; rerun the same command to start over"
-    return (
-        f"last complete checkpoint: {found} in {where}; rerun the same command with --load "
-        f"{where} to resume"
-    )
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its CPU affinity, which a container or Slurm narrows)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def report_cpu_threads() -> None:
-    """On CPU, say on each node's first process how many compute threads the node's processes
-    run, and warn when they exceed its cores: oversubscribed ranks wait for a core inside every
-    collective, and steps slow down several times (set OMP_NUM_THREADS before the launch)."""
-    if os.environ.get("LOCAL_RANK", "0") != "0":
-        return
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    threads, cores = torch.get_num_threads(), available_cores()
-    print(
-        f"CPU: {procs} process(es) on this node x {threads} compute thread(s) each, "
-        f"{cores} core(s)",
-        flush=True,
-    )
-    if procs * threads > cores:
-        print(
-            f"WARNING: {procs} x {threads} compute threads on {cores} cores oversubscribe this "
-            f"node; set OMP_NUM_THREADS={max(cores // procs, 1)} before the launch",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def wants_cuda(runtime: RuntimeConfig) -> bool:
-    """Whether this run is on CUDA: --hetero-device cuda, or no --hetero-device and a CUDA
-    device torch sees."""
-    return runtime.device == "cuda" or (runtime.device is None and torch.cuda.is_available())
-
-
-def init_distributed(plan: Plan | None, config: RunConfig) -> torch.device:
-    """Device choice, world-size check (against a plan file's; a plan made at start-up fits the
-    world by construction), then the process group (with the timeout); returns the device.
-    A process group that exists already (a test harness) is kept."""
-    rt = config.runtime
-    want_cuda = wants_cuda(rt)
-    if want_cuda and not torch.cuda.is_available():
-        raise SpecError("--hetero-device cuda, but torch sees no CUDA device")
-    if plan is not None:
-        check_world_size(plan, int(os.environ.get("WORLD_SIZE", "1")))
-    if want_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        from megatron_hexi.patches import apply_cpu_patches
-
-        apply_cpu_patches()
-        report_cpu_threads()
-    if os.environ.get("HEXI_STRICT_COLLECTIVES") == "1":
-        from megatron_hexi.strict_collectives import install
-
-        install(device)
-    backend = rt.distributed_backend or ("nccl" if want_cuda else "gloo")
-    timeout = datetime.timedelta(minutes=rt.distributed_timeout_minutes)
-    if dist.is_initialized():
-        pass
-    elif "MASTER_ADDR" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":
-        # one process started without a launcher: an in-process store, no TCP port (a fixed
-        # default port fails whenever something else on the machine holds it)
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
-    else:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        dist.init_process_group(backend, timeout=timeout)
-    return device
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -983,7 +649,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_cuda_graphs(inputs.options.cuda_graph_impl, cuda)
             device = init_distributed(None, config)
             check_run_paths(config, input_files, resume_iteration(config.checkpoint))
-            started = plan_at_start(inputs, config.checkpoint, _device_name(device))
+            started = plan_at_start(inputs, config.checkpoint, device_name(device))
             plan, plan_file = started.plan, started.file_name
             check_against_plan(args, plan)
             where = "planned at start-up" + (
@@ -993,7 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{where}: {plan.world_size} rank(s) in {len(plan.pipelines)} pipeline(s), "
             f"global batch {plan.global_batch_size}"
         )
-        check_memory_fit(plan, device, _device_name(device))
+        check_memory_fit(plan, device, device_name(device))
         run(plan, config, device, plan_file)
     except KeyboardInterrupt:
         interrupt.leave(save)
@@ -1009,7 +675,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             interrupt.leave(save)
         if not dist.is_initialized():
             raise
-        _failure(e, config)
+        fail(e, config)
     finally:
         interrupt.restore()
     return 0

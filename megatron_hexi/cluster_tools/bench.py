@@ -176,9 +176,10 @@ def run_bench(args: argparse.Namespace) -> int:
     dist.init_process_group(backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     me = {"node": node_name(args), "host": socket.gethostname(), "rank": rank}
-    everyone = [None] * world
+    everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, me)
-    order, ranks_of = [], {}
+    order: list[str] = []
+    ranks_of: dict[str, list[int]] = {}
     for x in everyone:
         if x["node"] not in ranks_of:
             order.append(x["node"])
@@ -232,7 +233,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     }
                 )
         dist.barrier()
-    results = [None] * world
+    results: list[Any] = [None] * world
     dist.all_gather_object(results, mine)
     dist.barrier()
     dist.destroy_process_group()

@@ -5,9 +5,10 @@ the loss curve exactly.
 Every run is the same command (`--load D --hetero-load-if-exists --save D`, one metrics file that
 resumed runs append to). Run 1 is killed from outside (SIGKILL to rank 1) once the metrics show a
 checkpoint was completed; run 2 resumes, and rank 1 kills itself in the middle of the next save
-(HEXI_FAULT_INJECT, the documented test-only hook: the window is milliseconds long); run 3 (under
-torchrun) resumes from the checkpoint before the broken save and finishes. Iterations computed
-twice must agree bit for bit, and every iteration 1..N must be in the metrics.
+(kill_in_save.py wraps the rank-file writer in its processes: the window is milliseconds long);
+run 3 (under torchrun) resumes from the checkpoint before the broken save and finishes.
+Iterations computed twice must agree bit for bit, and every iteration 1..N must be in the
+metrics.
 """
 
 import json
@@ -73,9 +74,10 @@ def command(tmp_path, plan):
     ]
 
 
-def launch(tmp_path, tag, argv, world, env=None):
+def launch(tmp_path, tag, argv, world, env=None, script=None):
     """The ranks as plain processes (what torchrun starts, without its agent, which would kill
-    the survivors itself): each must exit on its own."""
+    the survivors itself): each must exit on its own. `script`: [program, its arguments] to run
+    instead of pretrain_gpt.py (which receives `argv`)."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -94,7 +96,7 @@ def launch(tmp_path, tag, argv, world, env=None):
         err = open(tmp_path / f"{tag}.{rank}.err", "w")
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(REPO / "pretrain_gpt.py"), *argv],
+                [sys.executable, *(script or [str(REPO / "pretrain_gpt.py")]), *argv],
                 env=e,
                 stdout=out,
                 stderr=err,
@@ -154,9 +156,8 @@ def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
 
         # Run 2: the same command resumes from k1; rank 1 dies inside the save of k1 + INTERVAL.
         k2 = k1 + INTERVAL
-        procs = launch(
-            tmp_path, "run2", argv, 2, {"HEXI_FAULT_INJECT": f"kill-in-save:{k2}:1:written"}
-        )
+        kill = [str(REPO / "tests" / "checkpoint" / "kill_in_save.py"), f"{k2}:1"]
+        procs = launch(tmp_path, "run2", argv, 2, script=kill)
         codes = wait_all(procs, time.monotonic() + 240)
         err0 = (tmp_path / "run2.0.err").read_text()
         out0 = (tmp_path / "run2.0.out").read_text()
@@ -284,7 +285,7 @@ def test_collective_failure_names_its_cause(gloo_error, timed_out):
     when the rank was blocked reading from it, depending on where the hang met it); both are
     the collective timeout, and a closed connection is not."""
     from megatron_hexi.config import OptimizerConfig, RunConfig, TrainingConfig
-    from megatron_hexi.training import failure_lines
+    from megatron_hexi.distributed import failure_lines
 
     config = RunConfig(TrainingConfig(train_iters=1), OptimizerConfig(lr=1e-3))
     lines, collective = failure_lines(RuntimeError(gloo_error), config)

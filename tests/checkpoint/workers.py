@@ -128,16 +128,18 @@ def load_each(plan_path, cases, save_dir):
     def disk_full(*_):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    write_json, checkpoint._write_json = checkpoint._write_json, disk_full
+    from megatron_hexi.checkpoint import writer
+
+    write_json, writer.write_json = writer.write_json, disk_full
     try:
         checkpoint.save(trainer, str(save_dir), 6)
         out["disk full"] = "saved"
     except checkpoint.CheckpointError as e:
         out["disk full"] = str(e)
     finally:
-        checkpoint._write_json = write_json
+        writer.write_json = write_json
 
-    moment = checkpoint.owned_ranges(trainer)[-1][4]["exp_avg_sq"]
+    moment = checkpoint.owned_ranges(trainer)[-1].tensors["exp_avg_sq"]
     first = (0,) * moment.dim()
     kept = moment[first].item()
     if dist.get_rank() == 1:

@@ -148,7 +148,7 @@ def test_a_full_disk_is_one_line():
 def test_a_save_never_replaces_or_removes_what_it_did_not_write(tmp_path):
     """The save's own guards, under the start-up check: a foreign iteration folder is not
     replaced, a user's temporary folder not removed, a foreign pointer not moved back."""
-    from megatron_hexi.checkpoint import _behind_foreign_pointer, commit_directory
+    from megatron_hexi.checkpoint import behind_foreign_pointer, commit_directory
     from megatron_hexi.checkpoint_files import is_own, mark_own
 
     save = tmp_path / "ckpt"
@@ -161,10 +161,10 @@ def test_a_save_never_replaces_or_removes_what_it_did_not_write(tmp_path):
         commit_directory(str(save), str(tmp), 2)
     assert (save / "iter_0000002" / "model.pt").read_text() == "foreign"
     (save / TRACKER).write_text("7")
-    assert "names iteration 7, whose folder is not this project's" in _behind_foreign_pointer(
+    assert "names iteration 7, whose folder is not this project's" in behind_foreign_pointer(
         str(save), 3
     )
-    assert _behind_foreign_pointer(str(save), 8) is None
+    assert behind_foreign_pointer(str(save), 8) is None
     user = save / ".iter_0000005.tmp"
     user.mkdir()
     assert not is_own(str(user)) and is_own(str(tmp))
@@ -172,7 +172,7 @@ def test_a_save_never_replaces_or_removes_what_it_did_not_write(tmp_path):
 
 def test_advice_names_only_a_checkpoint_that_loads(tmp_path):
     from megatron_hexi import interrupt
-    from megatron_hexi.training import resume_advice
+    from megatron_hexi.distributed import resume_advice
 
     empty = tmp_path / "empty"
     empty.mkdir()

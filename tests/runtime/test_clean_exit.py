@@ -12,7 +12,7 @@ import json
 import math
 
 from harness import run_ranks
-from megatron_hexi.training import available_cores
+from megatron_hexi.distributed import available_cores
 from runtime.plans import EXACT_FLAGS, write_plan
 
 LAUNCHES = 20

@@ -269,11 +269,11 @@ def _megatron_loop(a, plan, device, fusions, profile_at):
         output = model(b["tokens"], positions, None, labels=b["labels"])
         return output, partial(loss_func, b["loss_mask"])
 
-    def synchronize():  # as megatron_hexi.training.synchronize
+    def synchronize():  # as megatron_hexi.distributed.synchronize
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def peak_memory_gb():  # as megatron_hexi.training.peak_memory_gb
+    def peak_memory_gb():  # as megatron_hexi.metrics.peak_memory_gb
         if device.type == "cuda":
             return torch.cuda.max_memory_allocated(device) / 1e9
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9

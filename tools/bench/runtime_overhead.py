@@ -67,7 +67,7 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent), str(ROOT / "tes
 
 import _overhead_workers as workers  # noqa: E402
 from harness import DistributedTimeout, run_distributed  # noqa: E402
-from megatron_hexi.training import available_cores  # noqa: E402
+from megatron_hexi.distributed import available_cores  # noqa: E402
 
 MODEL = {
     "num_layers": 4,

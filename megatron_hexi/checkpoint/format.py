@@ -1,0 +1,55 @@
+"""The names and records of the checkpoint format: iteration folders, rank files, the tensor
+kinds, index rows and the tensors a save hands to the writer (`Entry`).
+
+A rank file holds contiguous ranges [start, start + length) of canonical tensors along one
+dimension, one safetensors tensor per (kind, canonical name, global start); checkpoint.json
+lists the same rows per file (megatron_hexi.checkpoint says what else it holds).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+FORMAT_VERSION = 3  # 2: checksums, save id, iteration in every rank file; 3: per block
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+# Model fields that do not change the parameters or the function the model computes.
+NOT_COMPARED = ("name", "seq_length")
+RANK_FILE = re.compile(r"rank_\d{5,}\.safetensors")
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+class Entry(NamedTuple):
+    """A tensor to write: `tensor` holds [start, start + its length) along `dim` of the kind
+    `kind` ("param", "exp_avg", "exp_avg_sq") of canonical tensor `name` of shape `shape`."""
+
+    kind: str
+    name: str
+    dim: int
+    start: int
+    shape: Sequence[int]
+    tensor: torch.Tensor
+
+
+def iteration_dir_name(iteration: int | None) -> str:
+    return "release" if iteration is None else f"iter_{iteration:07d}"
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def entry_key(kind: str, name: str, start: int) -> str:
+    return f"{kind}/{name}/{start}"
+
+
+def tensor_bytes(row: Mapping[str, Any]) -> int:
+    """Size in bytes of the tensor an index row describes."""
+    numel = row["length"]
+    for i, n in enumerate(row["shape"]):
+        if i != row["dim"]:
+            numel *= n
+    return numel * ITEMSIZE[row["dtype"]]

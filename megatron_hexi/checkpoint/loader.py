@@ -1,0 +1,147 @@
+"""Loading a checkpoint into a trainer (collective): weights, optimizer state, the learning-rate
+schedule and RNG states, under any plan of the same model.
+
+`load` runs every check inside its status exchange, so all ranks report the same error. The
+checks run on a few threads while the data is copied into the trainer; a failed load leaves the
+trainer unusable and ends the process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_hexi.checkpoint.commit import agree
+from megatron_hexi.checkpoint.reader import Checkpoint
+from megatron_hexi.checkpoint.state import TrainState, restore_optimizer, set_rng_state
+from megatron_hexi.checkpoint_files import METADATA, CheckpointError
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_hexi.config import CheckpointConfig
+
+
+class Loaded(NamedTuple):
+    """What `load` restored. RNG states come back only under the plan that saved them (a rank
+    of another plan draws other numbers); with dropout 0 nothing depends on them."""
+
+    iteration: int
+    seconds: float
+    optimizer: bool  # Adam moments and step
+    rng: bool
+
+
+def load(trainer: TrainState, config: CheckpointConfig, verify: bool = True) -> Loaded:
+    """Load `config.load` (a CheckpointConfig, megatron_hexi.config) into the trainer
+    (collective) and say what was restored (Loaded). Every check, verification included, runs
+    before the status exchange, so every rank raises the same CheckpointError; `verify=False`
+    only serves to measure what verification costs."""
+    start = time.perf_counter()
+    plan = trainer.plan
+    finetune = config.finetune
+    load_optim = not (finetune or config.no_load_optim)
+    load_rng = not (finetune or config.no_load_rng)
+    error: str | None = None
+    ckpt: Checkpoint | None = None
+    notes: list[str] = []
+    moments = rng_restored = False
+    try:
+        # The checks run while the trainer is filled and are reported on leaving the `with`
+        # (Checkpoint._verified_slice: a failed load leaves the trainer unusable).
+        with Checkpoint(config.load or "", config.ckpt_step, verify=verify) as ckpt:
+            ckpt.check_model(plan.model)
+            saved_gbs = ckpt.meta.get("global_batch_size")
+            if (
+                not finetune
+                and ckpt.iteration
+                and saved_gbs is not None
+                and saved_gbs != plan.global_batch_size
+            ):
+                raise CheckpointError(
+                    f"{ckpt.dir}: saved with global batch size {saved_gbs}, this plan has "
+                    f"{plan.global_batch_size}: the data position (global batch i = samples "
+                    f"[i x G, (i + 1) x G)) cannot continue; use --finetune to start at "
+                    f"iteration 0 from these weights"
+                )
+            with torch.no_grad():
+                for shard, param in trainer.params:
+                    param.copy_(ckpt.read_local(shard, "param", param.dtype))
+                moments = load_optim and ckpt.has_optimizer_state
+                restore_optimizer(trainer, ckpt, ckpt.meta["adam_step"] if moments else None)
+        if load_optim and not moments:
+            notes.append("no optimizer state in the checkpoint: Adam starts fresh")
+        meta_path = os.path.join(ckpt.dir, METADATA)
+        if not finetune and ckpt.meta["scheduler"]:
+            try:
+                _load_scheduler(trainer.scheduler, ckpt.meta["scheduler"], config)
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a key missing or of the wrong type
+                raise CheckpointError(
+                    f"{meta_path}: scheduler: malformed ({type(e).__name__}: {e})"
+                )
+        same_plan = (ckpt.meta["plan"] or {}).get("pipelines") == plan.to_dict()["pipelines"]
+        if load_rng and ckpt.meta["rng"]:
+            if same_plan and str(trainer.rank) in ckpt.meta["rng"]:
+                try:
+                    set_rng_state(ckpt.meta["rng"][str(trainer.rank)])
+                    rng_restored = True
+                except Exception as e:  # noqa: BLE001
+                    raise CheckpointError(
+                        f"{meta_path}: rng.{trainer.rank}: malformed ({type(e).__name__}: {e})"
+                    )
+            else:
+                notes.append(
+                    "RNG states not restored: the checkpoint's plan differs (RNGs stay "
+                    "seeded from --seed)"
+                )
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    agree(error, f"loading checkpoint {config.load}")
+    assert ckpt is not None  # opened, or `agree` raised
+
+    iteration = 0 if finetune else ckpt.iteration
+    seconds = time.perf_counter() - start
+    if dist.get_rank() == 0:
+        print(
+            f" loaded checkpoint from {ckpt.dir} at iteration {iteration} in {seconds:.3f} s"
+            + "".join(f"; {n}" for n in notes),
+            flush=True,
+        )
+    return Loaded(iteration, seconds, moments, rng_restored)
+
+
+def _load_scheduler(
+    scheduler: OptimizerParamScheduler, saved: dict[str, Any], config: CheckpointConfig
+) -> None:
+    """Megatron's rule: the run's schedule must match the checkpoint's (one clear error naming
+    the field) unless --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler."""
+    mine = scheduler.state_dict()
+    if config.override_opt_param_scheduler:
+        scheduler.override_opt_param_scheduler = True
+    elif config.use_checkpoint_opt_param_scheduler:
+        scheduler.use_checkpoint_opt_param_scheduler = True
+    else:
+        ignored = {"num_steps"} | (
+            {"wd_incr_steps"} if mine.get("wd_incr_style") == "constant" else set()
+        )
+        diff = [
+            f"{k}: checkpoint {saved[k]!r}, this run {mine[k]!r}"
+            for k in mine
+            if k not in ignored and k in saved and saved[k] != mine[k]
+        ]
+        if diff:
+            raise CheckpointError(
+                f"--load {config.load}: the learning-rate schedule differs from the checkpoint's "
+                f"({'; '.join(diff)}); give the same --lr/--min-lr/--lr-*/--train-iters, or "
+                f"--use-checkpoint-opt_param-scheduler / --override-opt_param-scheduler"
+            )
+        saved = {**saved, "wd_incr_steps": mine["wd_incr_steps"]}
+    scheduler.load_state_dict(saved)
