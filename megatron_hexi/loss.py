@@ -39,7 +39,9 @@ class _ShardedCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         math: Any = _Math
         if fused:  # imported only where used: it compiles with megatron-core's jit_fuser
-            from megatron.core.fusions import fused_cross_entropy as math
+            from megatron.core.fusions import fused_cross_entropy
+
+            math = fused_cross_entropy
         logits, logits_max = math.calculate_logits_max(logits)
         _all_reduce(logits_max, dist.ReduceOp.MAX, group)
         vocab_end = vocab_start + logits.size(-1)

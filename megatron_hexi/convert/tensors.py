@@ -48,7 +48,9 @@ def _shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _interleave(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelSpec):
+def _interleave(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelSpec
+) -> torch.Tensor:
     """[q heads of g; k_g; v_g] per query group g, along the first dimension."""
     d, hpg, groups = model.head_dim, model.heads_per_group, model.num_query_groups
     rest = q.shape[1:]

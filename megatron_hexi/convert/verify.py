@@ -49,8 +49,9 @@ def _rank(
 
         from megatron_hexi import checkpoint
         from megatron_hexi.arguments import parse_args, run_config
+        from megatron_hexi.distributed import init_distributed
         from megatron_hexi.inference import forward_logits
-        from megatron_hexi.training import Trainer, init_distributed
+        from megatron_hexi.training import Trainer
         from planner.plan import load_plan
 
         torch.set_num_threads(1)
