@@ -3,8 +3,6 @@
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -22,14 +20,10 @@ def plan_path(repo_root):
 
 def run_entry(repo_root, *args):
     """pretrain_gpt.py as one plain process (errors that come before any collective)."""
-    r = subprocess.run(
-        [sys.executable, str(repo_root / "pretrain_gpt.py"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=repo_root,
+    code, _, err = harness.run_script(
+        [repo_root / "pretrain_gpt.py", *args], timeout=180, cwd=repo_root
     )
-    return r.returncode, r.stderr
+    return code, err
 
 
 @pytest.mark.parametrize(
