@@ -101,16 +101,20 @@ def use_threads():
         sys.modules["torch"].set_num_threads(int(threads))
 
 
-def run_script(argv, environ, cwd, sys_path, stdout_path, stderr_path):
+def run_script(argv, environ, cwd, sys_path, stdout_path, stderr_path, new_session=False):
     """Body of a forked job: `python ARGV...` (ARGV[0] a script path) as `python` would run it,
     its standard output and error written to the two files; ends the process with the script's
     exit code (1 after an uncaught exception, printed as the interpreter prints it). `sys_path`:
-    the script's folder, then `fresh_sys_path()` (computed by the caller, once)."""
+    the script's folder, then `fresh_sys_path()` (computed by the caller, once). `new_session`:
+    the process leads a session and process group of its own (what `start_new_session` gives a
+    subprocess), so that its group can be signalled."""
     import atexit
     import runpy
     import threading
     import traceback
 
+    if new_session:
+        os.setsid()
     for fd, path in ((1, stdout_path), (2, stderr_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)

@@ -401,33 +401,67 @@ def run_distributed(
         results.join_thread()
 
 
+class ScriptProcess:
+    """A `python SCRIPT` forked from the forkserver (`start_script`), read like a Popen: its pid,
+    poll() (the exit code, None while it runs; -N after signal N), wait() and kill()."""
+
+    def __init__(self, process):
+        self.process, self.pid = process, process.pid
+
+    def poll(self):
+        return self.process.exitcode
+
+    def wait(self, timeout=None):
+        self.process.join(timeout)
+        return self.process.exitcode
+
+    def kill(self):
+        self.process.kill()
+
+
+def start_script(argv, environ, cwd, stdout_path, stderr_path, new_session=False):
+    """`python ARGV...` (ARGV[0] a script) forked from the forkserver, with exactly the
+    environment `environ`, in the folder `cwd`, its output written to the two files; returns a
+    ScriptProcess at once. `new_session`: see forkserver.run_script."""
+    argv = [str(a) for a in argv]
+    cwd = os.path.abspath(cwd or os.getcwd())
+    script = os.path.join(cwd, argv[0])
+    p = forkserver.context().Process(
+        target=forkserver.run_script,
+        args=(
+            [script, *argv[1:]],
+            environ,
+            cwd,
+            [os.path.dirname(script), *forkserver.fresh_sys_path()],
+            stdout_path,
+            stderr_path,
+            new_session,
+        ),
+    )
+    p.start()
+    return ScriptProcess(p)
+
+
 def _start_scripts(argvs, envs, cwd):
     """Each `python ARGV...` of `argvs` as a process forked from the forkserver, with the
     environment (the caller's, updated with envs[i]) and the folder `cwd`. Returns the processes,
     their (stdout, stderr) file pairs and the temporary folder holding them (`_finish_scripts`
     removes it)."""
-    ctx = forkserver.context()
     folder = tempfile.TemporaryDirectory(prefix="harness-script-")
     procs, files = [], []
     for i, (argv, env) in enumerate(zip(argvs, envs)):
-        argv = [str(a) for a in argv]
-        script = os.path.abspath(os.path.join(cwd or os.getcwd(), argv[0]))
         out, err = os.path.join(folder.name, f"{i}.out"), os.path.join(folder.name, f"{i}.err")
-        p = ctx.Process(
-            target=forkserver.run_script,
-            args=(
-                [script, *argv[1:]],
-                {**os.environ, **env},
-                os.path.abspath(cwd or os.getcwd()),
-                [os.path.dirname(script), *forkserver.fresh_sys_path()],
-                out,
-                err,
-            ),
-        )
-        p.start()
-        procs.append(p)
+        procs.append(start_script(argv, {**os.environ, **env}, cwd, out, err).process)
         files.append((out, err))
     return procs, files, folder
+
+
+def check_no_abort(codes, what):
+    """The harness's rule for every launch: no process exits with SIGABRT (-6) (the
+    interpreter's finalisation meeting gloo threads, megatron_hexi.process_exit)."""
+    aborted = [i for i, code in enumerate(codes) if code == SIGABRT_EXIT]
+    if aborted:
+        raise DistributedTestError(f"process(es) {aborted} of {what} exited with SIGABRT (-6)")
 
 
 def _read(path):
@@ -449,12 +483,12 @@ def _finish_scripts(argvs, procs, files, folder, timeout):
     finally:
         _kill(procs)
         folder.cleanup()
-    aborted = [i for i, (code, _, _) in enumerate(out) if code == SIGABRT_EXIT]
-    if aborted:
-        raise DistributedTestError(
-            f"process(es) {aborted} of `python {' '.join(map(str, argvs[0]))}` exited with "
-            f"SIGABRT (-6):\n" + "\n".join(out[i][2][-3000:] for i in aborted)
-        )
+    what = f"`python {' '.join(map(str, argvs[0]))}`"
+    try:
+        check_no_abort([code for code, _, _ in out], what)
+    except DistributedTestError as e:
+        tails = [err[-3000:] for code, _, err in out if code == SIGABRT_EXIT]
+        raise DistributedTestError("\n".join([str(e), *tails]))
     return out
 
 

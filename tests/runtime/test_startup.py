@@ -9,21 +9,12 @@ import pytest
 import harness
 from megatron_hexi.rank_mapping import Identity, LaunchError, resolve_ranks
 from planner.plan import load_plan
-
-REPO_FLAGS = ["--mock-data", "--train-iters", "1", "--lr", "1e-3"]
+from runtime.entry import REPO_FLAGS, run_entry
 
 
 @pytest.fixture(scope="module")
 def plan_path(repo_root):
     return repo_root / "examples/plans/hetero-4rank.json"
-
-
-def run_entry(repo_root, *args):
-    """pretrain_gpt.py as one plain process (errors that come before any collective)."""
-    code, _, err = harness.run_script(
-        [repo_root / "pretrain_gpt.py", *args], timeout=180, cwd=repo_root
-    )
-    return code, err
 
 
 @pytest.mark.parametrize(
