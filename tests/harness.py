@@ -17,6 +17,10 @@ or `env` setting CUDA_VISIBLE_DEVICES shows it a GPU.
 
 Neither call ever hangs: past `timeout` every process is killed and the test fails, saying which
 ranks had not finished. A rank that raises fails the test with that rank's number and traceback.
+
+run_distributed's ranks and the scripts of run_script / run_ranks / start_script are forked from
+one forkserver per test session that imported torch and megatron-core once (tests/forkserver.py):
+each is still a fresh process. No process any of them starts may exit with SIGABRT (-6).
 """
 
 from __future__ import annotations
@@ -253,7 +257,15 @@ class _StuckWatch:
 
 
 def run_distributed(
-    fn, world_size, *args, timeout=120, env=None, hide_cuda=True, stuck_in=None, **kwargs
+    fn,
+    world_size,
+    *args,
+    timeout=120,
+    env=None,
+    hide_cuda=True,
+    stuck_in=None,
+    fresh=False,
+    **kwargs,
 ):
     """Run fn(*args, **kwargs) on `world_size` gloo ranks (fresh processes); per-rank results.
 
@@ -265,8 +277,10 @@ def run_distributed(
     killing every process, if the job is not done in `timeout` seconds. A rank that returned but
     then exits with SIGABRT (-6) fails the job too.
 
-    The ranks are forked from the session's forkserver (torch and megatron-core imported once);
-    with `hide_cuda=False` they are spawned, so that CUDA is initialised afresh.
+    The ranks are forked from the session's forkserver (torch and megatron-core imported once).
+    They are spawned instead (fresh interpreters, torch imported after `env` is set) with
+    `fresh=True` (benchmarks), and whenever they may see a GPU (`hide_cuda=False`, or `env`
+    setting CUDA_VISIBLE_DEVICES), so that CUDA starts afresh in each.
 
     `stuck_in`: the job is expected to hang in a function of this name. The ranks dump their
     stacks every second, and as soon as every unfinished rank has sat in that function, its stack
@@ -278,10 +292,10 @@ def run_distributed(
     env = {**(CPU_ONLY_ENV if hide_cuda else {}), **THREADS_ENV, **(env or {})}
     if stuck_in:
         env[_STACK_EVERY_ENV] = str(_STACK_EVERY)
-    if hide_cuda:
-        ctx, parent = forkserver.context(), (dict(os.environ), None, list(sys.path))
-    else:
+    if fresh or env.get("CUDA_VISIBLE_DEVICES", ""):
         ctx, parent = multiprocessing.get_context("spawn"), None
+    else:
+        ctx, parent = forkserver.context(), (dict(os.environ), None, list(sys.path))
     results = ctx.Queue()
     port = free_port()
     start = time.monotonic()
