@@ -1,11 +1,13 @@
 """Fixtures shared by every test directory: repository paths and an in-process `hexi-plan`.
 
+The tests import their helpers as modules of this folder (`harness`, `runtime.plans`,
+`launch.hexi_launch_helpers`): pyproject.toml puts it on the import path (pytest's `pythonpath`).
+
 The tests are CPU tests: CUDA is hidden here, before any test imports torch, so this process and
 every process a test starts (they inherit the environment) take the CPU path on a GPU host too.
 """
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,6 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-if str(TESTS) not in sys.path:  # `from harness import run_distributed` from any directory
-    sys.path.insert(0, str(TESTS))
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,10 @@ or `env` setting CUDA_VISIBLE_DEVICES shows it a GPU.
 
 Neither call ever hangs: past `timeout` every process is killed and the test fails, saying which
 ranks had not finished. A rank that raises fails the test with that rank's number and traceback.
+
+run_distributed's ranks and the scripts of run_script / run_ranks / start_script are forked from
+one forkserver per test session that imported torch and megatron-core once (tests/forkserver.py):
+each is still a fresh process. No process any of them starts may exit with SIGABRT (-6).
 """
 
 from __future__ import annotations
@@ -37,11 +41,22 @@ import time
 import traceback
 from unittest import mock
 
+import forkserver
+
 # What every process started by the harness sees first: no GPU (the tests are CPU tests).
 CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 # One compute thread per rank unless `env` says otherwise: the ranks of a job share the cores,
 # and torch's default (one thread per core in each rank) oversubscribes them several times.
 THREADS_ENV = {"OMP_NUM_THREADS": "1"}
+# Set for the ranks of a job that `run_distributed(stuck_in=...)` watches: seconds between stack
+# dumps.
+_STACK_EVERY_ENV = "HEXI_HARNESS_STACK_EVERY"
+# How a watched job is recognised as stuck: every unfinished rank's stack names the function and is
+# unchanged over this many dumps in a row, `_STACK_EVERY` s apart.
+_STACK_EVERY = 1.0
+_STUCK_DUMPS = 3
+# The exit a rank must never have: SIGABRT, the interpreter's finalisation meeting gloo threads.
+SIGABRT_EXIT = -signal.SIGABRT
 
 
 class DistributedTestError(AssertionError):
@@ -90,10 +105,15 @@ def _resolve(module, qualname, path):
     return obj
 
 
-def _worker(ref, rank, world_size, port, env, args, kwargs, results, deadline, pg_timeout, stacks):
-    """Body of one rank (a spawned process). Puts exactly one message unless it is killed."""
+def _worker(
+    ref, rank, world_size, port, env, args, kwargs, results, deadline, pg_timeout, stacks, parent
+):
+    """Body of one rank (a forked or spawned process). Puts exactly one message unless it is
+    killed. `parent`: (environment, sys.path) of the caller, which a forked rank takes over."""
     dist = None
     try:
+        if parent is not None:
+            forkserver.enter(*parent)
         os.environ.update(
             {
                 "MASTER_ADDR": "127.0.0.1",
@@ -105,13 +125,20 @@ def _worker(ref, rank, world_size, port, env, args, kwargs, results, deadline, p
             }
         )
         os.environ.update(env or {})
+        if parent is not None:
+            forkserver.use_threads()
         # If this rank is still running just before the parent kills it, dump its stacks (where
         # a hang is) to a file of its own: ranks dumping to one stderr at the same moment
         # interleave their lines. The parent prints the files one after another.
         stack_file = open(stacks, "w")
-        faulthandler.dump_traceback_later(
-            max(deadline - time.time() - 1.0, 0.5), exit=False, file=stack_file
-        )
+        if os.environ.get(_STACK_EVERY_ENV):  # the caller watches where the ranks are
+            faulthandler.dump_traceback_later(
+                float(os.environ[_STACK_EVERY_ENV]), repeat=True, exit=False, file=stack_file
+            )
+        else:
+            faulthandler.dump_traceback_later(
+                max(deadline - time.time() - 1.0, 0.5), exit=False, file=stack_file
+            )
         fn = _resolve(*ref)
         import datetime
 
@@ -196,19 +223,79 @@ def _kill(procs):
         p.join(timeout=10)
 
 
-def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True, **kwargs):
-    """Run fn(*args, **kwargs) on `world_size` gloo ranks (spawned processes); per-rank results.
+class _StuckWatch:
+    """Reads the stack dumps of the unfinished ranks of a job whose ranks dump every
+    `_STACK_EVERY` s (faulthandler: each dump starts "Timeout (...)!"); says when all of them sit
+    in the function `name` without moving."""
+
+    def __init__(self, name, stacks):
+        self.name, self.stacks = name, stacks
+        self.seen = {}  # rank -> (its last complete dump, how many dumps in a row it is the same)
+        self.counted = {}  # rank -> dumps in its file when last read
+
+    def stuck(self, ranks):
+        for r in ranks:
+            try:
+                with open(self.stacks[r]) as f:
+                    dumps = f.read().split("Timeout (")
+            except OSError:
+                return False
+            # the last dump may be half written; count each complete one once
+            if len(dumps) < 3 or len(dumps) == self.counted.get(r):
+                continue
+            self.counted[r] = len(dumps)
+            dump = dumps[-2].split("\n", 1)[-1]  # without the header's time
+            same, count = self.seen.get(r, ("", 0))
+            self.seen[r] = (dump, count + 1 if dump == same else 1)
+        return all(
+            f"in {self.name}" in self.seen.get(r, ("", 0))[0] and self.seen[r][1] >= _STUCK_DUMPS
+            for r in ranks
+        )
+
+    def last(self, rank):
+        return self.seen[rank][0]
+
+
+def run_distributed(
+    fn,
+    world_size,
+    *args,
+    timeout=120,
+    env=None,
+    hide_cuda=True,
+    stuck_in=None,
+    fresh=False,
+    **kwargs,
+):
+    """Run fn(*args, **kwargs) on `world_size` gloo ranks (fresh processes); per-rank results.
 
     Each rank gets MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK,
     CUDA_VISIBLE_DEVICES="" unless `hide_cuda` is False (and `env`, applied after it and before
     fn's module is imported), an initialised default gloo process group, and returns fn's value,
     which must pickle. Raises DistributedTestError (an AssertionError, so pytest reports a
     failure) with the rank's traceback if a rank raises or dies, and DistributedTimeout, after
-    killing every process, if the job is not done in `timeout` seconds.
+    killing every process, if the job is not done in `timeout` seconds. A rank that returned but
+    then exits with SIGABRT (-6) fails the job too.
+
+    The ranks are forked from the session's forkserver (torch and megatron-core imported once).
+    They are spawned instead (fresh interpreters, torch imported after `env` is set) with
+    `fresh=True` (benchmarks), and whenever they may see a GPU (`hide_cuda=False`, or `env`
+    setting CUDA_VISIBLE_DEVICES), so that CUDA starts afresh in each.
+
+    `stuck_in`: the job is expected to hang in a function of this name. The ranks dump their
+    stacks every second, and as soon as every unfinished rank has sat in that function, its stack
+    unchanged, for three dumps in a row, the job is killed as if timed out (DistributedTimeout,
+    each stuck rank's last stack on stderr): a deliberate hang is told apart from a slow run in
+    seconds, by where each rank is.
     """
     ref = _function_ref(fn)
     env = {**(CPU_ONLY_ENV if hide_cuda else {}), **THREADS_ENV, **(env or {})}
-    ctx = multiprocessing.get_context("spawn")
+    if stuck_in:
+        env[_STACK_EVERY_ENV] = str(_STACK_EVERY)
+    if fresh or env.get("CUDA_VISIBLE_DEVICES", ""):
+        ctx, parent = multiprocessing.get_context("spawn"), None
+    else:
+        ctx, parent = forkserver.context(), (dict(os.environ), None, list(sys.path))
     results = ctx.Queue()
     port = free_port()
     start = time.monotonic()
@@ -216,6 +303,8 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
     procs = []
     stack_dir = tempfile.TemporaryDirectory(prefix="harness-stacks-")
     stacks = [os.path.join(stack_dir.name, f"rank{r}") for r in range(world_size)]
+    watch = _StuckWatch(stuck_in, stacks) if stuck_in else None
+    next_look = start + _STACK_EVERY
     try:
         for rank in range(world_size):
             p = ctx.Process(
@@ -233,9 +322,10 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
                     deadline,
                     timeout,
                     stacks[rank],
+                    parent,
                 ),
             )
-            with mock.patch.dict(os.environ, env):  # the spawned interpreter starts with it
+            with mock.patch.dict(os.environ, env):  # a spawned interpreter starts with it
                 p.start()
             procs.append(p)
         done = {}
@@ -265,18 +355,31 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
 
         while len(done) < world_size:
             left = timeout - (time.monotonic() - start)
-            if left <= 0:
-                missing = [r for r in range(world_size) if r not in done]
+            missing = [r for r in range(world_size) if r not in done]
+            stuck = False
+            if watch is not None and time.monotonic() >= next_look:
+                next_look = time.monotonic() + _STACK_EVERY
+                stuck = watch.stuck(missing)
+            if left <= 0 or stuck:
                 _kill(procs)
                 for r in missing:
-                    dump = open(stacks[r]).read() if os.path.exists(stacks[r]) else ""
+                    if stuck:
+                        dump = watch.last(r)
+                    else:
+                        dump = open(stacks[r]).read() if os.path.exists(stacks[r]) else ""
                     sys.stderr.write(f"--- stacks of rank {r} just before the kill ---\n{dump}")
                 sys.stderr.flush()
+                why = (
+                    f"stuck in {stuck_in} (stacks unchanged over {_STUCK_DUMPS} dumps) after "
+                    f"{time.monotonic() - start:.1f} s"
+                    if stuck
+                    else f"timed out after {timeout:g} s"
+                )
                 raise DistributedTimeout(
-                    f"run_distributed({fn.__qualname__}, world_size={world_size}) timed out after "
-                    f"{timeout:g} s: rank(s) {missing} had not finished (finished: "
-                    f"{sorted(done)}); all processes killed. Stacks of the stuck ranks, if "
-                    f"they got that far, are in the captured stderr."
+                    f"run_distributed({fn.__qualname__}, world_size={world_size}) {why}: "
+                    f"rank(s) {missing} had not finished (finished: {sorted(done)}); all "
+                    f"processes killed. Stacks of the stuck ranks, if they got that far, are in "
+                    f"the captured stderr."
                 )
             try:
                 take(results.get(timeout=min(left, 0.2)))
@@ -299,6 +402,11 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
                         )
         for p in procs:
             p.join(timeout=max(1.0, timeout - (time.monotonic() - start)))
+        aborted = [r for r, p in enumerate(procs) if p.exitcode == SIGABRT_EXIT]
+        if aborted:
+            raise DistributedTestError(
+                f"rank(s) {aborted} of {world_size} returned, then exited with SIGABRT (-6)"
+            )
         return [done[r] for r in range(world_size)]
     finally:
         _kill(procs)
@@ -307,16 +415,118 @@ def run_distributed(fn, world_size, *args, timeout=120, env=None, hide_cuda=True
         results.join_thread()
 
 
+class ScriptProcess:
+    """A `python SCRIPT` forked from the forkserver (`start_script`), read like a Popen: its pid,
+    poll() (the exit code, None while it runs; -N after signal N), wait() and kill()."""
+
+    def __init__(self, process):
+        self.process, self.pid = process, process.pid
+
+    def poll(self):
+        return self.process.exitcode
+
+    def wait(self, timeout=None):
+        self.process.join(timeout)
+        return self.process.exitcode
+
+    def kill(self):
+        self.process.kill()
+
+
+def start_script(argv, environ, cwd, stdout_path, stderr_path, new_session=False):
+    """`python ARGV...` (ARGV[0] a script) forked from the forkserver, with exactly the
+    environment `environ`, in the folder `cwd`, its output written to the two files; returns a
+    ScriptProcess at once. `new_session`: see forkserver.run_script."""
+    argv = [str(a) for a in argv]
+    cwd = os.path.abspath(cwd or os.getcwd())
+    script = os.path.join(cwd, argv[0])
+    p = forkserver.context().Process(
+        target=forkserver.run_script,
+        args=(
+            [script, *argv[1:]],
+            environ,
+            cwd,
+            [os.path.dirname(script), *forkserver.fresh_sys_path()],
+            stdout_path,
+            stderr_path,
+            new_session,
+        ),
+    )
+    p.start()
+    return ScriptProcess(p)
+
+
+def _start_scripts(argvs, envs, cwd):
+    """Each `python ARGV...` of `argvs` as a process forked from the forkserver, with the
+    environment (the caller's, updated with envs[i]) and the folder `cwd`. Returns the processes,
+    their (stdout, stderr) file pairs and the temporary folder holding them (`_finish_scripts`
+    removes it)."""
+    folder = tempfile.TemporaryDirectory(prefix="harness-script-")
+    procs, files = [], []
+    for i, (argv, env) in enumerate(zip(argvs, envs)):
+        out, err = os.path.join(folder.name, f"{i}.out"), os.path.join(folder.name, f"{i}.err")
+        procs.append(start_script(argv, {**os.environ, **env}, cwd, out, err).process)
+        files.append((out, err))
+    return procs, files, folder
+
+
+def check_no_abort(codes, what):
+    """The harness's rule for every launch: no process exits with SIGABRT (-6) (the
+    interpreter's finalisation meeting gloo threads, megatron_hexi.process_exit)."""
+    aborted = [i for i, code in enumerate(codes) if code == SIGABRT_EXIT]
+    if aborted:
+        raise DistributedTestError(f"process(es) {aborted} of {what} exited with SIGABRT (-6)")
+
+
+def _read(path):
+    with open(path, encoding=sys.getdefaultencoding(), errors="replace") as f:
+        return f.read()
+
+
+def _finish_scripts(argvs, procs, files, folder, timeout):
+    """Wait for the processes of `_start_scripts`; [(exit code, stdout, stderr)] per process.
+    Past `timeout` s all are killed and subprocess.TimeoutExpired is raised; an exit by SIGABRT
+    (-6) fails the launch (DistributedTestError), whatever the test expects."""
+    deadline = time.monotonic() + timeout
+    try:
+        for argv, p in zip(argvs, procs):
+            p.join(max(deadline - time.monotonic(), 0))
+            if p.exitcode is None:
+                raise subprocess.TimeoutExpired([sys.executable, *map(str, argv)], timeout)
+        out = [(p.exitcode, _read(o), _read(e)) for p, (o, e) in zip(procs, files)]
+    finally:
+        _kill(procs)
+        folder.cleanup()
+    what = f"`python {' '.join(map(str, argvs[0]))}`"
+    try:
+        check_no_abort([code for code, _, _ in out], what)
+    except DistributedTestError as e:
+        tails = [err[-3000:] for code, _, err in out if code == SIGABRT_EXIT]
+        raise DistributedTestError("\n".join([str(e), *tails]))
+    return out
+
+
+def run_script(argv, timeout=180, env=None, cwd=None):
+    """`python ARGV...` (ARGV[0] a script) as one fresh process forked from the forkserver, with
+    CUDA hidden and one compute thread unless `env` says otherwise: (exit code, stdout, stderr),
+    as subprocess.run would give them, in a fraction of the start-up time. A process that
+    exits with SIGABRT fails the test. For what only a fresh interpreter shows (the launcher
+    itself, import-time settings), use subprocess."""
+    env = {**CPU_ONLY_ENV, **THREADS_ENV, **(env or {})}
+    procs, files, folder = _start_scripts([argv], [env], cwd)
+    return _finish_scripts([argv], procs, files, folder, timeout)[0]
+
+
 def run_ranks(argv, world, timeout=240, env=None, cwd=None):
     """`python ARGV...` as `world` plain processes with torchrun's environment (RANK, LOCAL_RANK,
     LOCAL_WORLD_SIZE, WORLD_SIZE, a free MASTER_PORT, one thread each, CUDA hidden). Not torchrun
     itself: its agent stops the other workers as soon as one fails, so each rank's own exit code
-    and error would depend on timing. Returns [(exit code, stdout, stderr)] per rank."""
+    and error would depend on timing. Returns [(exit code, stdout, stderr)] per rank. The
+    processes are forked from the forkserver (see run_script); one that exits with SIGABRT (-6)
+    fails the test."""
     port = str(free_port())
-    procs = []
-    for rank in range(world):
-        e = {
-            **os.environ,
+    envs = [
+        {
             **CPU_ONLY_ENV,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
@@ -327,25 +537,11 @@ def run_ranks(argv, world, timeout=240, env=None, cwd=None):
             "OMP_NUM_THREADS": "1",
             **(env or {}),
         }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *map(str, argv)],
-                env=e,
-                cwd=cwd,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-        )
-    out = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            out.append((p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            p.kill()
-    return out
+        for rank in range(world)
+    ]
+    argvs = [argv] * world
+    procs, files, folder = _start_scripts(argvs, envs, cwd)
+    return _finish_scripts(argvs, procs, files, folder, timeout)
 
 
 def run_torchrun(args, nproc, timeout, env=None, hide_cuda=True):

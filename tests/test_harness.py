@@ -7,7 +7,14 @@ import time
 
 import pytest
 
-from harness import DistributedTestError, DistributedTimeout, run_distributed, run_torchrun
+from harness import (
+    DistributedTestError,
+    DistributedTimeout,
+    run_distributed,
+    run_ranks,
+    run_script,
+    run_torchrun,
+)
 
 # Rank bodies: module level, so that the spawned ranks can import them by name.
 
@@ -169,3 +176,70 @@ def test_ranks_run_the_threads_they_are_given():
     after the import is not seen by torch); `env` may ask for more."""
     assert run_distributed(_threads, 2, timeout=60) == [1, 1]
     assert run_distributed(_threads, 2, timeout=60, env={"OMP_NUM_THREADS": "2"}) == [2, 2]
+
+
+def _wait_forever():
+    time.sleep(3600)
+
+
+def _stuck_or_slow(slow_rank):
+    """Every rank ends up waiting forever in `_wait_forever`, `slow_rank` after 3 s elsewhere."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == slow_rank:
+        time.sleep(3)
+    _wait_forever()
+
+
+def _slow_elsewhere():
+    time.sleep(4)
+    return "done"
+
+
+def test_stuck_ranks_are_seen_in_seconds(capfd):
+    """`stuck_in`: a job whose unfinished ranks all sit unmoved in the named function ends in
+    seconds, long before its timeout, with each stuck rank's stack printed."""
+    t0 = time.monotonic()
+    with pytest.raises(DistributedTimeout, match=r"stuck in _wait_forever .* rank\(s\) \[0, 1\]"):
+        run_distributed(_stuck_or_slow, 2, 1, timeout=120, stuck_in="_wait_forever")
+    assert time.monotonic() - t0 < 60
+    err = capfd.readouterr().err
+    assert err.count("--- stacks of rank") == 2 and "in _wait_forever" in err, err[-3000:]
+
+
+def test_a_slow_rank_is_not_stuck():
+    """Ranks that take seconds elsewhere finish: only the named function counts as stuck."""
+    assert run_distributed(_slow_elsewhere, 2, timeout=120, stuck_in="_wait_forever") == [
+        "done",
+        "done",
+    ]
+
+
+def test_sigabrt_fails_the_launch(tmp_path):
+    """A process of the suite that ends in SIGABRT fails its test, whatever the test expects."""
+    script = tmp_path / "abort.py"
+    script.write_text("import os\nprint('before', flush=True)\nos.abort()\n")
+    with pytest.raises(DistributedTestError, match=r"exited with SIGABRT \(-6\)"):
+        run_script([script])
+    with pytest.raises(DistributedTestError, match=r"exited with SIGABRT \(-6\)"):
+        run_ranks([script], 2)
+
+
+def test_script_runs_as_python_runs_it(tmp_path):
+    """run_script: the exit code, both streams, the environment, the folder and the script's
+    own folder on sys.path, as `python SCRIPT` gives them; an uncaught exception is a traceback
+    and exit code 1."""
+    (tmp_path / "neighbour.py").write_text("VALUE = 7\n")
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys\n"
+        "import neighbour\n"
+        "print(neighbour.VALUE, os.environ['HEXI_HARNESS_FLAG'], os.getcwd(), sys.argv[1:])\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    code, out, err = run_script([script, "3"], env={"HEXI_HARNESS_FLAG": "on"}, cwd=tmp_path)
+    assert (code, out, err) == (3, f"7 on {tmp_path} ['3']\n", "to stderr\n")
+    (tmp_path / "raise.py").write_text("raise ValueError('no')\n")
+    code, out, err = run_script([tmp_path / "raise.py"])
+    assert code == 1 and out == "" and err.startswith("Traceback") and "ValueError: no" in err

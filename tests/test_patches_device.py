@@ -104,11 +104,6 @@ def _visible_devices():
     return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()
 
 
-def _write_env(path):
-    with open(path, "w") as f:
-        f.write(repr(os.environ.get("CUDA_VISIBLE_DEVICES")))
-
-
 def test_harness_hides_cuda(tmp_path, monkeypatch):
     # Even when the test process itself exposes a GPU, the ranks it starts see none.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
@@ -118,9 +113,8 @@ def test_harness_hides_cuda(tmp_path, monkeypatch):
     script = tmp_path / "show_env.py"
     script.write_text(
         "import os, sys\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "from test_patches_device import _write_env\n"
-        "_write_env(sys.argv[1] + os.environ['RANK'])\n"
+        "with open(sys.argv[1] + os.environ['RANK'], 'w') as f:\n"
+        "    f.write(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))\n"
     )
     code, out, err = run_torchrun([script, tmp_path / "env"], 1, timeout=60)
     assert code == 0, err

@@ -15,26 +15,18 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
+from checkpoint.launching import TWO_STAGES, launch, wait_all
 from conftest import REPO
-from harness import _kill_tree, free_port, run_torchrun
+from harness import _kill_tree, run_torchrun
 from megatron_hexi.checkpoint import TRACKER, Checkpoint
 from planner.layout import canonical_shards
 from planner.models import load_model
 from runtime.plans import REFERENCE, write_plan
 
-TWO_STAGES = [
-    {
-        "micro_batch_size": 2,
-        "num_microbatches": 4,
-        "stages": [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}],
-    }
-]
 TRAIN_ITERS, INTERVAL, TIMEOUT_MIN = 14, 3, 0.5
 
 
@@ -72,44 +64,6 @@ def command(tmp_path, plan):
         "--log-interval",
         "1",
     ]
-
-
-def launch(tmp_path, tag, argv, world, env=None, script=None):
-    """The ranks as plain processes (what torchrun starts, without its agent, which would kill
-    the survivors itself): each must exit on its own. `script`: [program, its arguments] to run
-    instead of pretrain_gpt.py (which receives `argv`)."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        e = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world),
-            "OMP_NUM_THREADS": "1",
-            **(env or {}),
-        }
-        out = open(tmp_path / f"{tag}.{rank}.out", "w")
-        err = open(tmp_path / f"{tag}.{rank}.err", "w")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *(script or [str(REPO / "pretrain_gpt.py")]), *argv],
-                env=e,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-            )
-        )
-    return procs
-
-
-def wait_all(procs, deadline):
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        time.sleep(0.05)
-    return [p.poll() for p in procs]
 
 
 def metrics(tmp_path):

@@ -8,7 +8,6 @@ a head size that is not hidden/heads (6 heads of 16 in a hidden size of 72, HF's
 kv_channels) and splits its 3 query groups 2:1 in the TP=2 stage.
 """
 
-import importlib.util
 import json
 
 import pytest
@@ -16,18 +15,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from checkpoint.hf_models import SIZES, converter, tiny_llama
 from checkpoint.workers import logits
-from conftest import REPO
 from harness import run_distributed
 from planner.models import load_model
 from planner.plan import build_plan, save_plan
 from runtime.plans import cpu_cluster
-
-# hidden, heads, key/value groups, head_dim (None: hidden/heads), the TP=2 stage's shards
-SIZES = {
-    "gqa": (64, 4, 2, None, {"ffn": [100, 60], "vocab": [90, 38]}),
-    "head_dim": (72, 6, 3, 16, {"query_groups": [2, 1], "ffn": [100, 60], "vocab": [90, 38]}),
-}
 
 
 def pipelines(shards):
@@ -42,42 +35,6 @@ def pipelines(shards):
             ],
         }
     ]
-
-
-def converter():
-    spec = importlib.util.spec_from_file_location(
-        "convert_hf_llama", REPO / "tools" / "convert_hf_llama.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def tiny_llama(directory, tie=False, layers=4, sizes="gqa"):
-    hidden, heads, groups, head_dim, _ = SIZES[sizes]
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=hidden,
-        intermediate_size=160,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=groups,
-        head_dim=head_dim,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=tie,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-        initializer_range=0.25,
-    )  # large enough for sharp attention patterns
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:  # ones would hide a mix-up of the norms
-                p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(directory)
-    return model
 
 
 @pytest.mark.parametrize("tie, sizes", [(False, "gqa"), (True, "gqa"), (False, "head_dim")])

@@ -26,8 +26,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from checkpoint.test_failures import TWO_STAGES, launch, wait_all
-from checkpoint.test_hf_llama import converter, tiny_llama
+from checkpoint.hf_models import converter, tiny_llama
+from checkpoint.launching import TWO_STAGES, launch, wait_all
 from checkpoint.workers import BASE_FLAGS, load_each
 from harness import run_distributed
 from megatron_hexi import checkpoint as ck

@@ -9,25 +9,13 @@ import collections
 
 import pytest
 
+from data.commands import flags
 from data.workers import train_real
 from harness import run_distributed, run_torchrun
 from runtime.plans import PLANS, REFERENCE, TWO_STAGES, write_plan
 from runtime.workers import max_relative_difference
 
 TOLERANCE = 1e-5
-
-
-def flags(corpus, *data_path, split="98,2,0", tokenizer=None):
-    return [
-        "--data-path",
-        *map(str, data_path),
-        "--split",
-        split,
-        "--tokenizer-type",
-        "HuggingFaceTokenizer",
-        "--tokenizer-model",
-        str(tokenizer or corpus.tokenizer),
-    ]
 
 
 def dataset(corpus, tmp_path, *data_path, split="98,2,0", tokenizer=None, model="tiny"):

@@ -7,7 +7,7 @@ One launch per plan trains every case in turn (a launch costs 10-20 s on CPU).
 
 import pytest
 
-from data.test_real_data import flags
+from data.commands import flags
 from harness import run_distributed
 from runtime.plans import PLANS, REFERENCE, write_plan
 from runtime.workers import BASE_FLAGS, max_relative_difference, train_and_evaluate

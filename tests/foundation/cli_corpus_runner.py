@@ -17,7 +17,7 @@ import os
 import resource
 import sys
 
-from entry_corpus_runner import Limits, mapped_bytes, run_case
+from foundation.entry_corpus_runner import Limits, mapped_bytes, run_case
 
 EXTRA_ADDRESS_SPACE = 384 * 2**20  # a few hundred MB on top of the imported planner
 CPU_SECONDS = 20

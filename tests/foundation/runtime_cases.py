@@ -353,7 +353,10 @@ def run_corpus(cases: list[Case], tmp: Path, name: str, pythonpath: Path = REPO)
         "CUDA_VISIBLE_DEVICES": "",
         "OMP_NUM_THREADS": "1",
         "OPENBLAS_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(pythonpath), os.environ.get("PYTHONPATH", "")]),
+        # the repository, and tests/ for the runner's helpers (`foundation.entry_corpus_runner`)
+        "PYTHONPATH": os.pathsep.join(
+            [str(pythonpath), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
+        ),
     }
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "HEXI_PLAN_NODE"):
         env.pop(key, None)

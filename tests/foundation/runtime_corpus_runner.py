@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from entry_corpus_runner import Limits, mapped_bytes, run_case
+from foundation.entry_corpus_runner import Limits, mapped_bytes, run_case
 
 EXTRA_ADDRESS_SPACE = 3 * 2**30  # a tiny run's model, optimizer and data on top of the imports
 CPU_SECONDS = 60

@@ -323,7 +323,10 @@ def corpus_run(tmp_path_factory):
     env = {
         **os.environ,
         "OPENBLAS_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        # the repository, and tests/ for the runner's helpers (`foundation.entry_corpus_runner`)
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO), str(HERE.parent), os.environ.get("PYTHONPATH", "")]
+        ),
     }
     r = subprocess.run(
         [
@@ -415,11 +418,8 @@ def test_generated_large_input(case_id, corpus_run):
 def test_runner_catches_a_traceback_and_a_memory_blowup(tmp_path):
     """The limits are real: a child that leaks past the address-space limit, or raises, shows up
     as a non-2 exit with a traceback (so the corpus checks above can fail)."""
-    sys.path.insert(0, str(HERE))
-    try:
-        import cli_corpus_runner as runner
-    finally:
-        sys.path.remove(str(HERE))
+    from foundation import cli_corpus_runner as runner
+
     limits = runner.Limits(
         runner.mapped_bytes() + runner.EXTRA_ADDRESS_SPACE,
         runner.CPU_SECONDS,

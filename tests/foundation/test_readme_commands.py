@@ -37,9 +37,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launch.hexi_launch_helpers import run_with_stub_slurm
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "launch"))
-from hexi_launch_helpers import run_with_stub_slurm  # noqa: E402
 
 MARKER = re.compile(r"<!-- readme-test: (run|syntax only: (.+?)) -->")
 SHELL_FENCE = re.compile(r"```(bash|sh|shell|console)\s*$")

@@ -4,21 +4,22 @@ gloo all_reduce.
     python -m torch.distributed.run ... fake_train.py --hetero-plan-path PLAN
         [--out RESULT.json] ...
 
-Plan rank: node = $HEXI_PLAN_NODE, else this host's name matched against the cluster's
-hostname(s), else launch order (torch rank = plan rank); local rank = $LOCAL_RANK. Rank 0 writes
+Plan rank: megatron_hexi.rank_mapping, as the runtime maps it (node = $HEXI_PLAN_NODE, else this
+host's name matched against the cluster's hostname(s), else launch order; local rank =
+$LOCAL_RANK). Rank 0 writes
 {world_size, sum, expected, ranks: [...]} to --out (or $HEXI_FAKE_OUT). Unknown flags are ignored.
 """
 
 import argparse
 import json
 import os
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megatron_hexi.process_exit import exit_process
+from megatron_hexi.rank_mapping import local_identity, map_processes
 from planner.plan import load_plan
 
 
@@ -32,19 +33,16 @@ def main():
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ["LOCAL_RANK"])
-    node = os.environ.get("HEXI_PLAN_NODE")
-    how = "HEXI_PLAN_NODE"
-    if not node:
-        host = socket.gethostname()
-        node = next(
-            (n.name for n in plan.cluster.nodes if n.hostname in (host, host.split(".")[0])), None
-        )
-        how = "hostname"
-    if node:
-        matches = [r.rank for r in plan.ranks if r.node == node and r.local_rank == local_rank]
-        plan_rank = matches[0] if matches else -1
-    else:
-        plan_rank, how = rank, "launch order"
+    # The runtime's own mapping (a mismatch is its LaunchError, on every rank).
+    node = local_identity(plan.cluster, "cpu").node
+    how = (
+        "HEXI_PLAN_NODE"
+        if os.environ.get("HEXI_PLAN_NODE")
+        else "hostname"
+        if node
+        else "launch order"
+    )
+    plan_rank = map_processes(plan, "cpu", check_devices=False)[rank]
     if rank == args.fail_rank:
         exit_process(5)
     t = torch.tensor([float(plan_rank + 1)])

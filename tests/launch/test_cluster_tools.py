@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hexi_launch_helpers import cluster_dict, hexi_launch, make_plan  # noqa: E402
-from megatron_hexi.cluster_tools import detect as det  # noqa: E402
-from planner.cluster import load_cluster_dict  # noqa: E402
+from launch.hexi_launch_helpers import cluster_dict, hexi_launch, make_plan
+from megatron_hexi.cluster_tools import detect as det
+from planner.cluster import load_cluster_dict
 
 TOPO_NV = (
     "\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\n"

@@ -16,13 +16,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hexi_launch_helpers import hexi_launch, make_plan  # noqa: E402
-from megatron_hexi.launch import cli  # noqa: E402
+from launch.hexi_launch_helpers import hexi_launch, make_plan
+from megatron_hexi.launch import cli
 
 MARK = "PWNED"
 # node names the planner's rule allows (letters, digits, '.', '_', '-') that a shell, an option

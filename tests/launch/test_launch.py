@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hexi_launch_helpers import (  # noqa: E402
+from launch.hexi_launch_helpers import (
     FAKE_TRAIN,
     REPO,
     STUB_SCONTROL,
@@ -21,8 +20,8 @@ from hexi_launch_helpers import (  # noqa: E402
     make_plan,
     run_with_stub_slurm,
 )
-from megatron_hexi.launch import slurm as slurm_gen  # noqa: E402
-from megatron_hexi.launch.common import default_gres_type, plan_nodes  # noqa: E402
+from megatron_hexi.launch import slurm as slurm_gen
+from megatron_hexi.launch.common import default_gres_type, plan_nodes
 
 PARTS = ["--partition", "A100-SXM-80GB=a100", "--partition", "RTX-4090=rtx4090"]
 NASTY = ["--data-path", "my data/a b", "--name", "it's $HOME `x` \"q\"", "--empty", ""]
@@ -569,7 +568,7 @@ def test_torchrun_scripts_run_locally(het_plan, tmp_path):
     ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)
-    from hexi_launch_helpers import check_fake_result
+    from launch.hexi_launch_helpers import check_fake_result
 
     res = check_fake_result(tmp_path / "res.json", plan)
     assert all(

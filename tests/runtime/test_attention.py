@@ -5,8 +5,8 @@ s x s tensor, and trains every equivalence plan as the one-rank plan does."""
 import pytest
 
 from harness import run_distributed
+from runtime.equivalence import TOLERANCE, compare, reference
 from runtime.plans import PLANS, REFERENCE, write_plan
-from runtime.test_equivalence import TOLERANCE, compare, reference
 from runtime.workers import train_each
 
 

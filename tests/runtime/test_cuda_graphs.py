@@ -12,7 +12,7 @@ from megatron_hexi import cuda_graphs
 from megatron_hexi.arguments import check_against_plan, parse_args, planning_inputs
 from planner.errors import SpecError
 from planner.plan import load_plan
-from runtime.test_startup import REPO_FLAGS, run_entry
+from runtime.entry import REPO_FLAGS, run_entry
 
 
 @pytest.fixture(scope="module")

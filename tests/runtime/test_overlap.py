@@ -11,8 +11,8 @@ parameters span several buckets. Every run must start all its buckets during the
 import pytest
 
 from harness import run_distributed
+from runtime.equivalence import TOLERANCE, compare, reference
 from runtime.plans import PLANS, write_plan
-from runtime.test_equivalence import TOLERANCE, compare, reference
 from runtime.workers import train_each
 
 # Smaller than every weight matrix of the test models (hidden 64): each is cut over several

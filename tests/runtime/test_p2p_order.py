@@ -43,7 +43,8 @@ STRICT = {"HEXI_STRICT_P2P": "1"}
 # Generous: a finishing run takes well under this even on a loaded machine.
 RUN_TIMEOUT = 400
 # The previous order hangs at the first steady-state exchange, a few seconds of compute after
-# start-up (none without a model); these only bound how long the tests wait for that.
+# start-up (none without a model). The harness sees it within seconds (every rank's stack unchanged
+# in `_exchange`); these only bound how long the tests wait for that.
 HANG_TIMEOUT = 60
 COMMUNICATOR_HANG_TIMEOUT = 30
 
@@ -170,6 +171,7 @@ def test_communicator_previous_order_hangs_in_strict_mode(capfd):
             previous_order=True,
             timeout=COMMUNICATOR_HANG_TIMEOUT,
             env=STRICT,
+            stuck_in="_exchange",
         )
     _assert_stuck_in_exchange(capfd, len(LAUNCH_OF))
 
@@ -210,6 +212,12 @@ def test_previous_order_hangs_in_strict_mode(tmp_path, capfd):
     world, path = write(tmp_path, "two_stages")
     with pytest.raises(DistributedTimeout):
         run_distributed(
-            train_one_step, world, path, previous_order=True, timeout=HANG_TIMEOUT, env=STRICT
+            train_one_step,
+            world,
+            path,
+            previous_order=True,
+            timeout=HANG_TIMEOUT,
+            env=STRICT,
+            stuck_in="_exchange",
         )
     _assert_stuck_in_exchange(capfd, world)

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from harness import DistributedTimeout, _kill_tree, free_port
+from harness import DistributedTimeout, _kill_tree, free_port, run_script
 from planner.cluster import load_cluster_dict
 from planner.models import load_model
 from planner.plan import build_plan, save_plan
@@ -122,23 +122,13 @@ def one_rank(tmp_path_factory):
     d = tmp_path_factory.mktemp("one-rank")
     plan = build_plan(cpu_cluster(1), load_model("tiny"), GLOBAL_BATCH, REFERENCE)
     save_plan(plan, d / "plan.json")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "pretrain_gpt.py",
-            "--hetero-plan-path",
-            d / "plan.json",
-            *BASE_FLAGS,
-            "--hetero-metrics-path",
-            d / "m.jsonl",
-        ],
+    code, _, err = run_script(
+        ["pretrain_gpt.py", "--hetero-plan-path", d / "plan.json", *BASE_FLAGS]
+        + ["--hetero-metrics-path", d / "m.jsonl"],
         cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert code == 0, err[-3000:]
     return _metrics(d / "m.jsonl")
 
 

@@ -13,8 +13,8 @@ from planner.errors import PlanError
 from planner.layout import canonical_shards, gradient_segments
 from planner.models import load_model
 from planner.plan import load_plan, plan_from_dict
+from runtime.equivalence import TOLERANCE, compare, reference
 from runtime.plans import PLANS, write_plan
-from runtime.test_equivalence import TOLERANCE, compare, reference
 from runtime.workers import max_relative_difference, train_each, train_with_first_grads
 
 # tp_1_2_3_gqa has a TP-3 stage: its sequence must split in three (and in two for the TP-2 one).

@@ -3,33 +3,18 @@
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 import harness
 from megatron_hexi.rank_mapping import Identity, LaunchError, resolve_ranks
 from planner.plan import load_plan
-
-REPO_FLAGS = ["--mock-data", "--train-iters", "1", "--lr", "1e-3"]
+from runtime.entry import REPO_FLAGS, run_entry
 
 
 @pytest.fixture(scope="module")
 def plan_path(repo_root):
     return repo_root / "examples/plans/hetero-4rank.json"
-
-
-def run_entry(repo_root, *args):
-    """pretrain_gpt.py as one plain process (errors that come before any collective)."""
-    r = subprocess.run(
-        [sys.executable, str(repo_root / "pretrain_gpt.py"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=repo_root,
-    )
-    return r.returncode, r.stderr
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from planner import transformer_impl
 from planner.errors import SpecError
 from planner.layout import rank_param_shards
 from planner.plan import load_plan
-from runtime.test_startup import REPO_FLAGS, run_entry
+from runtime.entry import REPO_FLAGS, run_entry
 
 
 @pytest.fixture(scope="module")

@@ -17,18 +17,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from harness import run_distributed  # noqa: E402
-from hexi_launch_helpers import (
+from harness import run_distributed
+from launch.hexi_launch_helpers import (
     FAKE_TRAIN,
     check_fake_result,
-    cluster_dict,  # noqa: E402
+    cluster_dict,
     hexi_launch,
     make_plan,
 )
-from megatron_hexi.launch.common import default_gres_type  # noqa: E402
-from planner.cluster import load_cluster_dict  # noqa: E402
-from runtime.workers import BASE_FLAGS, train  # noqa: E402
+from megatron_hexi.launch.common import default_gres_type
+from planner.cluster import load_cluster_dict
+from runtime.workers import BASE_FLAGS, train
 
 pytestmark = pytest.mark.slurm
 
@@ -231,7 +230,7 @@ def test_pretrain_gpt_het_job(slurm_cluster, tmp_path):
     """End to end: the real runtime (CPU/gloo) under a generated het job, started through the
     default entry, the installed hexi-train (by absolute path, whatever folder the job is in).
     Plan: pipeline 0 = TP-2 stage on the RTX 4090 node -> stage on a100-0; pipeline 1 = a100-1."""
-    from hexi_launch_helpers import MODEL
+    from launch.hexi_launch_helpers import MODEL
     from planner.models import model_from_dict
     from planner.plan import build_plan, save_plan
 

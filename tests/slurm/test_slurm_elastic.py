@@ -17,14 +17,12 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from harness import free_port  # noqa: E402
-from hexi_launch_helpers import hexi_launch  # noqa: E402
-from runtime.plans import EXACT_FLAGS  # noqa: E402
+from harness import free_port
+from launch.hexi_launch_helpers import hexi_launch
+from runtime.plans import EXACT_FLAGS
 
 pytestmark = pytest.mark.slurm
 

@@ -100,6 +100,7 @@ def main(argv=None):
                     plan,
                     a.warmup + a.steps,
                     timeout=a.timeout,
+                    fresh=True,  # fresh interpreters: threads fixed before torch is imported
                     env={"OMP_NUM_THREADS": "1"},
                 )[0]
                 runs[key].append(out)

@@ -285,7 +285,7 @@ def main(argv=None):
         model, plans = build_plans(tmp, fields)
         ckpt = tmp / "ckpt"
         save_s = run_distributed(
-            me.save_worker, 1, plans["same plan"][0], ckpt, timeout=a.timeout, env=env
+            me.save_worker, 1, plans["same plan"][0], ckpt, timeout=a.timeout, env=env, fresh=True
         )[0]
         size, part = parts(ckpt)
         print(
@@ -301,7 +301,7 @@ def main(argv=None):
         )
         for case, (plan, world) in plans.items():
             results = run_distributed(
-                me.load_worker, world, plan, ckpt, a.rounds, timeout=a.timeout, env=env
+                me.load_worker, world, plan, ckpt, a.rounds, timeout=a.timeout, env=env, fresh=True
             )
             times = results[0]
             plain, verified = (statistics.median(times[v]) for v in (False, True))

@@ -456,6 +456,7 @@ def main(argv=None):
                     rnd == 0,
                     _bucket_size(name),
                     timeout=a.timeout,
+                    fresh=True,  # fresh interpreters: threads fixed before torch is imported
                     env={"OMP_NUM_THREADS": "1"},
                     hide_cuda=a.device == "cpu",
                 )[0]

@@ -122,6 +122,7 @@ def main(argv=None):
                     a.warmup + a.steps,
                     a.bucket_size,
                     timeout=a.timeout,
+                    fresh=True,  # fresh interpreters: threads fixed before torch is imported
                     env={"OMP_NUM_THREADS": "1"},
                 )[0]
                 rank0 = per_rank[0]

@@ -239,6 +239,7 @@ def main(argv=None):
                 a.rounds,
                 a.iters,
                 timeout=a.timeout,
+                fresh=True,  # fresh interpreters: threads fixed before torch is imported
                 env={"OMP_NUM_THREADS": str(THREADS)},
             )[0]
         except DistributedTimeout as e:
