@@ -72,6 +72,8 @@ class SearchState(Protocol[C]):
 
     def proxy(self, cand: C) -> float: ...
 
+    def context(self, mbs: int, rc: bool, K: int) -> Context: ...
+
 
 # On big unit graphs (planner.search.SMALL_UNIT_GRAPH) a neighbour's context starts with cold
 # layout caches: only the requested setting's best few candidates are laid out there, the best
@@ -109,6 +111,9 @@ class NeighbourContexts(Generic[C]):
         got = self._contexts.get(key)
         if got is None:
             s = self.s
+            # the distributed optimizer flipped alone changes only memory limits: the requested
+            # setting's stage and boundary times are reused
+            same_times = n.sequence_parallel == s.sequence_parallel
             got = self._contexts[key] = Context(
                 s.model,
                 s.topo,
@@ -119,6 +124,7 @@ class NeighbourContexts(Generic[C]):
                 s.attention_backend,
                 n.sequence_parallel,
                 s.layer_impl,
+                s.context(mbs, rc, K) if same_times else None,
             )
         return got
 

@@ -116,7 +116,11 @@ class Context:
 
     `optimizer_fraction`: the share of its optimizer state a rank is assumed to hold while
     stages are laid out (1, or 1/K for the distributed optimizer over K pipelines); the
-    simulator then checks the exact shares."""
+    simulator then checks the exact shares.
+
+    `timings`: a context whose stage and boundary times are this one's (same model, topology,
+    micro-batch, recompute and settings that set times; another optimizer share changes only
+    memory limits): its times are reused and only the layers that fit are computed here."""
 
     def __init__(
         self,
@@ -129,6 +133,7 @@ class Context:
         attention_backend: str = PLAN_DEFAULT_BACKEND,
         sequence_parallel: bool = False,
         layer_impl: LayerImpl = EAGER_LOCAL,
+        timings: Context | None = None,
     ):
         self.model, self.topo, self.mbs, self.recompute = model, topo, mbs, recompute
         self.layer_impl = layer_impl
@@ -146,6 +151,18 @@ class Context:
         # build_pipeline templates by (unit kinds, node pattern, ks, m)
         self._pipes: dict[tuple[Any, ...], _Template | None] = {}
         self._rows: dict[tuple[Any, ...], _Rows] = {}  # their stages, by all of that but m
+        self.timings = timings
+        if timings is not None:
+            same = (mbs, recompute, attention_backend, sequence_parallel, layer_impl)
+            assert timings.model is model and timings.topo is topo
+            assert same == (
+                timings.mbs,
+                timings.recompute,
+                timings.attention_backend,
+                timings.sequence_parallel,
+                timings.layer_impl,
+            )
+            self._boundary, self._unit_boundary = timings._boundary, timings._unit_boundary
 
     def stage(
         self, ranks: Sequence[int], first: bool, last: bool, position: int, num_stages: int
@@ -158,6 +175,14 @@ class Context:
         if got is not None:
             return StageDraft(tuple(ranks), got.shards, got.cf, got.cb, got.ef, got.eb, got.nmax)
         devs = [topo.device_of(r) for r in ranks]
+        if self.timings is not None:  # the same times; only the memory limit is this context's
+            tw = self.timings.stage(ranks, first, last, position, num_stages)
+            st = StageDraft(
+                tuple(ranks), tw.shards, tw.cf, tw.cb, tw.ef, tw.eb,
+                self._nmax(devs, tw.shards, first, last, position, num_stages),
+            )  # fmt: skip
+            self._stage[key] = st
+            return StageDraft(st.ranks, st.shards, st.cf, st.cb, st.ef, st.eb, st.nmax)
         speeds = [d.flops for d in devs]
         shards = {
             "query_groups": tuple(proportional_split(m.num_query_groups, speeds)),
@@ -177,8 +202,23 @@ class Context:
         if last:
             a, b = costs.head_times(self.mbs, shards["vocab"])
             ef, eb = ef + a, eb + b
-        # memory: 1F1B keeps at most num_stages - position micro-batches in flight; ranks with
-        # the same memory and shards (a TP group of one GPU type) are asked once
+        nmax = self._nmax(devs, shards, first, last, position, num_stages)
+        st = StageDraft(tuple(ranks), shards, cf + tf, cb + tb, ef, eb, nmax)
+        self._stage[key] = st
+        return StageDraft(st.ranks, st.shards, st.cf, st.cb, st.ef, st.eb, st.nmax)
+
+    def _nmax(
+        self,
+        devs: Sequence[cm.Device],
+        shards: Mapping[str, Sequence[int]],
+        first: bool,
+        last: bool,
+        position: int,
+        num_stages: int,
+    ) -> int:
+        """The most layers a stage of these devices and shards holds at this position.
+        Memory: 1F1B keeps at most num_stages - position micro-batches in flight; ranks with
+        the same memory and shards (a TP group of one GPU type) are asked once."""
         needs = set(
             zip(
                 (d.memory_bytes for d in devs),
@@ -188,13 +228,10 @@ class Context:
             )
         )
         tp = len(devs)
-        nmax = min(
+        return min(
             self._layers_that_fit(capacity, qg, ff, vv, first, last, position, num_stages, tp)
             for capacity, qg, ff, vv in needs
         )
-        st = StageDraft(tuple(ranks), shards, cf + tf, cb + tb, ef, eb, nmax)
-        self._stage[key] = st
-        return StageDraft(st.ranks, st.shards, st.cf, st.cb, st.ef, st.eb, st.nmax)
 
     def _layers_that_fit(
         self,
