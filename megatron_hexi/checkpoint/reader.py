@@ -187,6 +187,20 @@ def check_meta(meta: dict[str, Any], path: str, iteration: int) -> None:
         )
 
 
+def megatron_lm_layout(folder: str) -> str | None:
+    """The Megatron-LM checkpoint layout `folder` holds ('torch_dist' or legacy 'torch'), or
+    None: what to suggest when a Megatron-LM save is given to --load."""
+    if os.path.isfile(os.path.join(folder, "metadata.json")) and os.path.isfile(
+        os.path.join(folder, "common.pt")
+    ):
+        return "torch_dist"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    return "torch" if any(n.startswith("mp_rank_") for n in names) else None
+
+
 def pointed_step(load_dir: str) -> int | None:
     """The iteration latest_checkpointed_iteration.txt names (None: `release`); CheckpointError
     when it is missing, corrupt, or not a regular file inside `load_dir`."""
@@ -227,6 +241,12 @@ class Checkpoint:
             with open(meta_path) as f:
                 self.meta = json.load(f)
         except FileNotFoundError:
+            if megatron_lm_layout(self.dir):
+                raise CheckpointError(
+                    f"{self.dir}: a Megatron-LM checkpoint ({megatron_lm_layout(self.dir)}), not "
+                    f"one of this runtime: convert it with `hexi-convert import-megatron --load "
+                    f"{load_dir} --output NEW` and load NEW"
+                )
             raise CheckpointError(f"{meta_path}: missing")
         except RecursionError:
             raise CheckpointError(f"{meta_path}: corrupt (nested too deeply)")

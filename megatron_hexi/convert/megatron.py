@@ -328,10 +328,27 @@ def write_megatron(
         "iteration": iteration or 0,
         "checkpoint_version": 3.0,
     }
-    dist_checkpointing.save(state, folder)
+    try:
+        dist_checkpointing.save(state, folder)
+    finally:
+        _stop_writer_manager()
     with open(os.path.join(output, TRACKER), "w") as f:
         f.write("release" if iteration is None else str(iteration))
     return folder
+
+
+def _stop_writer_manager() -> None:
+    """Stop the manager process megatron-core's torch_dist writer starts for its results queue
+    (filesystem_async._get_write_results_queue, kept for the process's life). A process that
+    ends with os._exit (a forked test rank) skips the exit handler that would stop it, and the
+    manager would outlive it."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = filesystem_async._results_queue
+    manager = getattr(queue, "_manager", None)
+    if manager is not None:
+        manager.shutdown()
+    filesystem_async._results_queue = None
 
 
 def import_megatron(

@@ -38,11 +38,18 @@ def verification_plan(plan_dict: dict[str, Any], seq_length: int) -> dict[str, A
 
 
 def _rank(
-    local: int, plan_path: str, load: str, device: str, port: int, tokens_path: str, out: str
+    local: int,
+    world: int,
+    plan_path: str,
+    load: str,
+    device: str,
+    port: int,
+    tokens_path: str,
+    out: str,
 ) -> None:
-    """One rank: the runtime's model under the plan, loaded, one forward pass."""
-    world = int(os.environ["WORLD_SIZE"])
-    os.environ.update(RANK=str(local), LOCAL_RANK=str(local))
+    """One rank: the runtime's model under the plan, loaded, one forward pass. Its identity is
+    set in its own environment only (the caller's stays as it was)."""
+    os.environ.update(RANK=str(local), LOCAL_RANK=str(local), WORLD_SIZE=str(world))
     try:
         import torch
         import torch.distributed as dist
@@ -106,10 +113,9 @@ def runtime_logits(
             timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
         )
-        os.environ["WORLD_SIZE"] = str(world)
         context = mp.start_processes(
             _rank,
-            args=(plan_path, load, device, store.port, tokens_path, out),
+            args=(world, plan_path, load, device, store.port, tokens_path, out),
             nprocs=world,
             join=False,
             start_method="spawn",

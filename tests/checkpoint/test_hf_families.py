@@ -6,6 +6,7 @@ is bit-identical to what was imported, of the same family, and carries its token
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -157,7 +158,9 @@ def test_verify_passes_a_good_conversion_and_catches_an_altered_one(imported, tm
     _, ckpt, plan, _ = imported["qwen2"]
     source = ckpt.parent / "hf"
     argv = ["verify", "--load", str(ckpt), "--hetero-plan-path", str(plan), "--seq-length", "16"]
+    environment = dict(os.environ)
     assert main([*argv, "--hf-dir", str(source)]) == 0
+    assert dict(os.environ) == environment  # the ranks' identities stay in their processes
     good = capsys.readouterr().out
     error = float(good.split("max relative logit error: ")[1].split()[0])
     assert error < 1e-5

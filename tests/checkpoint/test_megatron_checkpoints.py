@@ -158,19 +158,31 @@ def _megatron_side(root, tokens):
     before, after = _tensors(net), _tensors(back)
     same = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     common = dist_checkpointing.load_common_state_dict(exported)
-    return codes, reference, same, common["args"].num_layers, common["iteration"]
+    import multiprocessing
+
+    # the writer's manager process is stopped (a forked rank's exit would not stop it)
+    left = [p.name for p in multiprocessing.active_children()]
+    return codes, reference, same, common["args"].num_layers, common["iteration"], left
 
 
 def test_megatron_saves_import_and_export_exactly(tmp_path):
-    from megatron_hexi.checkpoint import read_full_model
+    import pytest
+
+    from megatron_hexi.checkpoint import Checkpoint, CheckpointError, read_full_model
 
     tokens = torch.randint(0, 120, (8, 32), generator=torch.Generator().manual_seed(3))
-    codes, reference, round_trip, layers, iteration = run_distributed(
+    codes, reference, round_trip, layers, iteration, left = run_distributed(
         _megatron_side, 1, str(tmp_path), tokens, timeout=400
     )[0]
     assert codes == [0, 0, 0]
+    assert left == [], left
     assert round_trip, "the export loads back into a GPTModel with other tensors"
     assert (layers, iteration) == (4, 0)
+    for saved, layout in (("megatron", "torch_dist"), ("legacy", "torch")):
+        with pytest.raises(CheckpointError, match=rf"a Megatron-LM checkpoint \({layout}\)") as e:
+            Checkpoint(str(tmp_path / saved))
+        hint = f"hexi-convert import-megatron --load {tmp_path / saved} --output NEW"
+        assert hint in str(e.value)
     _, model, dist_tensors = read_full_model(str(tmp_path / "ckpt"))
     _, legacy_model, legacy_tensors = read_full_model(str(tmp_path / "ckpt-legacy"))
     assert model == dataclasses.replace(legacy_model, name=model.name)
