@@ -159,3 +159,17 @@ __all__ = [
     "is_regular",
     "is_loop",
 ]
+
+
+def megatron_lm_layout(folder: str) -> str | None:
+    """The Megatron-LM checkpoint layout `folder` holds ('torch_dist' or legacy 'torch'), or
+    None: what to suggest when a Megatron-LM save is given to --load."""
+    if os.path.isfile(os.path.join(folder, "metadata.json")) and os.path.isfile(
+        os.path.join(folder, "common.pt")
+    ):
+        return "torch_dist"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    return "torch" if any(n.startswith("mp_rank_") for n in names) else None

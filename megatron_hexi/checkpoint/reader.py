@@ -54,6 +54,7 @@ from megatron_hexi.checkpoint_files import (
     is_real_dir,
     is_regular,
     iteration_of,
+    megatron_lm_layout,
     pointed,
 )
 from planner.errors import SpecError
@@ -185,20 +186,6 @@ def check_meta(meta: dict[str, Any], path: str, iteration: int) -> None:
         raise CheckpointError(
             f"{path}: its content does not match its checksum (edited or damaged after the save)"
         )
-
-
-def megatron_lm_layout(folder: str) -> str | None:
-    """The Megatron-LM checkpoint layout `folder` holds ('torch_dist' or legacy 'torch'), or
-    None: what to suggest when a Megatron-LM save is given to --load."""
-    if os.path.isfile(os.path.join(folder, "metadata.json")) and os.path.isfile(
-        os.path.join(folder, "common.pt")
-    ):
-        return "torch_dist"
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return None
-    return "torch" if any(n.startswith("mp_rank_") for n in names) else None
 
 
 def pointed_step(load_dir: str) -> int | None:

@@ -48,6 +48,15 @@ OVERWRITE_HELP = (
 )
 
 
+def _command(
+    sub: argparse._SubParsersAction, name: str, help: str, epilog: str
+) -> argparse.ArgumentParser:
+    """A subcommand whose --help ends with its runnable examples (`epilog`)."""
+    return sub.add_parser(
+        name, help=help, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
 def _parser(prog: str) -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
@@ -60,11 +69,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         formatter_class=raw,
     )
     sub = p.add_subparsers(dest="cmd", required=True)
-    i = sub.add_parser(
+    i = _command(
+        sub,
         "import",
-        help="HF LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM -> checkpoint",
-        epilog=f"example:\n{IMPORT_EXAMPLE.format(prog=prog)}",
-        formatter_class=raw,
+        "HF LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM -> checkpoint",
+        f"example:\n{IMPORT_EXAMPLE.format(prog=prog)}",
     )
     i.add_argument("--hf-dir", required=True, help="the HF model folder (config.json, weights)")
     i.add_argument("--output", required=True, help="checkpoint directory (use as --load)")
@@ -76,11 +85,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     )
     i.add_argument("--model-yaml", default=None, help="default: OUTPUT/model.yaml")
     i.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    e = sub.add_parser(
+    e = _command(
+        sub,
         "export",
-        help="checkpoint -> HF model of the family it came from (Llama when unknown)",
-        epilog=f"examples:\n{EXPORT_EXAMPLE.format(prog=prog)}",
-        formatter_class=raw,
+        "checkpoint -> HF model of the family it came from (Llama when unknown)",
+        f"examples:\n{EXPORT_EXAMPLE.format(prog=prog)}",
     )
     e.add_argument("--load", required=True, help="a checkpoint folder (import or training save)")
     e.add_argument("--ckpt-step", type=int, default=None, help="default: the latest")
@@ -98,31 +107,31 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "import kept in LOAD/hf_files, if any)",
     )
     e.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    im = sub.add_parser(
+    im = _command(
+        sub,
         "import-megatron",
-        help="Megatron-LM GPT save (torch_dist, or legacy torch at TP = PP = 1) -> checkpoint",
-        epilog=f"example:\n{MEGATRON_EXAMPLE.format(prog=prog)}",
-        formatter_class=raw,
+        "Megatron-LM GPT save (torch_dist, or legacy torch at TP = PP = 1) -> checkpoint",
+        f"example:\n{MEGATRON_EXAMPLE.format(prog=prog)}",
     )
     im.add_argument("--load", required=True, help="the Megatron-LM --save folder")
     im.add_argument("--ckpt-step", type=int, default=None, help="default: its latest")
     im.add_argument("--output", required=True, help="checkpoint directory (use as --load)")
     im.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    em = sub.add_parser(
+    em = _command(
+        sub,
         "export-megatron",
-        help="checkpoint -> Megatron-LM torch_dist save (loads under any TP/PP)",
-        epilog=f"example:\n{MEGATRON_EXAMPLE.format(prog=prog)}",
-        formatter_class=raw,
+        "checkpoint -> Megatron-LM torch_dist save (loads under any TP/PP)",
+        f"example:\n{MEGATRON_EXAMPLE.format(prog=prog)}",
     )
     em.add_argument("--load", required=True, help="a checkpoint folder (import or training save)")
     em.add_argument("--ckpt-step", type=int, default=None, help="default: the latest")
     em.add_argument("--output", required=True, help="the Megatron-LM folder to write")
     em.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    v = sub.add_parser(
+    v = _command(
+        sub,
         "verify",
-        help="the runtime's logits under a plan against transformers' (exit 1 above 1e-5)",
-        epilog=f"example:\n{VERIFY_EXAMPLE.format(prog=prog)}",
-        formatter_class=raw,
+        "the runtime's logits under a plan against transformers' (exit 1 above 1e-5)",
+        f"example:\n{VERIFY_EXAMPLE.format(prog=prog)}",
     )
     v.add_argument("--hf-dir", required=True, help="the HF model folder that was imported")
     v.add_argument("--load", required=True, help="the checkpoint to check")

@@ -22,6 +22,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
+from megatron_hexi.checkpoint_files import megatron_lm_layout
 from planner.errors import SpecError
 from planner.models import ModelSpec, model_from_dict
 
@@ -58,19 +59,20 @@ def iteration_dir(load: str, step: int | None) -> tuple[str, int]:
 
 
 def layout_of(folder: str) -> str:
-    """'torch_dist' or 'torch' (legacy), or a one-line refusal."""
-    if os.path.isfile(os.path.join(folder, "metadata.json")):
-        return "torch_dist"
-    if os.path.isfile(os.path.join(folder, LEGACY_FILE)):
-        return "torch"
-    shards = sorted(n for n in os.listdir(folder) if n.startswith("mp_rank_"))
-    if shards:
+    """'torch_dist' or 'torch' (legacy, TP = PP = 1), or a one-line refusal."""
+    layout = megatron_lm_layout(folder)
+    if layout == "torch" and not os.path.isfile(os.path.join(folder, LEGACY_FILE)):
+        shards = sorted(n for n in os.listdir(folder) if n.startswith("mp_rank_"))
         raise SpecError(
             f"{folder}: a legacy checkpoint saved with tensor or pipeline parallelism "
             f"({', '.join(shards[:4])}); only TP = PP = 1 legacy saves are read: convert it to "
             f"torch_dist (Megatron-LM --ckpt-convert-format torch_dist) first"
         )
-    raise SpecError(f"{folder}: neither a torch_dist (metadata.json) nor a legacy torch checkpoint")
+    if layout is None:
+        raise SpecError(
+            f"{folder}: neither a torch_dist (metadata.json) nor a legacy torch checkpoint"
+        )
+    return layout
 
 
 def _arg(args: Any, name: str, default: Any = None) -> Any:
