@@ -22,6 +22,10 @@ from planner.catalog import get_gpu
 from planner.errors import SpecError
 from planner.flops import attention_flops, head_flops, mlp_flops
 from planner.host import EAGER_LOCAL, HostCosts, LayerImpl, host_costs
+from planner.kernels import KernelDevice, PassTimes
+from planner.kernels import attention_times as kernel_attention_times
+from planner.kernels import head_times as kernel_head_times
+from planner.kernels import mlp_times as kernel_mlp_times
 from planner.layout import stage_params
 from planner.profile import MeasuredCosts, ProfiledDevice, attach, read_profile
 
@@ -38,7 +42,9 @@ FP32_BYTES = 4
 # attention, memory-bound norms and activations). Stated assumption: Megatron-LM reports 52-56 %
 # model-FLOPs utilisation on A100 at scale with communication mostly hidden (Narayanan et al. 2021,
 # 163 of 312 TFLOP/s; Korthikanti et al. 2022, Table 5), i.e. about 0.55 of peak for the compute
-# itself. A measured device profile (`profile:` in the cluster file) replaces it.
+# itself. Catalog GPUs' layers and LM head are timed kernel by kernel instead (planner.kernels);
+# this rate times the CPU row and weighs devices against each other in the search's heuristics.
+# A measured device profile (`profile:` in the cluster file) replaces both.
 SUSTAINED_FRACTION_OF_PEAK = 0.55
 
 # Memory per parameter in megatron-core bf16 mixed precision with Adam (Megatron's DDP keeps fp32
@@ -112,6 +118,7 @@ class Device:
     mem_bw: float  # bytes/s
     source: str
     profile: ProfiledDevice | None = None  # a detailed (hexi-profile) profile, if any
+    kernels: KernelDevice | None = None  # catalog GPUs: layers timed by planner.kernels
 
 
 def device_for(gpu_name: str, profile: str | None = None, procs_per_node: int = 1) -> Device:
@@ -125,13 +132,16 @@ def device_for(gpu_name: str, profile: str | None = None, procs_per_node: int = 
     """
     gpu = get_gpu(gpu_name)
     if not profile:
+        flat = f"catalog peak x {SUSTAINED_FRACTION_OF_PEAK}"
+        kernels = None if gpu.name == "CPU" else KernelDevice(gpu.peak_flops, gpu.mem_bw_gbs * 1e9)
         return Device(
             gpu.name,
             gpu.peak_flops,
             gpu.peak_flops * SUSTAINED_FRACTION_OF_PEAK,
             gpu.memory_bytes,
             gpu.mem_bw_gbs * 1e9,
-            f"catalog peak x {SUSTAINED_FRACTION_OF_PEAK}",
+            flat if kernels is None else "catalog: kernel model (planner.kernels)",
+            kernels=kernels,
         )
     data = read_profile(os.path.abspath(profile))
     if data.get("device", gpu.name) != gpu.name:
@@ -449,33 +459,29 @@ class AnalyticCosts:
         """(compute_fwd, tp_comm_fwd, compute_bwd, tp_comm_bwd, host_wait_fwd, host_wait_bwd)
         of one layer; the compute includes the host wait.
 
-        Each TP rank computes its share: attention in proportion to its query groups, the MLP
-        to its FFN columns; the group waits for the slowest rank at each of the two all-reduces
-        per pass (after attention and after the MLP, [s, b, h] bf16 each). Backward = 2 x
-        forward compute and 2 all-reduces; full recompute adds one forward (compute and its
-        all-reduces) to backward. Unfused attention adds its score traffic
+        Each TP rank computes its share: attention for its query groups, the MLP for its FFN
+        columns (kernel by kernel on a catalog GPU, planner.kernels; else FLOPs at the
+        device's sustained rate); the group waits for the slowest rank at each of the two
+        all-reduces per pass (after attention and after the MLP, [s, b, h] bf16 each).
+        Backward = 2 x forward compute and 2 all-reduces; full recompute adds one forward
+        (compute and its all-reduces) to backward. Unfused attention adds its score traffic
         (`unfused_attention_times`) to each rank's attention share. A pass lasts at least its
         host time: where the device (compute + TP all-reduces) is faster, the compute is
         lengthened by the wait for the host (host_wait).
         """
         m, devices = self.m, self.devices
-        g, f = m.num_query_groups, m.ffn_hidden_size
-        att, mlp = attention_flops(m, mbs), mlp_flops(m, mbs)
-        c_mlp = max(mlp * x / f / dev.flops for x, dev in zip(ffn, devices))
         t = len(devices)
         ar = ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t, *self.tp_link)
-        tf = 2 * ar
-        if self.unfused:
-            att_f = att_b = 0.0
-            for q, dev in zip(qg, devices):
+        tf = tb = 2 * ar
+        att_f = att_b = mlp_f = mlp_b = 0.0
+        for q, x, dev in zip(qg, ffn, devices):
+            a, p = self._attention(dev, mbs, q), self._mlp(dev, mbs, x)
+            if self.unfused:
                 xf, xb = unfused_attention_times(m, mbs, q, dev.mem_bw)
-                c = att * q / g / dev.flops
-                att_f, att_b = max(att_f, c + xf), max(att_b, 2 * c + xb)
-            cf = att_f + c_mlp
-            cb, tb = att_b + 2 * c_mlp, 2 * ar
-        else:
-            cf = max(att * q / g / dev.flops for q, dev in zip(qg, devices)) + c_mlp
-            cb, tb = 2 * cf, 2 * ar
+                a = PassTimes(a.fwd + xf, a.bwd + xb)
+            att_f, att_b = max(att_f, a.fwd), max(att_b, a.bwd)
+            mlp_f, mlp_b = max(mlp_f, p.fwd), max(mlp_b, p.bwd)
+        cf, cb = att_f + mlp_f, att_b + mlp_b
         if recompute:
             cb, tb = cb + cf, tb + tf
         wf = wb = 0.0
@@ -483,6 +489,21 @@ class AnalyticCosts:
             hf, hb = self.host.layer_pass(recompute)
             wf, wb = max(0.0, hf - tf - cf), max(0.0, hb - tb - cb)
         return cf + wf, tf, cb + wb, tb, wf, wb
+
+    def _attention(self, dev: Device, mbs: int, query_groups: int) -> PassTimes:
+        """A rank's attention block: kernel by kernel on a catalog GPU, else its FLOPs at the
+        device's sustained rate (backward twice the forward)."""
+        if dev.kernels is not None:
+            return kernel_attention_times(dev.kernels, self.m, mbs, query_groups)
+        c = attention_flops(self.m, mbs) * query_groups / self.m.num_query_groups / dev.flops
+        return PassTimes(c, 2 * c)
+
+    def _mlp(self, dev: Device, mbs: int, columns: int) -> PassTimes:
+        """A rank's MLP block, timed as `_attention`."""
+        if dev.kernels is not None:
+            return kernel_mlp_times(dev.kernels, self.m, mbs, columns)
+        c = mlp_flops(self.m, mbs) * columns / self.m.ffn_hidden_size / dev.flops
+        return PassTimes(c, 2 * c)
 
     def embedding_times(self, mbs: int) -> tuple[float, float]:
         """(fwd, bwd) of the vocab-parallel embedding: one all-reduce of [s, b, h] in forward."""
@@ -495,19 +516,34 @@ class AnalyticCosts:
         )
 
     def head_times(self, mbs: int, vocab: Sequence[int]) -> tuple[float, float]:
-        """(fwd, bwd) of the LM head + vocab-parallel cross entropy on the last stage.
+        """(fwd, bwd) of the LM head + vocab-parallel cross entropy on the last stage
+        (`head_split`'s compute and communication together)."""
+        cf, tf, cb, tb = self.head_split(mbs, vocab)
+        return cf + tf, cb + tb
 
-        Compute per rank in proportion to its vocabulary rows (2*b*s*h*V forward, 2x backward);
+    def head_split(self, mbs: int, vocab: Sequence[int]) -> tuple[float, float, float, float]:
+        """(compute_fwd, comm_fwd, compute_bwd, comm_bwd) of the LM head + vocab-parallel cross
+        entropy on the last stage.
+
+        Compute per rank in proportion to its vocabulary rows (2*b*s*h*V forward, 2x backward;
+        kernel by kernel on a catalog GPU, with the cross entropy's passes over the logits);
         forward adds CROSS_ENTROPY_ALLREDUCES all-reduces of [s, b] fp32, backward one
         all-reduce of the input gradient [s, b, h] bf16 (the head is column-parallel).
         """
         m, devices, link = self.m, self.devices, self.tp_link
         hf = head_flops(m, mbs)
-        c = max(hf * v / m.vocab_size / dev.flops for v, dev in zip(vocab, devices))
+        cf = cb = 0.0
+        for v, dev in zip(vocab, devices):
+            if dev.kernels is not None:
+                p = kernel_head_times(dev.kernels, mbs * m.seq_length, m.hidden_size, v)
+            else:
+                c = hf * v / m.vocab_size / dev.flops
+                p = PassTimes(c, 2 * c)
+            cf, cb = max(cf, p.fwd), max(cb, p.bwd)
         t = len(devices)
         small = ring_allreduce_time(m.seq_length * mbs * FP32_BYTES, t, *link)
         big = ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t, *link)
-        return c + CROSS_ENTROPY_ALLREDUCES * small, 2 * c + big
+        return cf, CROSS_ENTROPY_ALLREDUCES * small, cb, big
 
     def extra(self, mbs: int, vocab: Sequence[int], first: bool) -> tuple[float, float]:
         """(fwd, bwd) a stage adds beyond its layers, embedding and head: nothing here."""
@@ -561,13 +597,17 @@ def stage_cost(
         ef, eb = costs.embedding_times(mbs)
         fwd, bwd, tp = fwd + ef, bwd + eb, tp + ef + eb
     if last:
-        hf, hb = costs.head_times(mbs, shards["vocab"])
-        fwd, bwd = fwd + hf, bwd + hb
-        c = max(
-            head_flops(m, mbs) * v / m.vocab_size / dev.flops
-            for v, dev in zip(shards["vocab"], devices)
-        )
-        compute, tp = compute + 3 * c, tp + (hf - c) + (hb - 2 * c)
+        if isinstance(costs, AnalyticCosts):
+            hcf, htf, hcb, htb = costs.head_split(mbs, shards["vocab"])
+        else:  # measured: split by the head's FLOPs at the device's rate
+            hf, hb = costs.head_times(mbs, shards["vocab"])
+            hcf = max(
+                head_flops(m, mbs) * v / m.vocab_size / dev.flops
+                for v, dev in zip(shards["vocab"], devices)
+            )
+            hcb, htf, htb = 2 * hcf, hf - hcf, hb - 2 * hcf
+        fwd, bwd = fwd + hcf + htf, bwd + hcb + htb
+        compute, tp = compute + hcf + hcb, tp + htf + htb
     xf, xb = costs.extra(mbs, shards["vocab"], first)  # measured: embedding compute, overhead
     fwd, bwd, compute = fwd + xf, bwd + xb, compute + xf + xb
     return StageCost(cf, tf, fwd, bwd, compute, tp, wait)

@@ -80,6 +80,10 @@ _T = TypeVar("_T")
 
 STRATEGIES = ("hexi", "uniform", "exhaustive")
 MICRO_BATCH_CANDIDATES = (1, 2, 4)  # searched when --micro-batch-size is not given
+# Then these, in turn, while each beats the size before it: a fast GPU running small GEMMs or
+# waiting for its host (planner.kernels, planner.host) gains from fewer, larger micro-batches,
+# until memory or the pipeline's fill and drain say stop.
+LARGER_MICRO_BATCHES = (8, 16, 32, 64)
 EXHAUSTIVE_MAX_UNITS = 8
 EXHAUSTIVE_MAX_LAYOUTS = 50_000  # pipeline layouts exhaustive may evaluate
 FINALISTS = 6  # candidates scored exactly by the simulator per knob
@@ -274,6 +278,9 @@ class Searcher:
             self.mbs_list = [micro_batch_size]
         else:
             self.mbs_list = [b for b in MICRO_BATCH_CANDIDATES if global_batch_size % b == 0]
+        # hexi: tried after mbs_list while each improves (`_micro_batches`)
+        free = micro_batch_size is None
+        self.larger_mbs = [b for b in LARGER_MICRO_BATCHES if free and global_batch_size % b == 0]
         self.rc_list = {"auto": [False, True], "on": [True], "off": [False]}[recompute]
         self.by_name = self.topo._by_name_override
         self.max_chunks = max(n.gpus_per_node for n in self.topo.nodes)
@@ -432,7 +439,8 @@ class Searcher:
     def hexi(self) -> _Candidate | None:
         best = None
         for rc in self.rc_list:
-            for mbs in self.mbs_list:
+            best_at: list[_Candidate | None] = []
+            for mbs in self._micro_batches(best_at):
                 cands = []
                 for c in self.chunk_levels():
                     units = make_units(self.topo, c, self.by_name)
@@ -484,10 +492,24 @@ class Searcher:
                         if polished is not None:
                             finals.append(polished)
                 finals += self.neighbours.candidates(cands, mbs, rc, big)
-                for cand in finals:
-                    if best is None or self.score(cand) < self.score(best):
-                        best = cand
+                here = min(finals, key=self.score, default=None)
+                best_at.append(here)
+                if here is not None and (best is None or self.score(here) < self.score(best)):
+                    best = here
         return best
+
+    def _micro_batches(self, best_at: list[_Candidate | None]) -> Iterator[int]:
+        """The micro-batch sizes hexi searches: mbs_list, then each of `larger_mbs` while the
+        size before it beat the one before that (`best_at`: the best candidate found per size
+        so far, filled in by the caller between steps)."""
+        yield from self.mbs_list
+        for mbs in self.larger_mbs:
+            if len(best_at) < 2 or best_at[-1] is None:
+                return
+            last, before = best_at[-1], best_at[-2]
+            if before is not None and self.score(last) >= self.score(before):
+                return
+            yield mbs
 
     def _refine(self, cand: _Candidate) -> _Candidate | None:
         ctx, mbs, cache = cand.ctx, cand.mbs, cand.cache

@@ -6,7 +6,7 @@ import pytest
 from host_zero import zero_host_time
 
 from planner import costmodel as cm
-from planner import flops
+from planner import flops, kernels
 from planner.cluster import load_cluster_dict
 from planner.layout import total_params
 from planner.models import load_model
@@ -47,12 +47,18 @@ def test_single_gpu_by_hand(monkeypatch):
     )
     est = simulate(plan)
     dev = cm.device_for("A100-SXM-80GB")
-    fwd = (4 * flops.layer_flops(m, 2) + flops.head_flops(m, 2)) / dev.flops
+    assert dev.kernels is not None  # a catalog GPU: timed kernel by kernel
+    att = kernels.attention_times(dev.kernels, m, 2, m.num_query_groups)
+    mlp = kernels.mlp_times(dev.kernels, m, 2, m.ffn_hidden_size)
+    head = kernels.head_times(dev.kernels, 2 * 32, m.hidden_size, m.vocab_size)
+    layer = att.fwd + mlp.fwd
+    assert att.bwd + mlp.bwd == pytest.approx(2 * layer)
     opt = total_params(m) * 30 / (2039e9)
     # unfused attention (the plan's default): its s x s tensors' traffic, 13 B forward and 19 B
     # backward per element of [b, a, s, s] = [2, 4, 32, 32], per layer, at 2039 GB/s
     scores = 4 * (13 + 19) * 2 * 4 * 32 * 32 / 2039e9
-    assert est.iteration_time_s == pytest.approx(2 * (3 * fwd + scores) + opt)
+    per_microbatch = 4 * 3 * layer + head.fwd + head.bwd + scores
+    assert est.iteration_time_s == pytest.approx(2 * per_microbatch + opt)
     assert est.mfu == pytest.approx(
         4 * flops.model_flops_per_sample(m) / (est.iteration_time_s * 312e12)
     )
