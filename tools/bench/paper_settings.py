@@ -1,10 +1,13 @@
 """Predicted MFU on the paper's settings: hexi vs uniform per cluster and model (markdown).
 
-    python tools/bench/paper_settings.py [--gbs 64] [--no-overlap-grad-reduce]
-        [--attention-backend auto|flash|fused|unfused|local] [--[no-]sequence-parallel]
+    python tools/bench/paper_settings.py [--gbs 64] [--micro-batch-size 1]
+        [--no-overlap-grad-reduce] [--attention-backend auto|flash|fused|unfused|local]
+        [--[no-]sequence-parallel]
     python tools/bench/paper_settings.py --compare-sequence-parallel [--gbs 64] ...
 
-One table row per cluster (CLUSTERS, from examples/clusters) and model (MODELS), micro-batch 1.
+One table row per cluster (CLUSTERS, from examples/clusters) and model (MODELS), micro-batch 1
+(--micro-batch-size N; 0: searched, as `hexi-plan plan` does without the flag; the layout
+column then ends with the chosen sizes).
 Gradient sync overlapped with the backward as `hexi-plan plan` plans it by default on GPUs
 (--no-overlap-grad-reduce: serial, as plans were before the overlap model). Attention as
 `hexi-plan plan` plans it by default (auto: a fused kernel, no s x s scores); unfused costs
@@ -49,7 +52,7 @@ def _search(args, c, m, strategy, sequence_parallel):
             m,
             args.gbs,
             strategy=strategy,
-            micro_batch_size=1,
+            micro_batch_size=args.micro_batch_size or None,
             overlap_grad_reduce=args.overlap_grad_reduce and overlap_by_default(c),
             attention_backend=args.attention_backend,
             sequence_parallel=sequence_parallel,
@@ -65,7 +68,13 @@ def _layout(plan, short=False):
     stages = "/".join(str(len(pp.stages)) for pp in plan.pipelines)
     if not short:
         rc = ", recompute" if plan.training.recompute else ""
-        return f"{len(plan.pipelines)} pipe x {stages} stages{rc}"
+        sizes = "/".join(str(pp.micro_batch_size) for pp in plan.pipelines)
+        mbs = (
+            f", micro-batch {sizes}"
+            if any(pp.micro_batch_size > 1 for pp in plan.pipelines)
+            else ""
+        )
+        return f"{len(plan.pipelines)} pipe x {stages} stages{rc}{mbs}"
     tps = sorted({len(s.ranks) for pp in plan.pipelines for s in pp.stages})
     rc = ", rc" if plan.training.recompute else ""
     return f"{len(plan.pipelines)} x {stages}{rc} (TP {', '.join(map(str, tps))})"
@@ -140,6 +149,7 @@ def compare_sequence_parallel(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gbs", type=int, default=64)
+    ap.add_argument("--micro-batch-size", type=int, default=1, help="0: searched")
     ap.add_argument(
         "--overlap-grad-reduce",
         action=argparse.BooleanOptionalAction,
