@@ -1,0 +1,193 @@
+"""--fp16 with megatron-core's loss scaling, under a heterogeneous plan, against one rank in fp16.
+
+Two launches: the one-rank reference, and one 4-rank launch (two pipelines of different depth, an
+uneven TP=2 stage) that trains several runs in turn (runtime.fp16_workers). Steps are skipped by
+an inf put into one rank's gradient at iterations 2, 3 and 5 (on the reference: its only rank),
+so the loss scale goes 256, 256, 128 (halved after two overflows: hysteresis 2), 128, 64, 64 and
+back to 128 (doubled after two clean steps: window 2), on every rank alike.
+"""
+
+import json
+import math
+
+import pytest
+
+from harness import DistributedTestError, run_distributed
+from runtime.fp16_workers import FP16_FLAGS, train_fp16_runs
+from runtime.plans import PLANS, REFERENCE, write_plan
+from runtime.workers import max_relative_difference
+
+SKIPPED = [2, 3, 5]  # iterations whose gradients hold the put-in inf
+SCALES = [256.0, 256.0, 128.0, 128.0, 64.0, 64.0, 128.0]  # after each iteration's update
+# fp16 against fp16 on one rank: both round every activation and weight to an 11-bit mantissa
+# (relative step 2^-11 = 4.9e-4), but sum in other orders (uneven TP shards, micro-batches of 1
+# and 2 samples, the pipelines' gradients summed in fp32). Measured on this plan, 7 steps (4
+# taken): loss 4.9e-6, grad norm 2.1e-5 (distributed optimizer 3.3e-5), parameters 1.5e-3. The
+# parameters compared are the fp16 weights: near 1 (norm weights) one fp16 step is 2^-10 =
+# 9.8e-4, so 1.5e-3 is a weight rounded one or two steps apart from fp32 masters that differ in
+# their last bits. Bounds: 10-20x the measured loss and norm, 3 fp16 steps for parameters. A
+# defect gives more: a gradient left scaled is off by 256x in the norm, and one step taken by
+# some ranks and skipped by others moves weights of 0.02-0.06 by lr = 1e-3 (over 1.6e-2).
+LOSS, NORM, PARAM = 1e-4, 5e-4, 3e-3
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fp16")
+    model, world, pipelines = PLANS["two_pipelines_uneven_tp2"]
+    ref = run_distributed(
+        train_fp16_runs,
+        1,
+        [
+            {
+                "plan": write_plan(d, "one", model, 1, REFERENCE),
+                "flags": FP16_FLAGS,
+                "inject": (0, SKIPPED),
+            }
+        ],
+        timeout=240,
+    )[0][0]
+    plan = write_plan(d, "plan", model, world, pipelines)
+    distributed = write_plan(
+        d, "distributed", model, world, pipelines, use_distributed_optimizer=True
+    )
+    ckpt = d / "ckpt"
+    specs = {
+        # rank 1: TP rank 1 of pipeline 0's first stage; its inf reaches ranks 1 and 3 only
+        "plan": {
+            "plan": plan,
+            "flags": FP16_FLAGS + ["--save", str(ckpt), "--save-interval", "3"],
+            "inject": (1, SKIPPED),
+        },
+        "resumed": {
+            "plan": plan,
+            "flags": FP16_FLAGS + ["--load", str(ckpt), "--ckpt-step", "3"],
+            "inject": (1, SKIPPED),
+        },
+        # the inf reaches one master part's owner alone
+        "distributed": {"plan": distributed, "flags": FP16_FLAGS, "inject": (1, SKIPPED)},
+        # a genuine overflow: the label logits' gradient, about -2^18 or more, is inf in fp16
+        "overflow": {
+            "plan": plan,
+            "flags": ["--fp16", "--initial-loss-scale", str(2**20), "--train-iters", "3"],
+            "initial": True,
+        },
+        "no_unscale": {"plan": plan, "flags": FP16_FLAGS, "inject": (1, SKIPPED)},
+    }
+    specs["no_unscale"]["defect"] = "no_unscale"
+    results = run_distributed(train_fp16_runs, world, list(specs.values()), timeout=600)[0]
+    meta = json.loads((ckpt / "iter_0000003" / "checkpoint.json").read_text())
+    return ref, dict(zip(specs, results)), meta
+
+
+def differences(result, ref, first=0):
+    """Largest relative differences (losses, grad norms of the steps taken, parameters) against
+    the reference's iterations from `first` on."""
+    loss = max(
+        max_relative_difference(a, b) for a, b in zip(result["losses"], ref["losses"][first:])
+    )
+    norms = [(a, b) for a, b in zip(result["grad_norms"], ref["grad_norms"][first:]) if b]
+    norm = max(max_relative_difference(a, b) for a, b in norms)
+    param = max(
+        max_relative_difference(result["params"][k], ref["params"][k]) for k in ref["params"]
+    )
+    return loss, norm, param
+
+
+def assert_agreed(result, skipped, iterations):
+    """Every rank skipped exactly the `skipped` iterations, and holds the same scaler state;
+    the lr schedule and Adam moved once per step taken."""
+    taken = len(iterations) - len([i for i in iterations if i in skipped])
+    for r in result["ranks"]:
+        assert r["success"] == [i not in skipped for i in iterations], r
+        assert r["scheduler_steps"] == (r["adam_steps"][-1] if r["adam_steps"] else 0)
+        assert r["scaler"] == result["ranks"][0]["scaler"]
+    assert result["ranks"][0]["scheduler_steps"] >= taken
+    skipped_norms = [n for i, n in zip(iterations, result["grad_norms"]) if i in skipped]
+    assert skipped_norms == [None] * len(skipped_norms)
+
+
+def test_fp16_plan_matches_one_rank_fp16(runs):
+    ref, got, _ = runs
+    assert ref["iterations"] == list(range(1, 8)) and ref["dtype"] == "torch.float16"
+    assert ref["loss_scales"] == SCALES
+    assert_agreed(ref, SKIPPED, ref["iterations"])
+    for name in ("plan", "distributed"):
+        result = got[name]
+        loss, norm, param = differences(result, ref)
+        print(f"fp16 {name}: loss {loss:.2e}, grad norm {norm:.2e}, parameters {param:.2e}")
+        assert result["loss_scales"] == SCALES
+        assert_agreed(result, SKIPPED, result["iterations"])
+        assert result["ranks"][0]["scheduler_steps"] == 4  # 7 iterations, 3 skipped
+        # the agreement over the world is what skipped them: at each, some ranks' own
+        # gradients were finite
+        for i in SKIPPED:
+            local = [r["local_inf"][i - 1] for r in result["ranks"]]
+            print(f"fp16 {name}: iteration {i}, ranks whose own gradients held the inf: {local}")
+            assert any(local) and not all(local)
+        assert loss < LOSS and norm < NORM and param < PARAM
+    # training moved the weights well beyond the tolerance
+    first, last = ref["losses"][0], ref["losses"][-1]
+    assert abs(last - first) / first > 10 * LOSS
+
+
+def test_overflow_is_skipped_on_every_rank(runs):
+    """A huge initial scale: every step overflows and is skipped everywhere; the scale halves
+    after two of them (hysteresis) and at every one after; the weights, Adam and the lr
+    schedule stay where they started, while the iterations count on."""
+    _, got, _ = runs
+    result = got["overflow"]
+    assert result["iterations"] == [1, 2, 3]
+    assert result["loss_scales"] == [2.0**20, 2.0**19, 2.0**18]
+    assert_agreed(result, [1, 2, 3], result["iterations"])
+    for r in result["ranks"]:
+        assert r["scheduler_steps"] == 0 and r["adam_steps"] == []
+        assert r["scaler"] == {"scale": 2.0**18, "growth_tracker": 0, "hysteresis_tracker": -1}
+    changed = [k for k, v in result["params"].items() if not v.equal(result["initial"][k])]
+    assert not changed, changed
+    assert all(math.isfinite(x) for x in result["losses"])
+
+
+def test_scaler_state_resumes(runs):
+    """Saved after iteration 3 (scale 128, both trackers at 0) and resumed: iterations 4-7
+    equal the uninterrupted run's, loss scales included (a fresh scaler would give 256, 256,
+    256, 512)."""
+    _, got, meta = runs
+    assert meta["grad_scaler"] == {"scale": 128.0, "growth_tracker": 0, "hysteresis_tracker": 0}
+    straight, resumed = got["plan"], got["resumed"]
+    assert resumed["iterations"] == [4, 5, 6, 7]
+    assert resumed["loss_scales"] == straight["loss_scales"][3:]
+    assert resumed["losses"] == straight["losses"][3:]
+    assert resumed["grad_norms"] == straight["grad_norms"][3:]
+    assert all(resumed["params"][k].equal(v) for k, v in straight["params"].items())
+    for a, b in zip(resumed["ranks"], straight["ranks"]):
+        assert a["scaler"] == b["scaler"] and a["success"] == b["success"][3:]
+
+
+def test_gradients_left_scaled_are_caught(runs):
+    """The defect: gradients not divided by the scale before clipping. The comparison sees the
+    grad norm 256x too large."""
+    ref, got, _ = runs
+    loss, norm, param = differences(got["no_unscale"], ref)
+    print(f"no_unscale: loss {loss:.2e}, grad norm {norm:.2e}, parameters {param:.2e}")
+    assert norm > 100 * NORM
+
+
+def test_found_inf_agreed_per_pipeline_is_caught(tmp_path):
+    """The defect: the found-inf flag agreed over each pipeline (what megatron-core's
+    model-parallel group is), under the distributed optimizer. Rank 1's inf reaches its master
+    part's owner alone (rank 1, above), so pipeline 0 skips iteration 2 and pipeline 1 steps:
+    the ranks then disagree on the step's collectives (the norm's all-reduce on one side only),
+    which gloo refuses and NCCL would hang in. The run must fail; it never gives numbers."""
+    model, world, pipelines = PLANS["two_pipelines_uneven_tp2"]
+    spec = {
+        "plan": write_plan(
+            tmp_path, "distributed", model, world, pipelines, use_distributed_optimizer=True
+        ),
+        "flags": FP16_FLAGS,
+        "inject": (1, SKIPPED),
+        "defect": "pipeline_found_inf",
+    }
+    with pytest.raises(DistributedTestError) as failed:
+        run_distributed(train_fp16_runs, world, [spec], timeout=240)
+    assert "train_step" in str(failed.value)  # in a training step, not in setting it up
