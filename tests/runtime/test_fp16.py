@@ -13,6 +13,10 @@ import math
 import pytest
 
 from harness import DistributedTestError, run_distributed
+from megatron_hexi.arguments import parse_args
+from megatron_hexi.metrics import IntervalLog
+from planner.errors import SpecError
+from planner.plan import load_plan
 from runtime.fp16_workers import FP16_FLAGS, train_fp16_runs
 from runtime.plans import PLANS, REFERENCE, write_plan
 from runtime.workers import max_relative_difference
@@ -73,6 +77,12 @@ def runs(tmp_path_factory):
             "initial": True,
         },
         "no_unscale": {"plan": plan, "flags": FP16_FLAGS, "inject": (1, SKIPPED)},
+        # Megatron-LM's bf16 with a constant --loss-scale: scaled, and skipped on an inf too
+        "bf16_constant": {
+            "plan": distributed,
+            "flags": ["--bf16", "--loss-scale", "1024"],
+            "inject": (1, [2]),
+        },
     }
     specs["no_unscale"]["defect"] = "no_unscale"
     results = run_distributed(train_fp16_runs, world, list(specs.values()), timeout=600)[0]
@@ -164,6 +174,16 @@ def test_scaler_state_resumes(runs):
         assert a["scaler"] == b["scaler"] and a["success"] == b["success"][3:]
 
 
+def test_constant_loss_scale_skips_too(runs):
+    """--bf16 --loss-scale 1024 (megatron-core's constant scaler) under the distributed
+    optimizer: the scale never moves, the inf's step is skipped everywhere all the same."""
+    _, got, _ = runs
+    result = got["bf16_constant"]
+    assert result["loss_scales"] == [1024.0] * 3 and result["dtype"] == "torch.bfloat16"
+    assert_agreed(result, [2], result["iterations"])
+    assert result["ranks"][0]["scaler"] == {"scale": 1024.0}
+
+
 def test_gradients_left_scaled_are_caught(runs):
     """The defect: gradients not divided by the scale before clipping. The comparison sees the
     grad norm 256x too large."""
@@ -191,3 +211,44 @@ def test_found_inf_agreed_per_pipeline_is_caught(tmp_path):
     with pytest.raises(DistributedTestError) as failed:
         run_distributed(train_fp16_runs, world, [spec], timeout=240)
     assert "train_step" in str(failed.value)  # in a training step, not in setting it up
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--fp16", "--bf16"], "--fp16 and --bf16 exclude each other: give one of them"),
+        (["--fp16", "--hysteresis", "0"], "--hysteresis must be >= 1, got 0"),
+        (["--fp16", "--loss-scale-window", "2.5"], "--loss-scale-window must be a whole number"),
+        (["--fp16", "--loss-scale", "0"], "--loss-scale must be > 0, got 0.0"),
+        (["--fp16", "--min-loss-scale", "8", "--initial-loss-scale", "4"], "is above"),
+        (["--loss-scale", "8"], "--loss-scale needs --fp16 or --bf16"),
+    ],
+)
+def test_precision_flag_errors(flags, message):
+    base = ["--hetero-plan-path", "p.json", "--mock-data", "--train-iters", "3", "--lr", "1e-3"]
+    with pytest.raises(SpecError) as e:
+        parse_args(base + flags)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_iteration_line_counts_skipped_steps(tmp_path):
+    """Megatron-LM's line: the loss scale after the last step, the loss averaged over the steps
+    taken, no grad norm after a skipped step, and the skipped ones counted."""
+    model, world, pipelines = PLANS["two_pipelines_uneven_tp2"]
+    plan = load_plan(write_plan(tmp_path, "plan", model, world, pipelines))
+    log = IntervalLog(plan, 10, 1.0, False)
+    row = {"step_time_s": 1.0, "tokens_per_s": 1.0, "mfu": 0.1, "lr": 1e-3}
+    log.add({**row, "iteration": 1, "success": True, "lm_loss": 4.0, "grad_norm": 2.0})
+    log.add(
+        {
+            **row,
+            "iteration": 2,
+            "success": False,
+            "lm_loss": 9.0,
+            "grad_norm": None,
+            "loss_scale": 128.0,
+        }
+    )
+    line = log.line()
+    assert "lm loss: 4.000000E+00 | loss scale: 128.0 | number of skipped iterations:   1" in line
+    assert "grad norm" not in line
