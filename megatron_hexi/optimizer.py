@@ -115,6 +115,11 @@ def param_groups(
     return [g for g in groups if g["params"]]
 
 
+def params_dtype(precision: PrecisionConfig) -> torch.dtype:
+    """The parameters' (and activations') dtype of a run."""
+    return torch.bfloat16 if precision.bf16 else torch.float16 if precision.fp16 else torch.float32
+
+
 def build_grad_scaler(precision: PrecisionConfig) -> MegatronGradScaler | None:
     """megatron-core's rule (get_megatron_optimizer): a constant scaler for --loss-scale, else a
     dynamic one under fp16 (doubling after `loss_scale_window` clean steps, halving after
@@ -145,9 +150,6 @@ def build_optimizer(
     With the plan's `use_distributed_optimizer`, the fp32 master weights and Adam state are
     sharded over each gradient segment's ranks (megatron_hexi.distributed_optimizer)."""
     o, precision = config.optimizer, config.precision
-    params_dtype = (
-        torch.bfloat16 if precision.bf16 else torch.float16 if precision.fp16 else torch.float32
-    )
     core = OptimizerConfig(
         optimizer="adam",
         lr=o.lr,
@@ -159,7 +161,7 @@ def build_optimizer(
         clip_grad=o.clip_grad,
         bf16=precision.bf16,
         fp16=precision.fp16,
-        params_dtype=params_dtype,
+        params_dtype=params_dtype(precision),
         loss_scale=precision.loss_scale,
         initial_loss_scale=precision.initial_loss_scale,
         min_loss_scale=precision.min_loss_scale,

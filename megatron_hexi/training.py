@@ -55,7 +55,7 @@ from megatron_hexi.model import (
     seed_rng,
     stage_config,
 )
-from megatron_hexi.optimizer import build_optimizer
+from megatron_hexi.optimizer import build_optimizer, params_dtype
 from megatron_hexi.process_groups import SingleRank, StagePosition, build_groups
 from megatron_hexi.rank_mapping import map_processes
 from megatron_hexi.report import error_lines, prints
@@ -101,9 +101,7 @@ class Trainer:
         self.view = view = plan.rank_view(self.rank)
         seed_rng(config.training.seed, view.tp_rank, plan.training.cuda_graph_impl)
         precision = config.precision
-        dtype = (
-            torch.bfloat16 if precision.bf16 else torch.float16 if precision.fp16 else torch.float32
-        )
+        dtype = params_dtype(precision)
         backend, impl = plan.training.attention_backend, plan.training.transformer_impl
         self.fusions = stage_fusions(
             config.fusions,
