@@ -2,11 +2,12 @@
 group (one launch checks several things), each optionally with an inf put into one rank's
 gradient at given iterations, or with a defect.
 
-An inf is written into the first element of one rank's first local parameter gradient (its fp32
-`main_grad`) after the backward pass and before the gradient sync: what an fp16 overflow on
-that rank alone leaves behind. After the sync it reaches only that segment's holders (under the
-distributed optimizer only its owner), so every other rank skips the step only if the found-inf
-flag is agreed over the whole world.
+An inf is written into the first element of one rank's first local parameter gradient as
+autograd produces it (a tensor hook, before it is accumulated and before any bucket of an
+overlapped sync starts): what an fp16 overflow in that rank's backward alone leaves behind.
+After the sync it reaches only that segment's holders (under the distributed optimizer only its
+owner), so every other rank skips the step only if the found-inf flag is agreed over the whole
+world.
 """
 
 import torch
@@ -94,14 +95,23 @@ def _train_one(spec):
                     self.optimizer.pipeline_group = group
         if spec.get("initial"):
             initial.update(self.full_parameters() or {})
+        if inject and self.rank == inject[0]:
+            trainer = self
+
+            def overflow(grad):
+                if trainer.fp16_iteration not in inject[1]:
+                    return grad
+                grad = grad.clone()
+                grad.view(-1)[0] = float("inf")
+                return grad
+
+            self.params[0][1].register_hook(overflow)
 
     def train_step(self, iteration):
         self.fp16_iteration = iteration + 1
         return real_step(self, iteration)
 
     def finalize(self, *args, **kwargs):
-        if inject and self.rank == inject[0] and self.fp16_iteration in inject[1]:
-            param_grad(self.params[0][1]).view(-1)[0] = float("inf")
         real_finalize(self, *args, **kwargs)
         # what this rank's own unscale-and-check reads: the synced gradients it holds (the
         # distributed optimizer: its master parts')

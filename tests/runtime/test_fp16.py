@@ -62,6 +62,17 @@ def runs(tmp_path_factory):
     distributed = write_plan(
         d, "distributed", model, world, pipelines, use_distributed_optimizer=True
     )
+    overlapped = write_plan(
+        d,
+        "overlapped",
+        model,
+        world,
+        pipelines,
+        use_distributed_optimizer=True,
+        optimizer_shard="memory",
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+    )
     ckpt = d / "ckpt"
     specs = {
         # rank 1: TP rank 1 of pipeline 0's first stage; its inf reaches ranks 1 and 3 only
@@ -77,6 +88,13 @@ def runs(tmp_path_factory):
         },
         # the inf reaches one master part's owner alone
         "distributed": {"plan": distributed, "flags": FP16_FLAGS, "inject": (1, SKIPPED)},
+        # the same with small buckets reduced during the backward and parameters gathered
+        # during the next forward
+        "overlapped": {
+            "plan": overlapped,
+            "flags": FP16_FLAGS + ["--ddp-bucket-size", "1000"],
+            "inject": (1, SKIPPED),
+        },
         # a genuine overflow: the label logits' gradient, about -2^18 or more, is inf in fp16
         "overflow": {
             "plan": plan,
@@ -129,7 +147,7 @@ def test_fp16_plan_matches_one_rank_fp16(runs):
     assert ref["iterations"] == list(range(1, 8)) and ref["dtype"] == "torch.float16"
     assert ref["loss_scales"] == SCALES
     assert_agreed(ref, SKIPPED, ref["iterations"])
-    for name in ("plan", "distributed"):
+    for name in ("plan", "distributed", "overlapped"):
         result = got[name]
         loss, norm, param = differences(result, ref)
         print(f"fp16 {name}: loss {loss:.2e}, grad norm {norm:.2e}, parameters {param:.2e}")
