@@ -1,10 +1,11 @@
 """--fp16 with megatron-core's loss scaling, under a heterogeneous plan, against one rank in fp16.
 
-Two launches: the one-rank reference, and one 4-rank launch (two pipelines of different depth, an
-uneven TP=2 stage) that trains several runs in turn (runtime.fp16_workers). Steps are skipped by
-an inf put into one rank's gradient at iterations 2, 3 and 5 (on the reference: its only rank),
-so the loss scale goes 256, 256, 128 (halved after two overflows: hysteresis 2), 128, 64, 64 and
-back to 128 (doubled after two clean steps: window 2), on every rank alike.
+The fixture makes two launches: one rank (the reference, and other models' layers in fp16 and
+fp32), and 4 ranks (two pipelines of different depth, an uneven TP=2 stage) training several runs
+in turn (runtime.fp16_workers); the per-pipeline defect has a launch of its own. Steps are
+skipped by an inf put into one rank's gradient at iterations 2, 3 and 5 (on the reference: its
+only rank), so the loss scale goes 256, 256, 128 (halved after two overflows: hysteresis 2), 128,
+64, 64 and back to 128 (doubled after two clean steps: window 2), on every rank alike.
 """
 
 import json
