@@ -60,6 +60,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "--recompute-granularity full, or plan with recompute"
         )
     check_ranges(args)
+    check_precision(args)
     check_plan_source(args)
     check_split(args.split)
     if not args.mock_data and not args.data_path:
@@ -75,6 +76,44 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not args.load and given:
         raise SpecError(f"--{given[0].replace('_', '-')} needs --load DIR")
     return args
+
+
+def check_precision(args: argparse.Namespace) -> None:
+    """--fp16 or --bf16, not both (as Megatron-LM); the loss-scale flags in range. A constant
+    --loss-scale needs 16-bit parameters; the dynamic-scale flags are Megatron-LM's defaults
+    unless given, and act under --fp16 only."""
+    if args.fp16 and args.bf16:
+        raise SpecError("--fp16 and --bf16 exclude each other: give one of them")
+    problems = [
+        f"--{flag} must be {what}, got {value}"
+        for flag, value, bad, what in (
+            (
+                "loss-scale",
+                args.loss_scale,
+                args.loss_scale is not None and args.loss_scale <= 0,
+                "> 0",
+            ),
+            ("initial-loss-scale", args.initial_loss_scale, args.initial_loss_scale <= 0, "> 0"),
+            ("min-loss-scale", args.min_loss_scale, args.min_loss_scale <= 0, "> 0"),
+            (
+                "loss-scale-window",
+                args.loss_scale_window,
+                args.loss_scale_window < 1 or args.loss_scale_window % 1,
+                "a whole number >= 1",
+            ),
+            ("hysteresis", args.hysteresis, args.hysteresis < 1, ">= 1"),
+        )
+        if bad
+    ]
+    if not problems and args.fp16 and args.min_loss_scale > args.initial_loss_scale:
+        problems.append(
+            f"--min-loss-scale {args.min_loss_scale} is above --initial-loss-scale "
+            f"{args.initial_loss_scale}"
+        )
+    if problems:
+        raise SpecError(problems)
+    if args.loss_scale is not None and not (args.fp16 or args.bf16):
+        raise SpecError("--loss-scale needs --fp16 or --bf16 (fp32 training is not scaled)")
 
 
 def check_plan_source(args: argparse.Namespace) -> None:
@@ -344,7 +383,15 @@ def run_config(args: argparse.Namespace) -> RunConfig:
             lr_warmup_iters=args.lr_warmup_iters,
             lr_warmup_init=args.lr_warmup_init,
         ),
-        precision=PrecisionConfig(bf16=args.bf16),
+        precision=PrecisionConfig(
+            bf16=args.bf16,
+            fp16=args.fp16,
+            loss_scale=args.loss_scale,
+            initial_loss_scale=args.initial_loss_scale,
+            min_loss_scale=args.min_loss_scale,
+            loss_scale_window=args.loss_scale_window,
+            hysteresis=args.hysteresis,
+        ),
         dropout=DropoutConfig(
             attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout
         ),

@@ -90,10 +90,38 @@ class LRScheduleConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """Parameter precision; gradients and master weights stay fp32 either way."""
+    """Parameter precision; gradients and master weights stay fp32 either way. fp16 needs loss
+    scaling (megatron-core's grad scalers): the loss is multiplied by the scale before the
+    backward pass, gradients are divided by it before clipping, and a step whose gradients hold
+    an inf or NaN on any rank is skipped on every rank."""
 
     bf16: bool = False
     """bf16 parameters and activations, fp32 gradient accumulation and master weights."""
+    fp16: bool = False
+    """fp16 parameters and activations, fp32 gradient accumulation and master weights, and
+    dynamic loss scaling unless `loss_scale` is set."""
+    loss_scale: float | None = None
+    """A constant loss scale (fp16 or bf16); None: dynamic under fp16, none under bf16; fp32
+    runs take none."""
+    initial_loss_scale: float = 2.0**32
+    """Dynamic scaling: the first scale."""
+    min_loss_scale: float = 1.0
+    """Dynamic scaling: the scale is never halved below it."""
+    loss_scale_window: float = 1000
+    """Dynamic scaling: the scale doubles after this many steps in a row without inf/NaN."""
+    hysteresis: int = 2
+    """Dynamic scaling: the scale halves after this many steps with inf/NaN since it last grew."""
+
+    @property
+    def half(self) -> bool:
+        """16-bit parameters (bf16 or fp16): fp32 `main_grad` and fp32 master weights."""
+        return self.bf16 or self.fp16
+
+    @property
+    def scaled(self) -> bool:
+        """The loss is scaled and steps with inf/NaN gradients are skipped (megatron-core's
+        rule: fp16 always, bf16 with a constant `loss_scale`)."""
+        return self.fp16 or (self.bf16 and self.loss_scale is not None)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,11 @@ next forward waits for the buckets that hold its parameters. Buckets cut at `--d
 cut a segment into pieces, each split among its holders by the same rule (the ownership then
 differs from the planner's estimate by rounding only).
 
+Under loss scaling (fp16) each rank unscales its parts' gradients and checks them for inf/NaN with
+megatron-core's own code (MixedPrecisionOptimizer), whose flag is all-reduced over the world: a
+part's owner is the only rank that sees its gradient after the reduce-scatter, so every rank must
+hear of it to skip the same step.
+
 Every gradient element is owned by exactly one rank, so the norm for clipping is exact. Parts
 are ranges of the canonical tensor (`MasterPart.name/dim/global_start/length`), which is what
 checkpoints store.
@@ -34,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.optimizer.optimizer import MegatronOptimizer, MixedPrecisionOptimizer
 
 from megatron_hexi.adam import adamw
 from megatron_hexi.grad_sync import Pending, clip_by_norm_, global_norm
@@ -43,6 +48,7 @@ from planner.layout import optimizer_weight, weighted_split
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 
     from megatron_hexi.grad_sync import GradientSync, Slot
     from planner.plan import Plan
@@ -108,9 +114,11 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
         shard_mode: str,
         device: torch.device,
         model: torch.nn.Module | None = None,
+        grad_scaler: MegatronGradScaler | None = None,
     ):
         """`model`: this rank's stage, hooked to wait for the parameter all-gathers when the
-        plan's `training.overlap_param_gather` is on."""
+        plan's `training.overlap_param_gather` is on. `grad_scaler`: loss scaling (fp16;
+        optimizer.build_grad_scaler), None for none."""
         self.plan, self.grad_sync, self.rank = plan, grad_sync, grad_sync.plan_rank
         self.device = device
         self.overlap_param_gather = plan.training.overlap_param_gather
@@ -177,6 +185,9 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
             eps=config.adam_eps,
         )
         super().__init__(adam, config, lambda o: None)
+        self.grad_scaler = grad_scaler
+        # megatron-core's found-inf flag (MixedPrecisionOptimizer), on the scale's device
+        self.found_inf = torch.zeros(1, dtype=torch.float, device=device)
         self.is_stub_optimizer = False
         self._found_grads = False
         grad_sync.collective = self
@@ -326,10 +337,22 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
     def get_grad_stats_parallel_group(self) -> Any:
         return dist.group.WORLD
 
+    def _collect_main_grad_data_for_unscaling(self) -> list[torch.Tensor]:
+        """What megatron-core's unscale-and-check reads: the owned parts' master gradients."""
+        return self.get_main_grads_for_grad_norm()
+
     def prepare_grads(self) -> bool:
+        """Whether this step's gradients hold an inf or NaN on any rank (loss scaling only:
+        they are unscaled first, and the scaler updated), as MixedPrecisionOptimizer's."""
         if not self._found_grads:
             raise RuntimeError("the gradient sync must run before the optimizer step")
-        return False
+        if self.grad_scaler is None:
+            return False
+        # megatron-core's unscale, check and all-reduce of the flag over
+        # get_grad_stats_parallel_group() (the world); it reads only what this class defines
+        found_inf = bool(MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan(self))
+        self.grad_scaler.update(found_inf)
+        return found_inf
 
     def step_with_ready_grads(self) -> bool:
         self.optimizer.step()
@@ -341,8 +364,11 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def step(self) -> tuple[bool, torch.Tensor | None, None]:
-        """(success, the gradient norm as a device tensor or None unclipped, None)."""
-        self.prepare_grads()
+        """(success, the gradient norm as a device tensor or None unclipped, None); (False,
+        None, None) for a step skipped on an inf or NaN under loss scaling."""
+        if self.prepare_grads():
+            self._found_grads = False
+            return False, None, None
         grad_norm = None
         if self.config.clip_grad > 0.0:
             grad_norm = self.clip_grad_norm(self.config.clip_grad)
@@ -368,7 +394,9 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                 slot.param.grad = None
 
     def get_loss_scale(self) -> torch.Tensor:
-        return torch.ones(1)
+        if self.grad_scaler is not None:
+            return self.grad_scaler.scale
+        return torch.ones(1, device=self.device)
 
     def reload_model_params(self, state_dict: dict | None = None) -> None:
         self.finish_param_gather()

@@ -284,6 +284,29 @@ def build_parser() -> argparse.ArgumentParser:
         "with --overlap-grad-reduce; else one bucket per rank set)",
     )
     b.add_argument("--bf16", action="store_true")
+    # fp16 with megatron-core's loss scaling: Megatron-LM's flags and defaults (checked in
+    # megatron_hexi.arguments.check_precision)
+    b.add_argument("--fp16", action="store_true", help="fp16 parameters, with loss scaling")
+    b.add_argument(
+        "--loss-scale",
+        type=finite_float,
+        default=None,
+        help="constant loss scale (default: dynamic under --fp16)",
+    )
+    b.add_argument("--initial-loss-scale", type=finite_float, default=2.0**32)
+    b.add_argument("--min-loss-scale", type=finite_float, default=1.0)
+    b.add_argument(
+        "--loss-scale-window",
+        type=finite_float,
+        default=1000,
+        help="steps without inf/NaN before the dynamic scale doubles",
+    )
+    b.add_argument(
+        "--hysteresis",
+        type=int,
+        default=2,
+        help="steps with inf/NaN before the dynamic scale halves",
+    )
     b.add_argument("--seed", type=int, default=1234)
     f = p.add_argument_group(
         "fusions (megatron-core's fused kernels: on CUDA each runs where its requirements are "

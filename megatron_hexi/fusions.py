@@ -16,7 +16,8 @@ met on this stage:
   megatron-core's own linear layers (every layer of the local spec, the output layer of the TE
   spec); TE's layers fuse it themselves;
 - cross-entropy (megatron-core's `fused_cross_entropy` arithmetic, at this stage's uneven
-  vocabulary offset: megatron_hexi.loss): bf16 runs, since its gradient is returned in bf16.
+  vocabulary offset: megatron_hexi.loss): bf16 runs, since its gradient is returned in bf16
+  (under fp16 that would round the scaled logits' gradient to bf16's 8-bit mantissa).
 
 On CPU every fusion is off: the CPU path runs the reference layers, and the equivalence tests
 compare them exactly. The rule is a pure function of `FusionEnvironment`, so it is tested on CPU.
@@ -58,6 +59,7 @@ class FusionEnvironment:
     main_grad: bool  # parameters accumulate their gradients in an fp32 `main_grad` (bf16)
     transformer_impl: str  # local or transformer_engine
     holds_output: bool  # the stage has megatron-core's own output layer
+    fp16: bool = False  # fp16 parameters (a `main_grad` too, but not the bf16 fused loss)
 
     @classmethod
     def probe(
@@ -69,6 +71,7 @@ class FusionEnvironment:
         main_grad: bool,
         transformer_impl: str,
         holds_output: bool,
+        fp16: bool = False,
     ) -> FusionEnvironment:
         """This process's kernels (found on the path, not imported) and the given stage."""
 
@@ -86,6 +89,7 @@ class FusionEnvironment:
             main_grad=main_grad,
             transformer_impl=transformer_impl,
             holds_output=holds_output,
+            fp16=fp16,
         )
 
 
@@ -136,7 +140,7 @@ def choose_fusions(allowed: FusionConfig, env: FusionEnvironment) -> Fusions:
             if env.apex_wgrad or (te_spec and env.te and not env.holds_output)
             else "needs apex's fused_weight_gradient_mlp_cuda"
         ),
-        "cross_entropy_loss_fusion": None if env.main_grad else "bf16 runs only",
+        "cross_entropy_loss_fusion": None if env.main_grad and not env.fp16 else "bf16 runs only",
     }
     on: dict[str, Any] = {}  # Fusions fields by name (all bool)
     why_not: list[tuple[str, str]] = []
@@ -158,17 +162,19 @@ def stage_fusions(
     bf16: bool,
     transformer_impl: str,
     holds_output: bool,
+    fp16: bool = False,
 ) -> Fusions:
     """The fusions of one stage of `model` in this process: what training and the profiler
-    build alike (bf16 parameters have an fp32 `main_grad`, grad_sync.FP32MainGrads)."""
+    build alike (bf16 and fp16 parameters have an fp32 `main_grad`, grad_sync.FP32MainGrads)."""
     return choose_fusions(
         allowed,
         FusionEnvironment.probe(
             cuda=cuda,
             swiglu=model.swiglu,
             add_bias_linear=model.add_bias_linear,
-            main_grad=bf16,
+            main_grad=bf16 or fp16,
             transformer_impl=transformer_impl,
             holds_output=holds_output,
+            fp16=fp16,
         ),
     )

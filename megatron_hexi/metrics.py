@@ -56,7 +56,9 @@ class Evaluation(NamedTuple):
 class IntervalLog:
     """Megatron-LM's iteration line, averaged over the iterations since the last one it printed
     (--log-interval): loss and step time are means, tokens/s and MFU are over the interval's
-    total time; learning rate and grad norm are the last iteration's."""
+    total time; learning rate, loss scale and grad norm are the last iteration's. As in
+    Megatron-LM, the loss is the mean over the iterations whose step was not skipped (loss
+    scaling), and the grad norm is left out after a skipped step."""
 
     def __init__(self, plan: Plan, train_iters: int, flops: float, log_throughput: bool) -> None:
         self.plan, self.train_iters = plan, train_iters
@@ -92,10 +94,13 @@ class IntervalLog:
             text += f"throughput per GPU (TFLOP/s/GPU): {per_gpu:.4f} | "
         skipped = sum(0 if r["success"] else 1 for r in rows)
         nan = sum(0 if math.isfinite(r["lm_loss"]) else 1 for r in rows)
+        advanced = [r["lm_loss"] for r in rows if r["success"]]
         return text + (
             f"learning rate: {last['lr']:.6E} | global batch size: {plan.global_batch_size:>5d} | "
-            f"lm loss: {sum(r['lm_loss'] for r in rows) / n:.6E} | loss scale: 1.0 | "
-            f"grad norm: {last['grad_norm']:.3f} | number of skipped iterations: {skipped:>3d} | "
+            + (f"lm loss: {sum(advanced) / len(advanced):.6E} | " if advanced else "")
+            + f"loss scale: {last.get('loss_scale', 1.0):.1f} | "
+            + (f"grad norm: {last['grad_norm']:.3f} | " if last["grad_norm"] is not None else "")
+            + f"number of skipped iterations: {skipped:>3d} | "
             f"number of nan iterations: {nan:>3d} | tokens/s: {tokens / seconds:.1f} | "
             f"MFU: {mfu * 100:.2f}% | "
             + (
@@ -199,9 +204,10 @@ def open_outputs(
 def check_finite(metrics: Mapping[str, Any]) -> None:
     """Megatron-LM's --check-for-nan-in-loss-and-grad: stop on a NaN or infinite loss or gradient
     norm. Both are all-reduced values, so every rank stops at the same iteration, before saving
-    the diverged weights."""
+    the diverged weights. A step skipped under loss scaling has no norm: its inf/NaN gradients
+    are what loss scaling handles, by skipping."""
     loss, norm = metrics["lm_loss"], metrics["grad_norm"]
-    if not (math.isfinite(loss) and math.isfinite(norm)):
+    if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
         raise SpecError(
             f"iteration {metrics['iteration']}: lm loss {loss}, grad norm {norm}: "
             f"training stopped on a non-finite value (lower --lr, or keep going with "

@@ -99,6 +99,7 @@ def stage_config(
         init_method_std=m.init_method_std,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
         pipeline_dtype=params_dtype,
         calculate_per_token_loss=True,
         perform_initialization=False,
@@ -163,6 +164,8 @@ def build_stage_model(
         # As Megatron-LM's Float16Module: every parameter in bf16, norms included (torch norms
         # are created in fp32); the optimizer keeps fp32 master copies.
         model = model.bfloat16()
+    elif config.fp16:
+        model = model.half()  # the same under fp16
     return model
 
 

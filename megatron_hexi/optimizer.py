@@ -3,6 +3,12 @@
 The upstream norm filters TP duplicates with the global parallel state and sums over one model-
 parallel group; under a heterogeneous plan that counts elements twice or misses them. Here every
 gradient element is counted once, by the owner of its segment, and summed over the world.
+
+Loss scaling (fp16) is megatron-core's: its grad scalers, and its unscale-and-check of the master
+gradients, whose found-inf flag it all-reduces over `get_grad_stats_parallel_group()`. Upstream
+that is the model-parallel group; here it is the whole world, so a rank whose gradients are
+finite still skips the step an inf elsewhere (another pipeline, a TP peer) made every other rank
+skip, and the scalers of all ranks stay equal.
 """
 
 from __future__ import annotations
@@ -13,6 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.grad_scaler import (
+    ConstantGradScaler,
+    DynamicGradScaler,
+    MegatronGradScaler,
+)
 from megatron.core.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
@@ -24,7 +35,7 @@ from megatron_hexi.adam import adamw
 from megatron_hexi.grad_sync import clip_by_norm_, global_norm
 
 if TYPE_CHECKING:
-    from megatron_hexi.config import RunConfig
+    from megatron_hexi.config import PrecisionConfig, RunConfig
     from megatron_hexi.grad_sync import GradientSync
     from planner.plan import Plan
 
@@ -57,6 +68,8 @@ class _ExactNormMixin:
         return grad_norm
 
     def get_grad_stats_parallel_group(self) -> dist.ProcessGroup:
+        """The world: megatron-core agrees the found-inf flag of loss scaling over this group
+        (see the module docstring)."""
         world = dist.group.WORLD
         assert world is not None, "the process group exists before the optimizer is built"
         return world
@@ -67,7 +80,8 @@ class HeteroFP32Optimizer(_ExactNormMixin, FP32Optimizer):
 
 
 class HeteroFloat16Optimizer(_ExactNormMixin, Float16OptimizerWithFloat16Params):
-    """bf16 parameters with fp32 master weights (GPU).
+    """bf16 or fp16 parameters with fp32 master weights, and loss scaling when a grad scaler is
+    given (fp16).
 
     The gradients are summed and synced in each parameter's fp32 `main_grad`
     (grad_sync.FP32MainGrads). megatron-core's `_copy_model_grads_to_main_grads` prefers
@@ -79,7 +93,7 @@ class HeteroFloat16Optimizer(_ExactNormMixin, Float16OptimizerWithFloat16Params)
         # Without main_grad, megatron-core would drop `.grad` before the norm reads it.
         if any(getattr(p, "main_grad", None) is None for g in self.float16_groups for p in g):
             raise RuntimeError(
-                "bf16 parameters need a `main_grad` (grad_sync.FP32MainGrads) "
+                "16-bit parameters need a `main_grad` (grad_sync.FP32MainGrads) "
                 "before the optimizer is built"
             )
 
@@ -101,6 +115,29 @@ def param_groups(
     return [g for g in groups if g["params"]]
 
 
+def params_dtype(precision: PrecisionConfig) -> torch.dtype:
+    """The parameters' (and activations') dtype of a run."""
+    return torch.bfloat16 if precision.bf16 else torch.float16 if precision.fp16 else torch.float32
+
+
+def build_grad_scaler(precision: PrecisionConfig) -> MegatronGradScaler | None:
+    """megatron-core's rule (get_megatron_optimizer): a constant scaler for --loss-scale, else a
+    dynamic one under fp16 (doubling after `loss_scale_window` clean steps, halving after
+    `hysteresis` steps with inf/NaN), else none."""
+    if precision.loss_scale is not None:
+        return ConstantGradScaler(precision.loss_scale)
+    if precision.fp16:
+        return DynamicGradScaler(
+            initial_scale=precision.initial_loss_scale,
+            min_scale=precision.min_loss_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=int(precision.loss_scale_window),
+            hysteresis=precision.hysteresis,
+        )
+    return None
+
+
 def build_optimizer(
     model: torch.nn.Module,
     grad_sync: GradientSync,
@@ -112,7 +149,7 @@ def build_optimizer(
 
     With the plan's `use_distributed_optimizer`, the fp32 master weights and Adam state are
     sharded over each gradient segment's ranks (megatron_hexi.distributed_optimizer)."""
-    o, bf16 = config.optimizer, config.precision.bf16
+    o, precision = config.optimizer, config.precision
     core = OptimizerConfig(
         optimizer="adam",
         lr=o.lr,
@@ -122,15 +159,22 @@ def build_optimizer(
         adam_beta2=o.adam_beta2,
         adam_eps=o.adam_eps,
         clip_grad=o.clip_grad,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=precision.bf16,
+        fp16=precision.fp16,
+        params_dtype=params_dtype(precision),
+        loss_scale=precision.loss_scale,
+        initial_loss_scale=precision.initial_loss_scale,
+        min_loss_scale=precision.min_loss_scale,
+        loss_scale_window=precision.loss_scale_window,
+        hysteresis=precision.hysteresis,
     )
+    scaler = build_grad_scaler(precision) if precision.scaled else None
     if plan is not None and plan.training.use_distributed_optimizer:
         from megatron_hexi.distributed_optimizer import HeteroDistributedOptimizer
 
         device = next(model.parameters()).device
         opt = HeteroDistributedOptimizer(
-            plan, grad_sync, core, plan.training.optimizer_shard, device, model
+            plan, grad_sync, core, plan.training.optimizer_shard, device, model, scaler
         )
     else:
         inner = adamw(
@@ -140,8 +184,8 @@ def build_optimizer(
             betas=(o.adam_beta1, o.adam_beta2),
             eps=o.adam_eps,
         )
-        if bf16:
-            opt = HeteroFloat16Optimizer(inner, core, None, lambda _: None)
+        if precision.half:
+            opt = HeteroFloat16Optimizer(inner, core, scaler, lambda _: None)
         else:
             opt = HeteroFP32Optimizer(inner, core, lambda _: None)
     opt.grad_sync = grad_sync

@@ -1,8 +1,9 @@
 """Optional TensorBoard scalars (--tensorboard-dir), through torch.utils.tensorboard.
 
 Launch rank 0 writes them: it holds every all-reduced metric of the iteration. Names follow
-Megatron-LM's where it has one ("lm loss", "learning-rate", "grad-norm", "iteration-time",
-"batch-size", "lm loss validation"), plus tokens per second, MFU, each pipeline's step time and
+Megatron-LM's where it has one ("lm loss", "learning-rate", "grad-norm", "loss-scale",
+"iteration-time", "batch-size", "lm loss validation"; no grad norm for a step skipped under loss
+scaling, as there), plus tokens per second, MFU, each pipeline's step time and
 each rank's peak memory. `iteration_scalars` and `validation_scalars` own the names: wandb
 (megatron_hexi.wandb_log) logs the same ones.
 """
@@ -31,12 +32,14 @@ def iteration_scalars(m: Mapping[str, Any], global_batch_size: int) -> dict[str,
     scalars = {
         "lm loss": m["lm_loss"],
         "learning-rate": m["lr"],
-        "grad-norm": m["grad_norm"],
+        "loss-scale": m["loss_scale"],
         "iteration-time": m["step_time_s"],
         "batch-size": float(global_batch_size),
         "tokens-per-second": m["tokens_per_s"],
         "mfu": m["mfu"],
     }
+    if m["grad_norm"] is not None:
+        scalars["grad-norm"] = m["grad_norm"]
     for p, t in enumerate(m["pipelines"]):
         scalars[f"pipeline-step-time/pipeline-{p}"] = t
     for r, gb in enumerate(m["peak_memory_gb"]):

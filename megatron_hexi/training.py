@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -54,7 +55,7 @@ from megatron_hexi.model import (
     seed_rng,
     stage_config,
 )
-from megatron_hexi.optimizer import build_optimizer
+from megatron_hexi.optimizer import build_optimizer, params_dtype
 from megatron_hexi.process_groups import SingleRank, StagePosition, build_groups
 from megatron_hexi.rank_mapping import map_processes
 from megatron_hexi.report import error_lines, prints
@@ -99,14 +100,15 @@ class Trainer:
         startup_line(f"process groups built ({len(rank_sets)} gradient rank set(s))")
         self.view = view = plan.rank_view(self.rank)
         seed_rng(config.training.seed, view.tp_rank, plan.training.cuda_graph_impl)
-        bf16 = config.precision.bf16
-        dtype = torch.bfloat16 if bf16 else torch.float32
+        precision = config.precision
+        dtype = params_dtype(precision)
         backend, impl = plan.training.attention_backend, plan.training.transformer_impl
         self.fusions = stage_fusions(
             config.fusions,
             device.type == "cuda",
             plan.model,
-            bf16=bf16,
+            bf16=precision.bf16,
+            fp16=precision.fp16,
             transformer_impl=impl,
             holds_output=view.holds_output,
         )
@@ -132,8 +134,8 @@ class Trainer:
             f"model built: parameters per rank {per_rank}, {total_params(plan.model):,} in the "
             f"model"
         )
-        # bf16: gradients accumulate, sync and reach the fp32 masters in fp32 `main_grad`
-        self.main_grads = FP32MainGrads(self.model.parameters()) if bf16 else None
+        # bf16/fp16: gradients accumulate, sync and reach the fp32 masters in fp32 `main_grad`
+        self.main_grads = FP32MainGrads(self.model.parameters()) if precision.half else None
         self.grad_sync = GradientSync(
             self.rank,
             self.params,
@@ -147,7 +149,9 @@ class Trainer:
         tc.finalize_model_grads_func = self._finalize_grads
         if plan.training.overlap_grad_reduce:
             tc.no_sync_func = self.grad_sync.no_sync
-        tc.grad_scale_func = None
+        # loss scaling (fp16): the schedule multiplies each micro-batch's loss by the scale
+        # before its backward; the optimizer divides the gradients by it before clipping
+        tc.grad_scale_func = self.optimizer.scale_loss if precision.scaled else None
         pipe = plan.pipelines[view.pipeline]
         numel = plan.model.seq_length * view.micro_batch_size * plan.model.hidden_size
         launch_of = self.groups.launch_of
@@ -283,11 +287,15 @@ class Trainer:
         clock.mark("start")
         self._start_token_count(batches)
         store = self._schedule(iter(batches), forward_only=False)
+        # under loss scaling a step with inf/NaN gradients on any rank is skipped on every rank
+        # (success False, no norm); as in Megatron-LM, the iteration counts but the learning-
+        # rate schedule does not move
         success, grad_norm, _ = self.optimizer.step()
-        if not self.optimizer.config.clip_grad > 0.0:
+        if success and not self.optimizer.config.clip_grad > 0.0:
             # megatron-core computes the norm only to clip (its bf16 optimizer returns 0.0)
             grad_norm = self.optimizer.get_grad_norm()
-        self.scheduler.step(increment=1)
+        if success:
+            self.scheduler.step(increment=1)
         clock.mark("end")
         clock.wait("end")  # queued optimizer work belongs to this step
         # One small all-reduce: loss sum (last stages, TP rank 0), each rank's times and memory;
@@ -303,18 +311,22 @@ class Trainer:
         # end of this rank's last backward to the end of its gradient sync
         per_rank[3, self.rank] = clock.seconds("pipeline_end", "sync_end")
         dist.all_reduce(stats)
-        norm = torch.as_tensor(grad_norm, dtype=torch.float64, device=self.device).reshape(1)
-        read = torch.cat([stats, self._tokens, norm]).tolist()  # the step's one read
+        norm = torch.as_tensor(
+            grad_norm if success else math.nan, dtype=torch.float64, device=self.device
+        ).reshape(1)
+        scale = self.optimizer.get_loss_scale().to(self.device, torch.float64).reshape(1)
+        read = torch.cat([stats, self._tokens, norm, scale]).tolist()  # the step's one read
         loss_sum, per_rank_values = read[0], read[1 : 1 + 4 * world]
-        self.global_tokens, norm_value = read[-2], read[-1]
+        self.global_tokens, norm_value, loss_scale = read[-3], read[-2], read[-1]
         if self.global_tokens <= 0:
             raise RuntimeError("the global batch has no tokens with a loss mask")
         times = [per_rank_values[k * world : (k + 1) * world] for k in range(4)]
         pipelines = [max(times[0][r] for r in p.ranks) for p in self.plan.pipelines]
         return {
             "lm_loss": loss_sum / self.global_tokens,
-            "grad_norm": norm_value,
+            "grad_norm": norm_value if success else None,  # None: a skipped step
             "success": bool(success),
+            "loss_scale": loss_scale,  # after this step's update (1.0 unscaled)
             "step_time_s": max(times[1]),
             "grad_sync_exposed_s": max(times[3]),
             "peak_memory_gb": times[2],

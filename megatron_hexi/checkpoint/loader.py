@@ -17,7 +17,12 @@ import torch.distributed as dist
 
 from megatron_hexi.checkpoint.commit import agree
 from megatron_hexi.checkpoint.reader import Checkpoint
-from megatron_hexi.checkpoint.state import TrainState, restore_optimizer, set_rng_state
+from megatron_hexi.checkpoint.state import (
+    TrainState,
+    restore_optimizer,
+    restore_scaler,
+    set_rng_state,
+)
 from megatron_hexi.checkpoint_files import METADATA, CheckpointError
 
 if TYPE_CHECKING:
@@ -85,6 +90,22 @@ def load(trainer: TrainState, config: CheckpointConfig, verify: bool = True) -> 
                 raise CheckpointError(
                     f"{meta_path}: scheduler: malformed ({type(e).__name__}: {e})"
                 )
+        if load_optim and getattr(trainer.optimizer, "grad_scaler", None) is not None:
+            # with the optimizer state, as in Megatron-LM (absent from saves before it existed)
+            saved_scaler = ckpt.meta.get("grad_scaler")
+            try:
+                restored = isinstance(saved_scaler, dict) and restore_scaler(
+                    trainer.optimizer, saved_scaler
+                )
+            except Exception as e:  # noqa: BLE001 - a key missing or of the wrong type
+                raise CheckpointError(
+                    f"{meta_path}: grad_scaler: malformed ({type(e).__name__}: {e})"
+                )
+            if not restored and not _constant_scale(trainer):
+                notes.append(
+                    "no loss scaler state in the checkpoint: the loss scale starts at "
+                    "--initial-loss-scale"
+                )
         same_plan = (ckpt.meta["plan"] or {}).get("pipelines") == plan.to_dict()["pipelines"]
         if load_rng and ckpt.meta["rng"]:
             if same_plan and str(trainer.rank) in ckpt.meta["rng"]:
@@ -116,6 +137,12 @@ def load(trainer: TrainState, config: CheckpointConfig, verify: bool = True) -> 
             flush=True,
         )
     return Loaded(iteration, seconds, moments, rng_restored)
+
+
+def _constant_scale(trainer: TrainState) -> bool:
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler
+
+    return isinstance(getattr(trainer.optimizer, "grad_scaler", None), ConstantGradScaler)
 
 
 def _load_scheduler(

@@ -1,6 +1,7 @@
 """What a rank writes and reads besides its weights: which canonical ranges it owns
 (`writer_segments`, `owned_ranges`), the optimizer state (Adam's moments and step, read back by
-`restore_optimizer`) and the RNG states. A checkpoint reads a trainer through `TrainState` only.
+`restore_optimizer`), the loss scaler's state (`scaler_state`, `restore_scaler`) and the RNG
+states. A checkpoint reads a trainer through `TrainState` only.
 
 Optimizer state is reached only through `owned_ranges` (what a rank writes) and
 `restore_optimizer` (what it reads), for megatron-core's FP32/Float16 optimizers and for the
@@ -238,6 +239,49 @@ def restore_optimizer(trainer: TrainState, ckpt: Checkpoint, adam_step: int | No
             for kind in KINDS[1:]:
                 st[kind] = ckpt.read_local(shard, kind).to(mp.device, mp.dtype)
             state[mp] = st
+
+
+# ------------------------------------------------------------------------------- loss scaler
+
+
+def scaler_state(optimizer: MegatronOptimizer) -> dict[str, Any] | None:
+    """The loss scaler's state, JSON-ready (the same on every rank: they agree on every inf):
+    the scale and, for dynamic scaling, its growth and hysteresis trackers; None unscaled."""
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    scaler = getattr(optimizer, "grad_scaler", None)
+    if scaler is None:
+        return None
+    state: dict[str, Any] = {"scale": float(scaler.scale.item())}
+    if isinstance(scaler, DynamicGradScaler):
+        state["growth_tracker"] = int(scaler._growth_tracker)
+        state["hysteresis_tracker"] = int(scaler._hysteresis_tracker)
+    return state
+
+
+def restore_scaler(optimizer: MegatronOptimizer, saved: Mapping[str, Any]) -> bool:
+    """Continue dynamic loss scaling where `saved` (scaler_state) left it; False where there is
+    nothing to restore (no scaler, a constant one: the run's --loss-scale holds, as in
+    megatron-core, or a save without dynamic state). Set field by field: megatron-core's
+    load_state_dict moves the scale to CUDA."""
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    scaler = getattr(optimizer, "grad_scaler", None)
+    if not isinstance(scaler, DynamicGradScaler) or "growth_tracker" not in saved:
+        return False
+    scale, growth, hysteresis = (
+        saved["scale"],
+        saved["growth_tracker"],
+        saved["hysteresis_tracker"],
+    )
+    if not (isinstance(scale, float) and scale > 0 and scale != float("inf")):
+        raise ValueError(f"scale {scale!r} is not a positive finite number")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (growth, hysteresis)):
+        raise ValueError(f"trackers {growth!r}, {hysteresis!r} are not integers")
+    scaler._scale = torch.tensor([scale], dtype=torch.float, device=scaler.scale.device)
+    scaler._growth_tracker = growth
+    scaler._hysteresis_tracker = hysteresis
+    return True
 
 
 # ------------------------------------------------------------------------------------ RNG state

@@ -48,7 +48,13 @@ from megatron_hexi.checkpoint.integrity import (
     first_non_finite,
     meta_checksum,
 )
-from megatron_hexi.checkpoint.state import TrainState, adam_steps, owned_ranges, rng_state
+from megatron_hexi.checkpoint.state import (
+    TrainState,
+    adam_steps,
+    owned_ranges,
+    rng_state,
+    scaler_state,
+)
 from megatron_hexi.checkpoint_files import (
     FORMAT,
     METADATA,
@@ -166,6 +172,7 @@ def save(trainer: TrainState, save_dir: str, iteration: int) -> tuple[float, int
         "bytes": size,
         "rng": rng_state(),
         "adam_steps": sorted(adam_steps(trainer.optimizer)),
+        "grad_scaler": scaler_state(trainer.optimizer),
         "error": error,
         "non_finite": (non_finite_count, first_bad),
     }
@@ -192,6 +199,9 @@ def save(trainer: TrainState, save_dir: str, iteration: int) -> tuple[float, int
             steps = {x for r in everyone for x in r["adam_steps"]}
             if len(steps) > 1:
                 raise RuntimeError(f"parameters have different Adam step counts: {sorted(steps)}")
+            scalers = {json.dumps(r["grad_scaler"], sort_keys=True) for r in everyone}
+            if len(scalers) > 1:
+                raise RuntimeError(f"ranks hold different loss scaler states: {sorted(scalers)}")
             meta = {
                 "format": FORMAT,
                 "format_version": FORMAT_VERSION,
@@ -205,6 +215,7 @@ def save(trainer: TrainState, save_dir: str, iteration: int) -> tuple[float, int
                 "has_optimizer_state": bool(steps),
                 "adam_step": steps.pop() if steps else None,
                 "scheduler": trainer.scheduler.state_dict(),
+                "grad_scaler": everyone[0]["grad_scaler"],
                 "rng": {str(r["plan_rank"]): r["rng"] for r in everyone},
                 "files": {
                     rank_file_name(r["plan_rank"]): r["index"] for r in everyone if r["index"]

@@ -158,6 +158,10 @@ def _other_value(action):
         return [flag, next(c for c in action.choices if c not in (action.default, *BASE))]
     if action.dest == "split":
         return [flag, "1,0,0"]
+    if action.dest == "loss_scale":  # a constant scale needs 16-bit parameters
+        return [flag, "8", "--fp16"]
+    if action.dest == "loss_scale_window":  # whole steps
+        return [flag, "7"]
     if action.nargs == "+":
         return [flag, "other"]
     if action.type is int:
