@@ -1,4 +1,4 @@
-"""Megatron-LM's three --tokenizer-type kinds, as the tokenizer megatron-core's datasets read.
+"""Megatron-LM's --tokenizer-type kinds, as the tokenizer megatron-core's datasets read.
 
 - `HuggingFaceTokenizer --tokenizer-model PATH`: a `tokenizer.json`, or a Hugging Face model
   directory holding one. A directory without it but with the GPT-2 files `vocab.json` and
@@ -8,10 +8,12 @@
   (`eos_token`, `bos_token`, `pad_token`), else from the vocabulary by their usual names. Ids are
   those of `transformers`' `tokenizer(text).input_ids`: the tokenizer's post-processor (a BOS,
   for Llama) is applied.
-- `SentencePieceTokenizer --tokenizer-model tokenizer.model`: megatron-core's own
-  SentencePieceTokenizer (`megatron.core.tokenizers`, library "sentencepiece"), the one
-  Megatron-LM builds for this name: ids are the model's `encode` (no BOS added), eod is its
-  `</s>` (eos id), bos its `<s>`, pad its pad piece or -1.
+- `SentencePieceTokenizer` and `Llama2Tokenizer --tokenizer-model tokenizer.model`:
+  megatron_hexi.tokenizer_sentencepiece.
+- `TikTokenizer --tokenizer-model vocab.json`: megatron_hexi.tokenizer_tiktoken.
+- `NullTokenizer --vocab-size N`: the text is the ids, as decimal integers separated by single
+  spaces; the vocabulary is N + 1 ids, the last, N, being eod (Megatron-LM's _NullTokenizer; the
+  model's vocabulary must hold N + 1). No bos, no pad.
 - `GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt`: GPT-2 byte-level BPE, the
   ids of GPT-2's tokenizer; eod (and bos, as in GPT-2) is `<|endoftext|>`.
 
@@ -21,6 +23,9 @@ tests use it, as the reference these classes are checked against), and its GPT2B
 ("megatron" library) loads the "gpt2" tokenizer from the Hugging Face Hub (a network access) and
 passes the vocab file where the merges file belongs. Both classes here need only the
 `tokenizers` library and give the same ids as `transformers` for the same files.
+
+`--legacy-tokenizer` (Megatron-LM's flag) selects Megatron-LM's older tokenizer classes where
+they differ from megatron-core's: Llama2Tokenizer and TikTokenizer (NullTokenizer is the same).
 
 Every problem with a flag or its files is a SpecError naming the flag and the path.
 """
@@ -34,6 +39,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, SupportsInt
 
+from megatron_hexi.tokenizer_sentencepiece import Llama2Tokenizer, SentencePieceTokenizer
+from megatron_hexi.tokenizer_tiktoken import TikTokenizer
 from planner.errors import SpecError
 
 if TYPE_CHECKING:
@@ -41,13 +48,28 @@ if TYPE_CHECKING:
 
     from megatron_hexi.config import DataConfig
 
-# Megatron-LM's --tokenizer-type names this runtime reads, and the flags naming each one's files.
+# Megatron-LM's --tokenizer-type names this runtime reads, and the flags each one needs.
 TOKENIZER_FILES = {
     "HuggingFaceTokenizer": ("--tokenizer-model",),
     "SentencePieceTokenizer": ("--tokenizer-model",),
     "GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
+    "Llama2Tokenizer": ("--tokenizer-model",),
+    "TikTokenizer": ("--tokenizer-model",),
+    "NullTokenizer": ("--vocab-size",),
 }
 TOKENIZER_TYPES = tuple(TOKENIZER_FILES)
+# The flags each one may be given besides those.
+TOKENIZER_OPTIONS = {
+    "Llama2Tokenizer": ("--legacy-tokenizer",),
+    "TikTokenizer": (
+        "--vocab-size",
+        "--tiktoken-pattern",
+        "--tiktoken-num-special-tokens",
+        "--tokenizer-special-tokens",
+        "--legacy-tokenizer",
+    ),
+    "NullTokenizer": ("--legacy-tokenizer",),
+}
 
 # Tried in order when no tokenizer_config.json names the token.
 EOD_NAMES = (
@@ -110,6 +132,41 @@ class TokenizerSpec:
     tokenizer_model: str | None = None
     vocab_file: str | None = None
     merge_file: str | None = None
+    vocab_size: int | None = None
+    tiktoken_pattern: str | None = None
+    tiktoken_num_special_tokens: int | None = None
+    special_tokens: tuple[str, ...] | None = None
+    legacy_tokenizer: bool = False
+
+    @classmethod
+    def from_flags(cls, flags: Any) -> TokenizerSpec:
+        """From parsed flags (pretrain_gpt.py's, preprocess_data.py's or a DataConfig) with the
+        names of Megatron-LM's tokenizer flags as attributes."""
+        return cls(
+            flags.tokenizer_type,
+            flags.tokenizer_model,
+            flags.vocab_file,
+            flags.merge_file,
+            flags.vocab_size,
+            flags.tiktoken_pattern,
+            flags.tiktoken_num_special_tokens,
+            special_tokens_flag(flags),
+            bool(flags.legacy_tokenizer),
+        )
+
+
+def special_tokens_flag(flags: Any) -> tuple[str, ...] | None:
+    """--tokenizer-special-tokens, or Megatron-LM's older name for it, --tiktoken-special-tokens
+    (as Megatron-LM reads them: the older one when the newer is not given)."""
+    new = getattr(flags, "tokenizer_special_tokens", None)
+    old = getattr(flags, "tiktoken_special_tokens", None)
+    if new and old and list(new) != list(old):
+        raise SpecError(
+            "--tiktoken-special-tokens contradicts --tokenizer-special-tokens (give one; the "
+            "first is Megatron-LM's older name of the second)"
+        )
+    chosen = new or old
+    return None if chosen is None else tuple(chosen)
 
 
 def load_tokenizer(spec: TokenizerSpec) -> TextTokenizer:
@@ -123,23 +180,93 @@ def load_tokenizer(spec: TokenizerSpec) -> TextTokenizer:
         "--tokenizer-model": spec.tokenizer_model,
         "--vocab-file": spec.vocab_file,
         "--merge-file": spec.merge_file,
+        "--vocab-size": spec.vocab_size,
+        "--tiktoken-pattern": spec.tiktoken_pattern,
+        "--tiktoken-num-special-tokens": spec.tiktoken_num_special_tokens,
+        "--tokenizer-special-tokens": spec.special_tokens,
+        "--legacy-tokenizer": spec.legacy_tokenizer or None,
     }
-    needs = TOKENIZER_FILES[spec.tokenizer_type]
-    missing = [flag for flag in needs if not given[flag]]
+    name = spec.tokenizer_type
+    needs = TOKENIZER_FILES[name]
+    reads = needs + TOKENIZER_OPTIONS.get(name, ())
+    missing = [flag for flag in needs if given[flag] is None or given[flag] == ""]
     if missing:
-        raise SpecError(f"--tokenizer-type {spec.tokenizer_type} needs {' and '.join(missing)}")
-    unused = [flag for flag, value in given.items() if value and flag not in needs]
+        raise SpecError(f"--tokenizer-type {name} needs {' and '.join(missing)}")
+    unused = [flag for flag, value in given.items() if value is not None and flag not in reads]
     if unused:
         raise SpecError(
-            f"--tokenizer-type {spec.tokenizer_type} reads {' and '.join(needs)}, "
-            f"not {' or '.join(unused)}"
+            f"--tokenizer-type {name} reads {_listed(reads)}, not {' or '.join(unused)}"
         )
-    if spec.tokenizer_type == "HuggingFaceTokenizer":
+    for flag in ("--vocab-size", "--tiktoken-num-special-tokens"):
+        value = given[flag]
+        if isinstance(value, int) and value < (1 if flag == "--vocab-size" else 0):
+            raise SpecError(f"{flag} must be >= {1 if flag == '--vocab-size' else 0}, got {value}")
+    if name == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(spec.tokenizer_model)
-    if spec.tokenizer_type == "SentencePieceTokenizer":
+    if name == "SentencePieceTokenizer":
         return SentencePieceTokenizer(spec.tokenizer_model)
+    if name == "Llama2Tokenizer":
+        return Llama2Tokenizer(spec.tokenizer_model, legacy=spec.legacy_tokenizer)
+    if name == "TikTokenizer":
+        assert spec.tokenizer_model is not None  # checked above
+        return TikTokenizer(
+            spec.tokenizer_model,
+            spec.tiktoken_pattern,
+            spec.vocab_size,
+            spec.tiktoken_num_special_tokens,
+            spec.special_tokens,
+            legacy=spec.legacy_tokenizer,
+        )
+    if name == "NullTokenizer":
+        assert spec.vocab_size is not None  # checked above
+        return NullTokenizer(spec.vocab_size)
     assert spec.vocab_file is not None and spec.merge_file is not None  # checked above
     return GPT2BPETokenizer(spec.vocab_file, spec.merge_file)
+
+
+def _listed(flags: Sequence[str]) -> str:
+    return " and ".join(flags) if len(flags) < 3 else f"{', '.join(flags[:-1])} and {flags[-1]}"
+
+
+def add_tokenizer_options(group: Any) -> None:
+    """The tokenizer flags of Llama2Tokenizer, TikTokenizer and NullTokenizer (Megatron-LM's
+    names), for pretrain_gpt.py and tools/preprocess_data.py alike."""
+    group.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="NullTokenizer: ids are below it, eod is it (the vocabulary is N + 1); "
+        "TikTokenizer: the vocabulary, special tokens included (default 131072)",
+    )
+    group.add_argument(
+        "--tiktoken-pattern",
+        choices=("v1", "v2"),
+        default=None,
+        help="TikTokenizer: Megatron-LM's text split pattern (default v2)",
+    )
+    group.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=None,
+        help="TikTokenizer: ids before the vocabulary's own (default 1000)",
+    )
+    for flag in ("--tokenizer-special-tokens", "--tiktoken-special-tokens"):
+        group.add_argument(
+            flag,
+            nargs="+",
+            default=None,
+            metavar="TOKEN",
+            help="TikTokenizer: the named special tokens, ids 0, 1, ... (default <unk> <s> </s> "
+            "<mask> <pad> <cls> <sep>)"
+            if flag == "--tokenizer-special-tokens"
+            else "Megatron-LM's older name of --tokenizer-special-tokens",
+        )
+    group.add_argument(
+        "--legacy-tokenizer",
+        action="store_true",
+        help="Megatron-LM's older tokenizer classes: Llama2Tokenizer starts every text with "
+        "BOS; TikTokenizer reads special tokens' text as text",
+    )
 
 
 def build_tokenizer(data: DataConfig) -> TextTokenizer | None:
@@ -147,9 +274,7 @@ def build_tokenizer(data: DataConfig) -> TextTokenizer | None:
     mock corpus (which needs no tokenizer)."""
     if data.mock_data:
         return None
-    return load_tokenizer(
-        TokenizerSpec(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file)
-    )
+    return load_tokenizer(TokenizerSpec.from_flags(data))
 
 
 def check_vocab_fits(tokenizer: TextTokenizer, model_vocab_size: int) -> None:
@@ -160,6 +285,12 @@ def check_vocab_fits(tokenizer: TextTokenizer, model_vocab_size: int) -> None:
             f"({tokenizer.vocab_size} tokens) does not fit the plan's model "
             f"vocab_size {model_vocab_size}; plan with a model whose vocab_size is "
             f">= {tokenizer.vocab_size}"
+            + (
+                f", or give --vocab-size {model_vocab_size - 1} or less (NullTokenizer's "
+                f"vocabulary is --vocab-size ids and its end-of-document id)"
+                if isinstance(tokenizer, NullTokenizer)
+                else ""
+            )
         )
 
 
@@ -523,84 +654,45 @@ class GPT2BPETokenizer(_TokenizersTokenizer):
         )
 
 
-# SentencePiece ----------------------------------------------------------------------------
+# NullTokenizer ------------------------------------------------------------------------------
 
 
-class SentencePieceTokenizer:
-    """--tokenizer-type SentencePieceTokenizer: megatron-core's tokenizer of that library over a
-    tokenizer.model (a directory holding one is also taken). The file is checked first:
-    sentencepiece aborts the process on a directory and raises bare RuntimeErrors otherwise."""
+class NullTokenizer:
+    """--tokenizer-type NullTokenizer --vocab-size N: Megatron-LM's _NullTokenizer, for data that
+    is already ids. `tokenize` is `[int(x) for x in text.split(' ')]`, except that an empty text
+    is no ids and a piece that is not an integer is a ValueError naming it (Megatron-LM's
+    int() error does not say where)."""
 
-    def __init__(self, tokenizer_model: str | os.PathLike[str] | None) -> None:
-        if tokenizer_model is None:
-            raise SpecError("--tokenizer-model PATH is required (a SentencePiece tokenizer.model)")
-        path = os.fspath(tokenizer_model)
-        if os.path.isdir(path):
-            inside = os.path.join(path, "tokenizer.model")
-            if not os.path.isfile(inside):
-                raise SpecError(
-                    f"--tokenizer-model {path}: directory has no tokenizer.model "
-                    f"(a SentencePiece model)"
-                )
-            path = inside
-        elif not os.path.isfile(path):
-            raise SpecError(f"--tokenizer-model {path}: no such file or directory")
-        self.path = path
-        self.source = f"--tokenizer-model {path}"
-        try:
-            import sentencepiece  # noqa: F401 - megatron-core needs it; say so clearly
-        except ImportError:
-            raise SpecError(
-                "--tokenizer-type SentencePieceTokenizer needs the sentencepiece package "
-                "(pip install sentencepiece)"
-            ) from None
-        from megatron.core.tokenizers import MegatronTokenizer
-
-        try:
-            self._core = MegatronTokenizer.from_pretrained(
-                tokenizer_path=path, metadata_path={"library": "sentencepiece"}
-            )
-        except (RuntimeError, OSError, ValueError) as e:
-            hint = (
-                "; a tokenizer.json is read by --tokenizer-type HuggingFaceTokenizer"
-                if path.endswith(".json")
-                else ""
-            )
-            raise SpecError(
-                f"--tokenizer-model {path}: not a SentencePiece model "
-                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}){hint}"
-            ) from None
-        self.vocab_size: int = self._core.vocab_size
-        # sentencepiece says -1 for a piece the model does not define.
-        self.eod = _defined(self._core.eod)
-        self.bos = _defined(self._core.bos)
-        pad = _defined(self._core.pad)
-        self.pad = NO_PAD if pad is None else pad
-        self.unique_identifiers = OrderedDict(
-            {"class": type(self).__name__, "tokenizer_path": [os.path.abspath(path)]}
+    def __init__(self, vocab_size: int) -> None:
+        self.eod = int(vocab_size)  # the id after the N text ids
+        self.vocab_size = self.eod + 1
+        self.bos: int | None = None
+        self.pad = NO_PAD
+        self.source = f"--tokenizer-type NullTokenizer --vocab-size {vocab_size}"
+        self.unique_identifiers: OrderedDict[str, Any] = OrderedDict(
+            {"class": type(self).__name__, "vocab_size": self.vocab_size}
         )
 
     @property
-    def eos(self) -> int | None:
+    def eos(self) -> int:
         return self.eod
 
-    @property
-    def vocab(self) -> dict[str, int]:
-        return {piece: i for i, piece in enumerate(self._core.vocab)}
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return dict(enumerate(self._core.vocab))
-
     def tokenize(self, text: str) -> list[int]:
-        return list(self._core.tokenize(text))
+        if text == "":
+            return []
+        ids = []
+        for piece in text.split(" "):
+            try:
+                ids.append(int(piece))
+            except ValueError:
+                raise ValueError(
+                    f"NullTokenizer reads integer ids separated by single spaces, not "
+                    f"{piece[:40]!r}"
+                ) from None
+        return ids
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.tokenize(t) for t in texts]
 
     def detokenize(self, ids: Iterable[SupportsInt]) -> str:
-        return self._core.detokenize([int(i) for i in ids])
-
-
-def _defined(token_id: int | None) -> int | None:
-    return None if token_id is None or token_id < 0 else int(token_id)
+        return " ".join(str(int(i)) for i in ids)
