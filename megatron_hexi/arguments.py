@@ -151,7 +151,7 @@ def check_tokenizer_flags(args: argparse.Namespace) -> None:
             "--data-path needs --tokenizer-type (one of " + ", ".join(TOKENIZER_TYPES) + ")"
         )
     needs = TOKENIZER_FILES[args.tokenizer_type]
-    missing = [f for f in needs if not getattr(args, f.lstrip("-").replace("-", "_"))]
+    missing = [f for f in needs if getattr(args, f.lstrip("-").replace("-", "_")) in (None, "")]
     if missing:
         raise SpecError(f"--tokenizer-type {args.tokenizer_type} needs {' and '.join(missing)}")
 

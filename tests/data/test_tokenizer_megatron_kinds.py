@@ -632,6 +632,11 @@ def test_training_flags_and_vocabulary_fit(files, prefixes):
         "and its end-of-document id)"
     )
     check_vocab_fits(_load("NullTokenizer", vocab_size=127), 128)
+    zero = parse_args(
+        [*base, "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "0"]
+    )
+    with pytest.raises(SpecError, match="^--vocab-size must be >= 1, got 0$"):
+        build_tokenizer(run_config(zero).data)
     with pytest.raises(
         SpecError,
         match=rf"--tokenizer-model {files['vocab']}: the tokenizer's "
