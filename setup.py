@@ -33,6 +33,7 @@ setup(
         "packaging>=24.2",  # megatron-core's floor
         "safetensors>=0.4.3,<1",  # checkpoints (megatron_hexi/checkpoint/)
         "tokenizers>=0.21,<1",  # HuggingFace and GPT-2 BPE tokenizers (--data-path)
+        "tiktoken>=0.7,<1",  # --tokenizer-type TikTokenizer
         "psutil>=5.9",  # megatron-core dist_checkpointing's writer (hexi-convert export-megatron)
     ],
     extras_require={

@@ -27,7 +27,7 @@ from megatron_hexi.config import (
     RuntimeConfig,
     TrainingConfig,
 )
-from megatron_hexi.tokenizer import TOKENIZER_FILES, TOKENIZER_TYPES
+from megatron_hexi.tokenizer import TOKENIZER_FILES, TOKENIZER_TYPES, special_tokens_flag
 from planner.attention import CLI_DEFAULT_BACKEND
 from planner.cli_args import PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER, cuda_graph_settings
 from planner.cluster import ClusterSpec, load_cluster
@@ -190,7 +190,7 @@ def check_tokenizer_flags(args: argparse.Namespace) -> None:
             "--data-path needs --tokenizer-type (one of " + ", ".join(TOKENIZER_TYPES) + ")"
         )
     needs = TOKENIZER_FILES[args.tokenizer_type]
-    missing = [f for f in needs if not getattr(args, f.lstrip("-").replace("-", "_"))]
+    missing = [f for f in needs if getattr(args, f.lstrip("-").replace("-", "_")) in (None, "")]
     if missing:
         raise SpecError(f"--tokenizer-type {args.tokenizer_type} needs {' and '.join(missing)}")
 
@@ -404,6 +404,11 @@ def run_config(args: argparse.Namespace) -> RunConfig:
             tokenizer_model=args.tokenizer_model,
             vocab_file=args.vocab_file,
             merge_file=args.merge_file,
+            vocab_size=args.vocab_size,
+            tiktoken_pattern=args.tiktoken_pattern,
+            tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+            tokenizer_special_tokens=special_tokens_flag(args),
+            legacy_tokenizer=args.legacy_tokenizer,
             valid_data_path=None if args.valid_data_path is None else tuple(args.valid_data_path),
         ),
         checkpoint=CheckpointConfig(

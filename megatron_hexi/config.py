@@ -145,14 +145,22 @@ class DataConfig:
     data_cache_path: str | None = None
     """Where megatron-core caches its sample indices."""
     tokenizer_type: str | None = None
-    """Megatron-LM's tokenizer name: HuggingFaceTokenizer, SentencePieceTokenizer or
-    GPT2BPETokenizer (with `data_path`)."""
+    """Megatron-LM's tokenizer name (megatron_hexi.tokenizer.TOKENIZER_TYPES; with `data_path`)."""
     tokenizer_model: str | None = None
-    """HuggingFaceTokenizer: tokenizer.json or a model directory; SentencePiece: tokenizer.model."""
+    """HuggingFaceTokenizer: tokenizer.json or a model directory; SentencePieceTokenizer and
+    Llama2Tokenizer: tokenizer.model; TikTokenizer: its JSON vocabulary."""
     vocab_file: str | None = None
     """GPT2BPETokenizer: vocab.json."""
     merge_file: str | None = None
     """GPT2BPETokenizer: merges.txt."""
+    vocab_size: int | None = None
+    """NullTokenizer: ids below it, eod it; TikTokenizer: its vocabulary (--vocab-size)."""
+    tiktoken_pattern: str | None = None
+    tiktoken_num_special_tokens: int | None = None
+    tokenizer_special_tokens: tuple[str, ...] | None = None
+    """TikTokenizer's special tokens (--tokenizer-special-tokens or --tiktoken-special-tokens)."""
+    legacy_tokenizer: bool = False
+    """Megatron-LM's older Llama2Tokenizer and TikTokenizer classes (--legacy-tokenizer)."""
     valid_data_path: tuple[str, ...] | None = None
     """Validation prefixes, as `data_path`; None: the validation split of `split`."""
 

@@ -350,10 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer-model",
         default=None,
         help="HuggingFaceTokenizer: a tokenizer.json or a model directory; "
-        "SentencePieceTokenizer: a tokenizer.model",
+        "SentencePieceTokenizer, Llama2Tokenizer: a tokenizer.model; TikTokenizer: its vocab.json",
     )
     d.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     d.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    from megatron_hexi.tokenizer import add_tokenizer_options
+
+    add_tokenizer_options(d)
     d.add_argument(
         "--log-interval",
         type=int,

@@ -24,6 +24,7 @@ if __package__ in (None, ""):
 from megatron_hexi.tokenizer import (  # noqa: E402
     TOKENIZER_TYPES,
     TokenizerSpec,
+    add_tokenizer_options,
     load_tokenizer,
     require_eod,
 )
@@ -48,6 +49,13 @@ EXAMPLES = """examples:
   python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
       --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \\
       --merge-file gpt2-merges.txt --append-eod
+  # Megatron-LM's tiktoken vocabulary (a JSON list of rank, token_bytes, token_str)
+  python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+      --tokenizer-type TikTokenizer --tokenizer-model vocab.json --tiktoken-pattern v2 \\
+      --vocab-size 131072 --append-eod
+  # text that is already ids ("17 4 2031"): NullTokenizer, eod is --vocab-size
+  python tools/preprocess_data.py --input ids.jsonl --output-prefix data/ids \\
+      --tokenizer-type NullTokenizer --vocab-size 32000 --append-eod
 
 Each writes data/corpus_text_document.bin/.idx; train with --data-path
 data/corpus_text_document and the same --tokenizer-* flags."""
@@ -75,10 +83,12 @@ def build_parser():
         "--tokenizer-model",
         default=None,
         help="HuggingFaceTokenizer: a tokenizer.json or a Hugging Face model directory; "
-        "SentencePieceTokenizer: a tokenizer.model",
+        "SentencePieceTokenizer, Llama2Tokenizer: a tokenizer.model; TikTokenizer: its "
+        "vocab.json",
     )
     t.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     t.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    add_tokenizer_options(t)
     t.add_argument(
         "--append-eod",
         action="store_true",
@@ -141,7 +151,15 @@ def _encode_chunk(task):
                 )
             texts.append(record[key])
         parsed.append((number, texts))
-    encoded = _tokenizer.tokenize_batch([t for _, texts in parsed for t in texts])
+    try:
+        encoded = _tokenizer.tokenize_batch([t for _, texts in parsed for t in texts])
+    except ValueError:  # NullTokenizer's text that is not ids: find the line
+        for number, texts in parsed:
+            try:
+                _tokenizer.tokenize_batch(texts)
+            except ValueError as e:
+                return "error", f"{path}:{number}: {e}"
+        raise
     out = []
     for i, (number, texts) in enumerate(parsed):
         ids = {}
@@ -241,9 +259,7 @@ def preprocess(args):
         raise SpecError(f"--max-document-bytes must be >= 1, got {args.max_document_bytes}")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise SpecError(f"--json-keys {' '.join(args.json_keys)}: a key is repeated")
-    spec = TokenizerSpec(
-        args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file
-    )
+    spec = TokenizerSpec.from_flags(args)
     tokenizer = load_tokenizer(spec)
     if args.append_eod:
         require_eod(tokenizer, "--append-eod")
@@ -291,17 +307,18 @@ def preprocess(args):
         for status, payload in results:
             if status == "error":
                 raise SpecError(payload)
-            for _, ids, n_chars in payload:
+            for number, ids, n_chars in payload:
                 chars += n_chars
                 docs += 1
                 for key, doc in ids.items():
                     if doc:
                         array = numpy.asarray(doc, dtype=numpy.int64)
                         if array.min() < 0 or array.max() >= tokenizer.vocab_size:
+                            bad = int(array.min() if array.min() < 0 else array.max())
                             raise SpecError(
-                                f"{tokenizer.source}: gave token id {int(array.max())} outside "
-                                f"its vocabulary of {tokenizer.vocab_size} for a document of "
-                                f"{args.input}"
+                                f"{args.input}:{number}: token id {bad} is outside the "
+                                f"vocabulary of {tokenizer.source} (ids 0 to "
+                                f"{tokenizer.vocab_size - 1})"
                             )
                         builders[key].add_document(array, [len(doc)])
                         counts[key][0] += 1
