@@ -82,7 +82,11 @@ REFUSED = (
         0,
         "only megatron-core's models run (as --use-mcore-models); drop the flag",
     ),
-    Refused("--fp8-format", 1, "fp8 training is not implemented; use --bf16"),
+    Refused(
+        "--fp8-format",
+        1,
+        "fp8 training is not implemented; drop the flag and train in bf16 (--bf16)",
+    ),
     Refused(
         "--dataloader-type",
         1,
