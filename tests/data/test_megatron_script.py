@@ -1,0 +1,141 @@
+"""A Megatron-LM Llama-2 launch script's flags, scaled down to the tiny model, run through
+pretrain_gpt.py on real preprocessed data: under a heterogeneous plan (a two-stage pipeline beside
+a one-stage one, full recompute) they train exactly as under the one-rank plan, with Megatron-LM's
+samples-based schedule and warm-up fraction; and the run-length flags (--exit-duration-in-mins,
+--manual-gc, a --load folder with no checkpoint) and the CUDA-only backend behave as Megatron-LM's.
+"""
+
+import json
+
+import pytest
+
+from data.commands import flags as data_flags
+from harness import run_ranks, run_script
+from runtime.plans import write_plan
+from runtime.workers import max_relative_difference
+
+# The hetero plan: pipeline 0 two stages (ranks 0, 1), pipeline 1 one stage (rank 2); both
+# micro-batches of 2 (so the script's --micro-batch-size holds), 2 + 2 of them = 8 samples.
+HETERO = [
+    {
+        "micro_batch_size": 2,
+        "num_microbatches": 2,
+        "stages": [{"ranks": [0], "layers": [0, 2]}, {"ranks": [1], "layers": [2, 4]}],
+    },
+    {"micro_batch_size": 2, "num_microbatches": 2, "stages": [{"ranks": [2], "layers": [0, 4]}]},
+]
+ONE_RANK = [
+    {"micro_batch_size": 2, "num_microbatches": 4, "stages": [{"ranks": [0], "layers": [0, 4]}]}
+]
+
+
+def llama2_script(corpus, save):
+    """examples/llama2-style flags, as written for Megatron-LM (the tiny model's sizes, a short
+    schedule in samples, dropout off as Llama-2's), minus precision and tokenizer type."""
+    return [
+        "--use-mcore-models",
+        *("--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "256"),
+        *("--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "4"),
+        *("--seq-length", "32", "--max-position-embeddings", "32"),
+        *("--position-embedding-type", "rope", "--rotary-base", "10000"),
+        *("--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--swiglu"),
+        *("--disable-bias-linear", "--untie-embeddings-and-output-weights"),
+        *("--init-method-std", "0.02", "--attention-dropout", "0.0", "--hidden-dropout", "0.0"),
+        *("--use-flash-attn", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion"),
+        *("--no-rope-fusion", "--attention-softmax-in-fp32"),
+        *("--recompute-granularity", "full", "--recompute-method", "uniform"),
+        *("--recompute-num-layers", "1"),
+        *("--micro-batch-size", "2", "--global-batch-size", "8"),
+        *("--train-samples", "16", "--lr-decay-samples", "64", "--lr-warmup-fraction", "0.5"),
+        *("--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine"),
+        *("--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95"),
+        *("--clip-grad", "1.0", "--accumulate-allreduce-grads-in-fp32"),
+        *("--make-vocab-size-divisible-by", "128"),
+        *data_flags(corpus, corpus.prefix["a"]),
+        *("--log-interval", "1", "--log-throughput", "--timing-log-level", "2"),
+        *("--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard"),
+        "--log-memory-to-tensorboard",
+        *("--eval-interval", "1000", "--eval-iters", "0"),
+        *("--save", str(save), "--load", str(save), "--save-interval", "1000"),
+        *("--manual-gc", "--manual-gc-interval", "1", "--exit-duration-in-mins", "230"),
+        *("--distributed-timeout-minutes", "10", "--seed", "1234"),
+    ]
+
+
+def _train(repo_root, plan, world, corpus, folder):
+    metrics = folder / "metrics.jsonl"
+    runs = run_ranks(
+        [
+            repo_root / "pretrain_gpt.py",
+            "--hetero-plan-path",
+            plan,
+            *llama2_script(corpus, folder / "ckpt"),
+            "--hetero-metrics-path",
+            metrics,
+        ],
+        world,
+        cwd=repo_root,
+    )
+    for code, _, err in runs:
+        assert code == 0, err
+    return runs[0][1], [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def test_llama2_script_under_a_hetero_plan(repo_root, corpus, tmp_path):
+    plans = {
+        name: write_plan(tmp_path, name, "tiny", world, pipelines, recompute=True,
+                         attention_backend="auto")
+        for name, world, pipelines in (("hetero", 3, HETERO), ("one", 1, ONE_RANK))
+    }  # fmt: skip
+    (tmp_path / "hetero").mkdir()
+    (tmp_path / "one").mkdir()
+    out, hetero = _train(repo_root, plans["hetero"], 3, corpus, tmp_path / "hetero")
+    _, one = _train(repo_root, plans["one"], 1, corpus, tmp_path / "one")
+    # 16 samples of a global batch of 8; warm-up 0.5 x 64 / 8 = 4 iterations from 0
+    assert [m["iteration"] for m in hetero] == [1, 2]
+    assert [m["lr"] for m in hetero] == pytest.approx([3e-4 / 4, 3e-4 / 2], rel=1e-12)
+    for h, o in zip(hetero, one, strict=True):
+        assert h["lr"] == o["lr"]
+        assert max_relative_difference(h["lm_loss"], o["lm_loss"]) < 1e-5, (h, o)
+        assert max_relative_difference(h["grad_norm"], o["grad_norm"]) < 1e-5, (h, o)
+    # --save D --load D on a first run: Megatron-LM's warning, a fresh start, then the save
+    assert f"WARNING: no checkpoint in {tmp_path / 'hetero' / 'ckpt'}: starting from" in out
+    pointer = tmp_path / "hetero" / "ckpt" / "latest_checkpointed_iteration.txt"
+    assert pointer.read_text().strip() == "2"
+
+
+def test_exit_duration_manual_gc_and_missing_checkpoint(repo_root, tmp_path):
+    """--exit-duration-in-mins stops after the first iteration past it and saves it (a first
+    run, as --load of an empty folder starts fresh), with --manual-gc collecting every
+    iteration; --exit-on-missing-checkpoint turns the empty folder into an error; nccl needs
+    CUDA. One rank, mock data."""
+    plan = write_plan(tmp_path, "one", "tiny", 1, ONE_RANK)
+    base = [repo_root / "pretrain_gpt.py", "--hetero-plan-path", plan, "--mock-data"]
+    base += ["--train-iters", "3", "--lr", "1e-3"]
+    ckpt, empty = tmp_path / "ckpt", tmp_path / "empty"
+    empty.mkdir()
+    code, out, err = run_script(
+        [
+            *base,
+            *("--save", ckpt, "--load", ckpt, "--exit-duration-in-mins", "1e-6"),
+            *("--manual-gc", "--manual-gc-interval", "1"),
+        ],
+        cwd=repo_root,
+    )
+    assert code == 0, err
+    assert "(--exit-duration-in-mins 1e-06)" in out and "exiting program after" in out, out
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    code, out, err = run_script(
+        [*base, "--load", empty, "--exit-on-missing-checkpoint"], cwd=repo_root
+    )
+    assert code == 2 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (
+        f"pretrain_gpt.py: error: --load {empty} holds no checkpoint "
+        f"(--exit-on-missing-checkpoint); give a folder with one, or drop the flag to start fresh"
+    )
+    code, out, err = run_script([*base, "--distributed-backend", "nccl"], cwd=repo_root)
+    assert code == 2 and err.splitlines() == [
+        "pretrain_gpt.py: error: --distributed-backend nccl needs CUDA, and this run is on the "
+        "CPU (no CUDA device, or --hetero-device cpu); drop the flag (gloo on the CPU) or run "
+        "on GPUs"
+    ], err
