@@ -41,6 +41,7 @@ from megatron_hexi.exit_signal import ExitSignal
 from megatron_hexi.fusions import stage_fusions
 from megatron_hexi.grad_sync import FP32MainGrads, GradientSync
 from megatron_hexi.layer_specs import check_transformer_impl
+from megatron_hexi.loop_checkpoints import load_at_start, save_at
 from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.memory_fit import check_memory_fit
 from megatron_hexi.metrics import (
@@ -62,7 +63,7 @@ from megatron_hexi.model import (
 from megatron_hexi.optimizer import build_optimizer
 from megatron_hexi.process_groups import SingleRank, StagePosition, build_groups
 from megatron_hexi.rank_mapping import map_processes
-from megatron_hexi.report import AgreedError, error_lines, prints
+from megatron_hexi.report import error_lines, prints
 from megatron_hexi.run_limits import ExitDuration, ManualGC
 from megatron_hexi.run_paths import check_run_paths
 from megatron_hexi.startup_plan import plan_at_start, resume_iteration
@@ -459,55 +460,6 @@ def eval_window(iteration: int, train_iters: int, ev: EvaluationConfig, *, end: 
     return window if end else window - 1
 
 
-def _resume_iteration(trainer: Trainer) -> int:
-    """--load: the checkpoint's iteration (0: a fresh start, the folder holds none)."""
-    from megatron_hexi import checkpoint
-
-    ckpt = trainer.config.checkpoint
-    if not ckpt.load:
-        return 0
-    found = [checkpoint.checkpoint_exists(ckpt.load) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(found, src=0)  # one decision for every rank
-    if not found[0]:  # Megatron-LM: a warning and a fresh start, or an error when asked
-        if ckpt.exit_on_missing_checkpoint:
-            raise AgreedError(
-                f"--load {ckpt.load} holds no checkpoint (--exit-on-missing-checkpoint); "
-                f"give a folder with one, or drop the flag to start fresh"
-            )
-        if dist.get_rank() == 0:
-            print(
-                f" WARNING: no checkpoint in {ckpt.load}: starting from iteration 0",
-                flush=True,
-            )
-        return 0
-    loaded = checkpoint.load(trainer, ckpt)
-    trainer.checkpoint_events.append(
-        {
-            "load_iteration": loaded.iteration,
-            "seconds": loaded.seconds,
-            "optimizer_restored": loaded.optimizer,
-            "rng_restored": loaded.rng,
-        }
-    )
-    return loaded.iteration
-
-
-def _save(trainer: Trainer, save: str, iteration: int) -> None:
-    from megatron_hexi import checkpoint
-
-    trainer.settle_parameters()
-    seconds, size = checkpoint.save(trainer, save, iteration)
-    trainer.checkpoint_events.append(
-        {"save_iteration": iteration, "seconds": seconds, "bytes": size}
-    )
-    if dist.get_rank() == 0:
-        print(
-            f" successfully saved checkpoint from iteration {iteration:>7d} to {save} "
-            f"[ {seconds:.3f} s, {size / 1e6:.2f} MB ]",
-            flush=True,
-        )
-
-
 def run(
     plan: Plan, config: RunConfig, device: torch.device, plan_file: str | None = None
 ) -> tuple[Trainer, list[dict[str, Any]]]:
@@ -516,7 +468,7 @@ def run(
     rank). The trainer's `evaluations` lists every validation loss of the run. `plan_file` names
     the plan in the metrics (a run's history shows the plan of each start)."""
     trainer = Trainer(plan, config, device)
-    first = _resume_iteration(trainer)
+    first = load_at_start(trainer)
     stop = ExitSignal(device) if config.training.exit_signal_handler else None
     try:
         return _train(trainer, first, plan_file, stop)
@@ -594,7 +546,7 @@ def _train(
             if train.check_for_nan_in_loss_and_grad:
                 check_finite(m)
             if ckpt.save and ckpt.save_interval and (it + 1) % ckpt.save_interval == 0:
-                _save(trainer, ckpt.save, it + 1)
+                save_at(trainer, ckpt.save, it + 1)
                 saved = it + 1
             if stop is not None and stop.agreed():
                 signalled = True
@@ -624,7 +576,7 @@ def _train(
         last = first + len(history)
         trainer.settle_parameters()
         if ckpt.save and history and saved != last:
-            _save(trainer, ckpt.save, last)
+            save_at(trainer, ckpt.save, last)
         if ev.batches and not signalled:  # a signalled run has seconds left: save, then go
             result = evaluate(last, end=True)
             if metrics_file:  # a line of its own: the last iteration's may hold another one

@@ -1,8 +1,9 @@
 """A Megatron-LM Llama-2 launch script's flags, scaled down to the tiny model, run through
 pretrain_gpt.py on real preprocessed data: under a heterogeneous plan (a two-stage pipeline beside
 a one-stage one, full recompute) they train exactly as under the one-rank plan, with Megatron-LM's
-samples-based schedule and warm-up fraction; and the run-length flags (--exit-duration-in-mins,
---manual-gc, a --load folder with no checkpoint) and the CUDA-only backend behave as Megatron-LM's.
+samples-based schedule and warm-up fraction (recomputing by block there, uniformly here). The
+run-length flags (--exit-duration-in-mins, --manual-gc, a --load folder with no checkpoint) and
+the CUDA-only backend behave as Megatron-LM's.
 """
 
 import json
@@ -29,9 +30,10 @@ ONE_RANK = [
 ]
 
 
-def llama2_script(corpus, save):
+def llama2_script(corpus, save, recompute=("uniform", "1")):
     """examples/llama2-style flags, as written for Megatron-LM (the tiny model's sizes, a short
     schedule in samples, dropout off as Llama-2's), minus precision and tokenizer type."""
+    method, layers = recompute
     return [
         "--use-mcore-models",
         *("--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "256"),
@@ -43,8 +45,8 @@ def llama2_script(corpus, save):
         *("--init-method-std", "0.02", "--attention-dropout", "0.0", "--hidden-dropout", "0.0"),
         *("--use-flash-attn", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion"),
         *("--no-rope-fusion", "--attention-softmax-in-fp32"),
-        *("--recompute-granularity", "full", "--recompute-method", "uniform"),
-        *("--recompute-num-layers", "1"),
+        *("--recompute-granularity", "full", "--recompute-method", method),
+        *("--recompute-num-layers", layers),
         *("--micro-batch-size", "2", "--global-batch-size", "8"),
         *("--train-samples", "16", "--lr-decay-samples", "64", "--lr-warmup-fraction", "0.5"),
         *("--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine"),
@@ -62,14 +64,14 @@ def llama2_script(corpus, save):
     ]
 
 
-def _train(repo_root, plan, world, corpus, folder):
+def _train(repo_root, plan, world, corpus, folder, recompute):
     metrics = folder / "metrics.jsonl"
     runs = run_ranks(
         [
             repo_root / "pretrain_gpt.py",
             "--hetero-plan-path",
             plan,
-            *llama2_script(corpus, folder / "ckpt"),
+            *llama2_script(corpus, folder / "ckpt", recompute),
             "--hetero-metrics-path",
             metrics,
         ],
@@ -89,8 +91,10 @@ def test_llama2_script_under_a_hetero_plan(repo_root, corpus, tmp_path):
     }  # fmt: skip
     (tmp_path / "hetero").mkdir()
     (tmp_path / "one").mkdir()
-    out, hetero = _train(repo_root, plans["hetero"], 3, corpus, tmp_path / "hetero")
-    _, one = _train(repo_root, plans["one"], 1, corpus, tmp_path / "one")
+    # megatron-core's block method over every layer of each stage (4 at most) recomputes as
+    # uniform 1 does: the same numbers
+    out, hetero = _train(repo_root, plans["hetero"], 3, corpus, tmp_path / "hetero", ("block", "4"))
+    _, one = _train(repo_root, plans["one"], 1, corpus, tmp_path / "one", ("uniform", "1"))
     # 16 samples of a global batch of 8; warm-up 0.5 x 64 / 8 = 4 iterations from 0
     assert [m["iteration"] for m in hetero] == [1, 2]
     assert [m["lr"] for m in hetero] == pytest.approx([3e-4 / 4, 3e-4 / 2], rel=1e-12)
