@@ -70,6 +70,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace | None, list[
         return None, list(map(str, e.problems))
     assert isinstance(parser, Parser)
     problems = list(parser.problems)
+    for dest in parser.bad:  # reported once: later checks see the flag as not given
+        setattr(args, dest, parser.get_default(dest))
     flags = [u for u in unknown if u.startswith("--")]
     if flags:  # the other words are their values
         problems.append(

@@ -143,3 +143,40 @@ def test_exit_duration_manual_gc_and_missing_checkpoint(repo_root, tmp_path):
         "CPU (no CUDA device, or --hetero-device cpu); drop the flag (gloo on the CPU) or run "
         "on GPUs"
     ], err
+
+
+@pytest.mark.parametrize("divisible_by, message", [(128, None), (64, None), (100, "pads to 200")])
+def test_padded_tokenizer_vocabulary_must_be_the_plans(corpus, tmp_path, divisible_by, message):
+    """--make-vocab-size-divisible-by with real data: the tokenizer's 120 tokens, padded as
+    Megatron-LM pads them, must be the plan's 128 (checked where the data is built)."""
+    from megatron_hexi.arguments import parse_args, run_config
+    from megatron_hexi.data import build_train_dataset
+    from megatron_hexi.tokenizer import build_tokenizer
+    from planner.errors import SpecError
+    from planner.plan import load_plan
+
+    path = write_plan(tmp_path, "one", "tiny", 1, ONE_RANK)
+    config = run_config(
+        parse_args(
+            ["--hetero-plan-path", str(path), "--train-iters", "2", "--lr", "1e-3"]
+            + ["--make-vocab-size-divisible-by", str(divisible_by)]
+            + data_flags(corpus, corpus.prefix["a"])
+        )
+    )
+
+    def build():
+        return build_train_dataset(
+            config.data, load_plan(path), train_iters=2, seed=1234,
+            tokenizer=build_tokenizer(config.data),
+        )  # fmt: skip
+
+    if message is None:
+        assert len(build()) >= 16
+        return
+    with pytest.raises(SpecError) as e:
+        build()
+    assert e.value.problems == [
+        f"--make-vocab-size-divisible-by {divisible_by}: the tokenizer (120 tokens) pads to 200 "
+        f"(a multiple of 100 x TP 1), but the plan's model vocab_size is 128; plan with "
+        f"vocab_size 200, or give a value that pads to 128"
+    ]
