@@ -180,6 +180,8 @@ class LoggingConfig:
     """JSONL file, one line of metrics per iteration."""
     tensorboard_dir: str | None = None
     tensorboard_log_interval: int = 1
+    log_params_norm: bool = False
+    """Add the parameters' L2 norm to the iteration line and the scalars (params-norm)."""
     log_world_size_to_tensorboard: bool = False
     """Write the world size with each iteration's scalars."""
     wandb_project: str | None = None

@@ -1,6 +1,8 @@
-"""The flags pretrain_gpt.py accepts: Megatron-LM's names for what is supported, plus the
---hetero-* group (`build_parser`), and the checks a flag needs on its own (numeric ranges, the
---split syntax). megatron_hexi.arguments checks them together and against the plan.
+"""The flags pretrain_gpt.py accepts: Megatron-LM's names, one argument group per concern (a
+function each: add a flag to its group's function), plus the --hetero-* group and the refused
+flags (megatron_hexi.refused_flags). How they are read is megatron_hexi.flag_parsing's;
+megatron_hexi.arguments checks them together and against the plan; docs/megatron-flags.md is
+generated from this parser (megatron_hexi.flag_docs).
 """
 
 from __future__ import annotations
@@ -117,6 +119,13 @@ def _model(p: argparse.ArgumentParser) -> None:
         default=None,
         help="at least the sequence length; with learned_absolute positions it must equal the "
         f"model's position rows, with rope it has no effect ({PLAN})",
+    )
+    m.add_argument(
+        "--no-position-embedding",
+        action="store_true",
+        default=None,
+        help="no learned absolute position table: the plan's model must not have one "
+        "(rope or none; default: the plan's)",
     )
     m.add_argument(
         "--group-query-attention",
@@ -473,6 +482,12 @@ def _logging(p: argparse.ArgumentParser) -> None:
         help="add the model TFLOP/s per GPU to the iteration line",
     )
     d.add_argument(
+        "--log-params-norm",
+        action="store_true",
+        help="add the parameters' L2 norm (each element once over all ranks) to the iteration "
+        "line and TensorBoard (params-norm)",
+    )
+    d.add_argument(
         "--timing-log-level",
         type=int,
         choices=[0, 1, 2],
@@ -491,7 +506,6 @@ def _logging(p: argparse.ArgumentParser) -> None:
         ("--log-validation-ppl-to-tensorboard", "lm loss validation ppl"),
         ("--log-memory-to-tensorboard", "each rank's peak memory"),
         ("--log-batch-size-to-tensorboard", "batch-size"),
-        ("--log-learning-rate-to-tensorboard", "learning-rate"),
     ):
         d.add_argument(flag, action="store_true", help=f"accepted: {what} is always written")
     d.add_argument(

@@ -95,7 +95,9 @@ class IntervalLog:
         return text + (
             f"learning rate: {last['lr']:.6E} | global batch size: {plan.global_batch_size:>5d} | "
             f"lm loss: {sum(r['lm_loss'] for r in rows) / n:.6E} | loss scale: 1.0 | "
-            f"grad norm: {last['grad_norm']:.3f} | number of skipped iterations: {skipped:>3d} | "
+            f"grad norm: {last['grad_norm']:.3f} | "
+            + (f"params norm: {last['params_norm']:.3f} | " if "params_norm" in last else "")
+            + f"number of skipped iterations: {skipped:>3d} | "
             f"number of nan iterations: {nan:>3d} | tokens/s: {tokens / seconds:.1f} | "
             f"MFU: {mfu * 100:.2f}% | "
             + (

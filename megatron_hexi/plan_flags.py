@@ -25,7 +25,6 @@ ACCEPTED = {
     "log_validation_ppl_to_tensorboard": "lm loss validation ppl is always written",
     "log_memory_to_tensorboard": "peak-memory-gb per rank is always written",
     "log_batch_size_to_tensorboard": "batch-size is always written",
-    "log_learning_rate_to_tensorboard": "learning-rate is always written",
     "accumulate_allreduce_grads_in_fp32": "gradients are always accumulated and reduced in fp32",
     "attention_softmax_in_fp32": "the fused attention's softmax is fp32; the unfused one is "
     "megatron-core's default",
@@ -171,6 +170,10 @@ def plan_flag_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
         problems.append(
             f"--position-embedding-type {args.position_embedding_type} contradicts the plan's "
             f"model ({m.position_embedding_type})"
+        )
+    if args.no_position_embedding and m.position_embedding_type == "learned_absolute":
+        problems.append(
+            "--no-position-embedding contradicts the plan's model (learned_absolute positions)"
         )
     rows = args.max_position_embeddings
     if rows is not None:

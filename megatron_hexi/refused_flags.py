@@ -83,6 +83,12 @@ REFUSED = (
         "only megatron-core's models run (as --use-mcore-models); drop the flag",
     ),
     Refused(
+        "--log-num-zeros-in-grad",
+        0,
+        "counting zero gradient elements is not implemented; drop the flag (the iteration line "
+        "has the gradient norm, and --log-params-norm adds the parameters')",
+    ),
+    Refused(
         "--fp8-format",
         1,
         "fp8 training is not implemented; drop the flag and train in bf16 (--bf16)",

@@ -37,6 +37,8 @@ def iteration_scalars(m: Mapping[str, Any], global_batch_size: int) -> dict[str,
         "tokens-per-second": m["tokens_per_s"],
         "mfu": m["mfu"],
     }
+    if "params_norm" in m:  # --log-params-norm
+        scalars["params-norm"] = m["params_norm"]
     for p, t in enumerate(m["pipelines"]):
         scalars[f"pipeline-step-time/pipeline-{p}"] = t
     for r, gb in enumerate(m["peak_memory_gb"]):

@@ -39,7 +39,7 @@ from megatron_hexi.distributed import (
 )
 from megatron_hexi.exit_signal import ExitSignal
 from megatron_hexi.fusions import stage_fusions
-from megatron_hexi.grad_sync import FP32MainGrads, GradientSync
+from megatron_hexi.grad_sync import FP32MainGrads, GradientSync, global_norm
 from megatron_hexi.layer_specs import check_transformer_impl
 from megatron_hexi.loop_checkpoints import load_at_start, save_at
 from megatron_hexi.loss import sharded_cross_entropy
@@ -271,6 +271,12 @@ class Trainer:
         return output, None
 
     # -- one iteration ----------------------------------------------------------------------
+    def params_norm(self) -> float:
+        """--log-params-norm: the L2 norm of the model's parameters, each element counted once
+        over all ranks (the slices whose gradients this rank counts in the gradient norm)."""
+        owned = [s.param.detach().narrow(s.dim, s.start, s.length) for s in self.grad_sync.owned]
+        return float(global_norm(owned, self.device).item())
+
     def train_step(self, iteration: int) -> dict[str, Any]:
         """Forward/backward of this pipeline's micro-batches, gradient sync, optimizer step."""
 
@@ -522,6 +528,8 @@ def _train(
         )
         for it in range(first, last_iters):
             m = trainer.train_step(it)
+            if log.log_params_norm:
+                m["params_norm"] = trainer.params_norm()
             collector.after_iteration(it + 1)
             m["iteration"] = it + 1
             m["tokens_per_s"] = tokens_per_iter / m["step_time_s"]

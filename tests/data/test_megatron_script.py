@@ -54,7 +54,8 @@ def llama2_script(corpus, save, recompute=("uniform", "1")):
         *("--clip-grad", "1.0", "--accumulate-allreduce-grads-in-fp32"),
         *("--make-vocab-size-divisible-by", "128"),
         *data_flags(corpus, corpus.prefix["a"]),
-        *("--log-interval", "1", "--log-throughput", "--timing-log-level", "2"),
+        *("--log-interval", "1", "--log-throughput", "--log-params-norm"),
+        *("--timing-log-level", "2", "--no-position-embedding"),
         *("--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard"),
         "--log-memory-to-tensorboard",
         *("--eval-interval", "1000", "--eval-iters", "0"),
@@ -102,7 +103,9 @@ def test_llama2_script_under_a_hetero_plan(repo_root, corpus, tmp_path):
         assert h["lr"] == o["lr"]
         assert max_relative_difference(h["lm_loss"], o["lm_loss"]) < 1e-5, (h, o)
         assert max_relative_difference(h["grad_norm"], o["grad_norm"]) < 1e-5, (h, o)
+        assert max_relative_difference(h["params_norm"], o["params_norm"]) < 1e-6, (h, o)
     # --save D --load D on a first run: Megatron-LM's warning, a fresh start, then the save
+    assert f"params norm: {hetero[-1]['params_norm']:.3f} |" in out
     assert f"WARNING: no checkpoint in {tmp_path / 'hetero' / 'ckpt'}: starting from" in out
     pointer = tmp_path / "hetero" / "ckpt" / "latest_checkpointed_iteration.txt"
     assert pointer.read_text().strip() == "2"

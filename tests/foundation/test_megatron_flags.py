@@ -150,6 +150,9 @@ def test_docs_table_is_the_parsers():
         "--make-vocab-size-divisible-by": "honoured",
         "--log-world-size-to-tensorboard": "honoured",
         "--exit-on-missing-checkpoint": "honoured",
+        "--log-params-norm": "honoured",
+        "--no-position-embedding": "checked against the plan",
+        "--log-num-zeros-in-grad": "refused",
         "--use-mcore-models": "accepted, no effect",
         "--timing-log-level": "accepted, no effect",
         "--log-timers-to-tensorboard": "accepted, no effect",
@@ -287,6 +290,12 @@ def test_honoured_flags_reach_the_run_config(plans):
         ),
         ("mqa", ["--group-query-attention"], None),
         ("one", ["--max-position-embeddings", "4096"], None),  # rope: no effect
+        ("one", ["--no-position-embedding"], None),
+        (
+            "learned",
+            ["--no-position-embedding"],
+            "--no-position-embedding contradicts the plan's model (learned_absolute positions)",
+        ),
         (
             "one",
             ["--max-position-embeddings", "16"],
