@@ -385,6 +385,8 @@ NOT_IN_RUN_CONFIG = frozenset(
         *MODEL_FLAGS,
         "max_position_embeddings",
         "no_position_embedding",
+        "use_rope_scaling",
+        "rotary_percent",
         "group_query_attention",
         "swiglu",
         "untie_embeddings_and_output_weights",

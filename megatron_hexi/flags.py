@@ -11,6 +11,7 @@ import argparse
 
 from megatron_hexi.flag_parsing import HelpFormatter, Parser, finite_float
 from megatron_hexi.refused_flags import add_refused
+from megatron_hexi.run_flags import add_run_flags
 from megatron_hexi.tokenizer import TOKENIZER_TYPES
 from planner.attention import ATTENTION_BACKENDS
 from planner.cuda_graphs import CUDA_GRAPH_IMPLS, CUDA_GRAPH_SCOPES
@@ -28,8 +29,9 @@ MODEL_FLAGS = {
     "norm_epsilon": "norm_epsilon",
     "rotary_base": "rotary_base",
     "init_method_std": "init_method_std",
+    "rope_scaling_factor": "rope_scaling_factor",
 }
-FLOAT_MODEL_FLAGS = frozenset({"norm_epsilon", "init_method_std"})
+FLOAT_MODEL_FLAGS = frozenset({"norm_epsilon", "init_method_std", "rope_scaling_factor"})
 
 
 EXAMPLE = """example:
@@ -65,10 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     _optimizer(p)
     _fusions(p)
     _data(p)
-    _logging(p)
-    _validation(p)
-    _stopping(p)
-    _checkpoints(p)
+    add_run_flags(p)
     add_refused(p)
     return p
 
@@ -119,6 +118,18 @@ def _model(p: argparse.ArgumentParser) -> None:
         default=None,
         help="at least the sequence length; with learned_absolute positions it must equal the "
         f"model's position rows, with rope it has no effect ({PLAN})",
+    )
+    m.add_argument(
+        "--use-rope-scaling",
+        action="store_true",
+        default=None,
+        help=f"Llama 3.x's rotary frequency scaling: must match the plan's model ({PLAN})",
+    )
+    m.add_argument(
+        "--rotary-percent",
+        type=finite_float,
+        default=None,
+        help="must be 1.0: the plan's models rotate the whole head (default: 1.0)",
     )
     m.add_argument(
         "--no-position-embedding",
@@ -372,6 +383,12 @@ def _optimizer(p: argparse.ArgumentParser) -> None:
         "--bf16", action="store_true", help="bf16 parameters, fp32 gradients and master weights"
     )
     o.add_argument(
+        "--use-cpu-initialization",
+        action="store_true",
+        help="accepted: every rank fills its parameters with its slices of the seed's canonical "
+        "tensors, the same weights wherever they are computed",
+    )
+    o.add_argument(
         "--accumulate-allreduce-grads-in-fp32",
         action="store_true",
         help="accepted: gradients are always accumulated and reduced in fp32",
@@ -459,204 +476,15 @@ def _data(p: argparse.ArgumentParser) -> None:
         "--merge-file", default=None, help="GPT2BPETokenizer: merges.txt (default: none)"
     )
     d.add_argument(
+        "--no-create-attention-mask-in-dataloader",
+        action="store_true",
+        help="accepted: the data never builds an attention mask (the attention is causal)",
+    )
+    d.add_argument(
         "--make-vocab-size-divisible-by",
         type=int,
         default=None,
         help="the tokenizer's vocabulary padded to a multiple of this x the TP degree (the "
         "least common multiple of the plan's) must be the plan's model vocab_size (default: "
         "not checked; the tokenizer must fit the model's vocab_size)",
-    )
-
-
-def _logging(p: argparse.ArgumentParser) -> None:
-    d = p.add_argument_group("logging")
-    d.add_argument(
-        "--log-interval",
-        type=int,
-        default=1,
-        help="print one line every N iterations, averaged over them (as Megatron-LM)",
-    )
-    d.add_argument(
-        "--log-throughput",
-        action="store_true",
-        help="add the model TFLOP/s per GPU to the iteration line",
-    )
-    d.add_argument(
-        "--log-params-norm",
-        action="store_true",
-        help="add the parameters' L2 norm (each element once over all ranks) to the iteration "
-        "line and TensorBoard (params-norm)",
-    )
-    d.add_argument(
-        "--timing-log-level",
-        type=int,
-        choices=[0, 1, 2],
-        default=0,
-        help="accepted: the runtime has one level of timers (the iteration and each "
-        "pipeline's step time, always logged)",
-    )
-    d.add_argument(
-        "--tensorboard-dir", default=None, help="write TensorBoard scalars here (default: none)"
-    )
-    d.add_argument(
-        "--tensorboard-log-interval", type=int, default=1, help="scalars every N iterations"
-    )
-    for flag, what in (
-        ("--log-timers-to-tensorboard", "iteration-time and each pipeline's step time"),
-        ("--log-validation-ppl-to-tensorboard", "lm loss validation ppl"),
-        ("--log-memory-to-tensorboard", "each rank's peak memory"),
-        ("--log-batch-size-to-tensorboard", "batch-size"),
-    ):
-        d.add_argument(flag, action="store_true", help=f"accepted: {what} is always written")
-    d.add_argument(
-        "--log-world-size-to-tensorboard",
-        action="store_true",
-        help="write the world size (world-size) with each iteration's scalars",
-    )
-    d.add_argument(
-        "--wandb-project",
-        default=None,
-        help="log the TensorBoard scalars to this wandb project (default: none)",
-    )
-    d.add_argument("--wandb-exp-name", default=None, help="the wandb run's name (default: wandb's)")
-    d.add_argument(
-        "--wandb-save-dir",
-        default=None,
-        help="where wandb writes (default: SAVE/wandb with --save, else ./wandb)",
-    )
-    d.add_argument(
-        "--distributed-backend",
-        choices=["gloo", "nccl"],
-        default=None,
-        help="default: nccl on CUDA, gloo on CPU (nccl needs CUDA)",
-    )
-    d.add_argument(
-        "--distributed-timeout-minutes",
-        type=finite_float,
-        default=10.0,
-        help="collective timeout; fractions allowed (a dead or hung peer fails every "
-        "rank within it)",
-    )
-
-
-def _validation(p: argparse.ArgumentParser) -> None:
-    v = p.add_argument_group("validation")
-    v.add_argument(
-        "--eval-interval",
-        type=int,
-        default=None,
-        help="validation loss every N iterations and at the end of training (default: at the "
-        "end only, when evaluating)",
-    )
-    v.add_argument(
-        "--eval-iters",
-        type=int,
-        default=None,
-        help="global batches per evaluation (default 100 when evaluating; 0: none)",
-    )
-    v.add_argument(
-        "--skip-train",
-        action="store_true",
-        help="evaluate the loaded (or initial) weights without training",
-    )
-    v.add_argument(
-        "--valid-data-path",
-        nargs="+",
-        default=None,
-        help="validation prefixes, as --data-path (default: the validation split of --split)",
-    )
-
-
-def _stopping(p: argparse.ArgumentParser) -> None:
-    s = p.add_argument_group("stopping and garbage collection")
-    s.add_argument(
-        "--no-check-for-nan-in-loss-and-grad",
-        action="store_false",
-        dest="check_for_nan_in_loss_and_grad",
-        help="keep training when the loss or the gradient norm is NaN or infinite "
-        "(default: stop with an error, as Megatron-LM does)",
-    )
-    s.add_argument(
-        "--exit-interval",
-        type=int,
-        default=None,
-        help="stop (saving first, with --save) when the iteration is a multiple of it "
-        "(default: none)",
-    )
-    s.add_argument(
-        "--exit-duration-in-mins",
-        type=finite_float,
-        default=None,
-        help="stop (saving first, with --save) after the iteration during which this many "
-        "minutes since start-up have passed on any rank (default: none)",
-    )
-    s.add_argument(
-        "--exit-signal-handler",
-        action="store_true",
-        help="on SIGTERM, finish the current step, save (with --save) and exit 0",
-    )
-    s.add_argument(
-        "--manual-gc",
-        action="store_true",
-        help="disable Python's automatic garbage collection (every rank then collects at the "
-        "same points: --manual-gc-interval, before and after each evaluation)",
-    )
-    s.add_argument(
-        "--manual-gc-interval",
-        type=int,
-        default=0,
-        help="with --manual-gc: collect every N iterations (0: never during training)",
-    )
-
-
-def _checkpoints(p: argparse.ArgumentParser) -> None:
-    c = p.add_argument_group("checkpoints")
-    c.add_argument("--save", default=None, help="checkpoint directory to save to (default: none)")
-    c.add_argument(
-        "--save-interval",
-        type=int,
-        default=None,
-        help="save every N iterations (default: only at the end, with --save)",
-    )
-    c.add_argument(
-        "--load",
-        default=None,
-        help="checkpoint directory to resume from; one that holds no checkpoint at all starts "
-        "fresh with a warning, as in Megatron-LM (default: none)",
-    )
-    c.add_argument(
-        "--exit-on-missing-checkpoint",
-        action="store_true",
-        help="with --load: a directory that holds no checkpoint is an error",
-    )
-    c.add_argument(
-        "--hetero-load-if-exists",
-        action="store_true",
-        help="accepted (what --load does): start fresh if DIR holds no checkpoint at all; a "
-        "missing or corrupt part of one is still an error",
-    )
-    c.add_argument(
-        "--ckpt-step",
-        type=int,
-        default=None,
-        help="load this iteration (default: latest_checkpointed_iteration.txt's)",
-    )
-    c.add_argument(
-        "--finetune",
-        action="store_true",
-        help="load weights only: iteration 0, fresh Adam state and RNGs",
-    )
-    c.add_argument("--no-load-optim", action="store_true", help="do not load Adam state")
-    c.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
-    c.add_argument(
-        "--override-opt_param-scheduler",
-        action="store_true",
-        dest="override_opt_param_scheduler",
-        help="use this run's lr schedule, not the checkpoint's",
-    )
-    c.add_argument(
-        "--use-checkpoint-opt_param-scheduler",
-        action="store_true",
-        dest="use_checkpoint_opt_param_scheduler",
-        help="use the checkpoint's lr schedule",
     )

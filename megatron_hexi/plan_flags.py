@@ -30,6 +30,11 @@ ACCEPTED = {
     "megatron-core's default",
     "no_persist_layer_norm": "Apex's persistent layer norm does not run here",
     "hetero_load_if_exists": "--load of a folder with no checkpoint starts fresh anyway",
+    "use_cpu_initialization": "every rank fills its parameters with its slices of the seed's "
+    "canonical tensors: the same weights wherever they are computed",
+    "no_create_attention_mask_in_dataloader": "the data never builds an attention mask (the "
+    "attention is causal)",
+    "tensorboard_queue_size": "the TensorBoard writer's own queue is used",
 }
 
 
@@ -170,6 +175,13 @@ def plan_flag_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
         problems.append(
             f"--position-embedding-type {args.position_embedding_type} contradicts the plan's "
             f"model ({m.position_embedding_type})"
+        )
+    if args.use_rope_scaling is not None and not m.rope_scaling:
+        problems.append("--use-rope-scaling contradicts the plan's model (rope_scaling: false)")
+    if args.rotary_percent is not None and args.rotary_percent != 1.0:
+        problems.append(
+            f"--rotary-percent {args.rotary_percent:g}: the plan's model rotates the whole head "
+            f"(1.0); drop the flag"
         )
     if args.no_position_embedding and m.position_embedding_type == "learned_absolute":
         problems.append(

@@ -83,6 +83,18 @@ REFUSED = (
         "only megatron-core's models run (as --use-mcore-models); drop the flag",
     ),
     Refused(
+        "--qk-layernorm",
+        0,
+        "the plan's models have no query/key layer norm; drop the flag (or train such a model "
+        "with Megatron-LM)",
+    ),
+    Refused(
+        "--apply-layernorm-1p",
+        0,
+        "the plan's models have no zero-centred layer-norm weights; drop the flag (or train "
+        "such a model with Megatron-LM)",
+    ),
+    Refused(
         "--log-num-zeros-in-grad",
         0,
         "counting zero gradient elements is not implemented; drop the flag (the iteration line "

@@ -153,6 +153,10 @@ def test_docs_table_is_the_parsers():
         "--log-params-norm": "honoured",
         "--no-position-embedding": "checked against the plan",
         "--log-num-zeros-in-grad": "refused",
+        "--qk-layernorm": "refused",
+        "--use-cpu-initialization": "accepted, no effect",
+        "--no-create-attention-mask-in-dataloader": "accepted, no effect",
+        "--use-rope-scaling": "checked against the plan",
         "--use-mcore-models": "accepted, no effect",
         "--timing-log-level": "accepted, no effect",
         "--log-timers-to-tensorboard": "accepted, no effect",
@@ -245,6 +249,10 @@ def test_honoured_flags_reach_the_run_config(plans):
         "--log-validation-ppl-to-tensorboard",
         "--log-memory-to-tensorboard",
         "--hetero-load-if-exists",
+        "--use-cpu-initialization",
+        "--no-create-attention-mask-in-dataloader",
+        "--tensorboard-queue-size",
+        "10",
         "--load",
         "s",
     ]
@@ -291,6 +299,22 @@ def test_honoured_flags_reach_the_run_config(plans):
         ("mqa", ["--group-query-attention"], None),
         ("one", ["--max-position-embeddings", "4096"], None),  # rope: no effect
         ("one", ["--no-position-embedding"], None),
+        ("one", ["--rotary-percent", "1.0", "--rope-scaling-factor", "8"], None),
+        (
+            "one",
+            ["--rotary-percent", "0.5"],
+            "--rotary-percent 0.5: the plan's model rotates the whole head (1.0); drop the flag",
+        ),
+        (
+            "one",
+            ["--use-rope-scaling"],
+            "--use-rope-scaling contradicts the plan's model (rope_scaling: false)",
+        ),
+        (
+            "one",
+            ["--rope-scaling-factor", "32"],
+            "--rope-scaling-factor 32.0 contradicts the plan's model rope_scaling_factor 8.0",
+        ),
         (
             "learned",
             ["--no-position-embedding"],
