@@ -61,11 +61,12 @@ class Parser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Every flag's help ends with its default, unless the help already says it."""
+    """Every flag's help ends with its default, unless the help already says it (or the flag is
+    refused: it has none)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default is argparse.SUPPRESS:
+        if "default" in text or text.startswith("refused:"):
             return text
         if action.nargs == 0:
             return f"{text} (default: off)"

@@ -332,7 +332,9 @@ def _batch_and_schedule(p: argparse.ArgumentParser) -> None:
         help="samples to train: train iterations = samples / global batch, which must divide "
         "them (default: none)",
     )
-    b.add_argument("--lr", type=finite_float, default=None, help="peak learning rate (required)")
+    b.add_argument(
+        "--lr", type=finite_float, default=None, help="peak learning rate (required; no default)"
+    )
     b.add_argument("--min-lr", type=finite_float, default=0.0, help="floor of the decayed lr")
     b.add_argument(
         "--lr-decay-style",

@@ -137,7 +137,7 @@ def add_refused(parser: argparse.ArgumentParser) -> None:
                 nargs=None if r.nargs == 1 else r.nargs,
                 default=None,
                 metavar="X",
-                help=f"refused: {r.why} (default: not given)",
+                help=f"refused: {r.why}",
             )
 
 
