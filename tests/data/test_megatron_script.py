@@ -12,7 +12,7 @@ import pytest
 
 from data.commands import flags as data_flags
 from harness import run_ranks, run_script
-from runtime.plans import write_plan
+from runtime.plans import TWO_STAGES, write_plan
 from runtime.workers import max_relative_difference
 
 # The hetero plan: pipeline 0 two stages (ranks 0, 1), pipeline 1 one stage (rank 2); both
@@ -115,23 +115,26 @@ def test_exit_duration_manual_gc_and_missing_checkpoint(repo_root, tmp_path):
     """--exit-duration-in-mins stops after the first iteration past it and saves it (a first
     run, as --load of an empty folder starts fresh), with --manual-gc collecting every
     iteration; --exit-on-missing-checkpoint turns the empty folder into an error; nccl needs
-    CUDA. One rank, mock data."""
-    plan = write_plan(tmp_path, "one", "tiny", 1, ONE_RANK)
-    base = [repo_root / "pretrain_gpt.py", "--hetero-plan-path", plan, "--mock-data"]
-    base += ["--train-iters", "3", "--lr", "1e-3"]
+    CUDA. Mock data; two ranks (two stages) for the stop, one for the errors."""
+    flags = ["--mock-data", "--train-iters", "3", "--lr", "1e-3"]
     ckpt, empty = tmp_path / "ckpt", tmp_path / "empty"
     empty.mkdir()
-    code, out, err = run_script(
+    two = write_plan(tmp_path, "two", "tiny", 2, TWO_STAGES)  # the ranks agree on stopping
+    runs = run_ranks(
         [
-            *base,
+            *(repo_root / "pretrain_gpt.py", "--hetero-plan-path", two, *flags),
             *("--save", ckpt, "--load", ckpt, "--exit-duration-in-mins", "1e-6"),
             *("--manual-gc", "--manual-gc-interval", "1"),
         ],
+        2,
         cwd=repo_root,
     )
-    assert code == 0, err
+    assert [code for code, _, _ in runs] == [0, 0], runs
+    out = runs[0][1]
     assert "(--exit-duration-in-mins 1e-06)" in out and "exiting program after" in out, out
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    one = write_plan(tmp_path, "one", "tiny", 1, ONE_RANK)
+    base = [repo_root / "pretrain_gpt.py", "--hetero-plan-path", one, *flags]
     code, out, err = run_script(
         [*base, "--load", empty, "--exit-on-missing-checkpoint"], cwd=repo_root
     )
