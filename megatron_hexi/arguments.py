@@ -87,6 +87,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace | None, list[
             "--recompute-activations (selective recompute) is not supported; use "
             "--recompute-granularity full, or plan with recompute"
         )
+    if args.recompute_granularity == "selective":
+        problems.append(
+            "--recompute-granularity selective is not supported; use --recompute-granularity "
+            "full with a plan that recomputes, or drop the flag"
+        )
     problems += range_problems(args)
     problems += _collect(check_plan_source, args)
     problems += _collect(check_split, args.split)
@@ -328,7 +333,7 @@ def plan_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
         )
     problems.extend(cuda_graph_problems(args, t))
     wants_recompute = args.recompute_granularity == "full"
-    if args.recompute_granularity is not None and wants_recompute != plan.training.recompute:
+    if wants_recompute and not plan.training.recompute:
         problems.append(
             "--recompute-granularity full contradicts the plan (recompute: false); re-plan "
             "with hexi-plan ... --recompute"

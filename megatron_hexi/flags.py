@@ -227,9 +227,9 @@ def _model(p: argparse.ArgumentParser) -> None:
     )
     m.add_argument(
         "--recompute-granularity",
-        choices=["full"],
+        choices=["full", "selective"],
         default=None,
-        help=f"full: the plan must recompute (training.recompute; {PLAN})",
+        help=f"full: the plan must recompute (training.recompute); selective is refused ({PLAN})",
     )
     m.add_argument(
         "--recompute-method",

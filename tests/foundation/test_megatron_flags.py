@@ -289,6 +289,18 @@ def test_honoured_flags_reach_the_run_config(plans):
             "--recompute-method uniform --recompute-num-layers 1 contradicts the plan "
             "(recompute: false); re-plan with hexi-plan ... --recompute, or drop the flag",
         ),
+        (
+            "recompute",
+            ["--recompute-granularity", "selective"],
+            "--recompute-granularity selective is not supported; use --recompute-granularity "
+            "full with a plan that recomputes, or drop the flag",
+        ),
+        (
+            "one",
+            ["--recompute-activations"],
+            "--recompute-activations (selective recompute) is not supported; use "
+            "--recompute-granularity full, or plan with recompute",
+        ),
         ("one", ["--group-query-attention", "--num-query-groups", "4"], None),
         (
             "one",
