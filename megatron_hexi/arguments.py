@@ -256,7 +256,8 @@ def plan_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
         if given is not None and given != getattr(m, field):
             problems.append(
                 f"--{flag.replace('_', '-')} {given} contradicts the plan's model "
-                f"{field} {getattr(m, field)}"
+                f"{field} {getattr(m, field)}; drop the flag, or plan a model (YAML) with "
+                f"{field}: {given}"
             )
     if args.swiglu is not None and args.swiglu != m.swiglu:
         problems.append(f"--swiglu contradicts the plan's model (swiglu: {m.swiglu})")

@@ -326,7 +326,8 @@ def test_honoured_flags_reach_the_run_config(plans):
         (
             "one",
             ["--rope-scaling-factor", "32"],
-            "--rope-scaling-factor 32.0 contradicts the plan's model rope_scaling_factor 8.0",
+            "--rope-scaling-factor 32.0 contradicts the plan's model rope_scaling_factor 8.0; "
+            "drop the flag, or plan a model (YAML) with rope_scaling_factor: 32.0",
         ),
         (
             "learned",
@@ -354,7 +355,8 @@ def test_honoured_flags_reach_the_run_config(plans):
         (
             "one",
             ["--init-method-std", "0.006"],
-            "--init-method-std 0.006 contradicts the plan's model init_method_std 0.02",
+            "--init-method-std 0.006 contradicts the plan's model init_method_std 0.02; drop "
+            "the flag, or plan a model (YAML) with init_method_std: 0.006",
         ),
         ("one", ["--make-vocab-size-divisible-by", "128"], None),
         (
