@@ -28,7 +28,7 @@ A flag that is in no table below is refused as unknown.
 
 Status:
 
-- **honoured**: it does what it does in Megatron-LM.
+- **honoured**: it takes effect (a Megatron-LM flag as in Megatron-LM; the note says how).
 - **checked against the plan**: it must agree with the plan (the plan decides; see each note).
 - **accepted, no effect**: what it asks for is always so here, or does not apply (the note says).
 - **refused**: an error that says why and what to use instead.
