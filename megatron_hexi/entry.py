@@ -6,16 +6,16 @@ fraction of a second and come as one message; then megatron_hexi.training runs i
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Sequence
 from typing import NoReturn
 
 from megatron_hexi.arguments import check_command_line
 from megatron_hexi.process_exit import exit_process
 from megatron_hexi.report import error_lines
+from megatron_hexi.start_time import STARTED
 from planner.errors import SpecError
 
-STARTED = time.time()  # start-up, for --exit-duration-in-mins (megatron_hexi.run_limits)
+__all__ = ["STARTED", "cli"]  # STARTED: taken at the entry's import, before the check
 
 
 def cli(argv: Sequence[str] | None = None) -> NoReturn:

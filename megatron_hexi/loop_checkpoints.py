@@ -3,15 +3,30 @@ Megatron-LM makes one when the folder holds no checkpoint) and a save with Megat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
 from megatron_hexi import checkpoint
+from megatron_hexi.checkpoint.state import TrainState
 from megatron_hexi.report import AgreedError
 
 if TYPE_CHECKING:
-    from megatron_hexi.training import Trainer
+    from megatron_hexi.config import RunConfig
+
+
+class Trainer(TrainState, Protocol):
+    """What the loop's checkpoint steps use of a trainer (megatron_hexi.training.Trainer): the
+    checkpoint's state, the run's settings, the event list the run reports, and the parameter
+    settling a save needs first."""
+
+    @property
+    def config(self) -> RunConfig: ...
+
+    @property
+    def checkpoint_events(self) -> list[dict[str, Any]]: ...
+
+    def settle_parameters(self) -> None: ...
 
 
 def load_at_start(trainer: Trainer) -> int:

@@ -1,10 +1,11 @@
 """--exit-duration-in-mins and --manual-gc, as Megatron-LM's training loop does them.
 
-The duration counts from the earliest start-up of any rank (megatron_hexi.entry's import, before
-the command line is parsed); after each iteration the ranks agree with one all-reduce
-whether any has passed it, so every rank stops (and saves) at the same iteration. Manual GC turns
-Python's automatic collection off, so that no rank pauses for it in the middle of a collective
-while the others wait; every rank collects at the same iterations instead.
+The duration counts from the earliest start-up of any rank (megatron_hexi.start_time, imported
+by megatron_hexi.entry before the command line is parsed); after each iteration the ranks agree
+with one all-reduce whether any has passed it, so every rank stops (and saves) at the same
+iteration. Manual GC turns Python's automatic collection off, so that no rank pauses for it in
+the middle of a collective while the others wait; every rank collects at the same iterations
+instead.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_hexi.entry import STARTED as START
+from megatron_hexi.start_time import STARTED as START
 
 
 class ExitDuration:

@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -624,8 +624,8 @@ def _train(
 def main(argv: Sequence[str] | None = None, checked: CommandLine | None = None) -> int:
     """Run pretrain_gpt.py; returns the exit code (2: a clear error). A failure after the process
     group exists ends the process itself (exit 1). `checked`: the command line already checked
-    (megatron_hexi.entry does it before importing torch). Call `cli` to end the process with
-    the code."""
+    (megatron_hexi.entry does it before importing torch; its `cli`, hexi-train, ends the
+    process with the code)."""
     interrupt.install()
     save: str | None = None
     try:
@@ -688,11 +688,3 @@ def main(argv: Sequence[str] | None = None, checked: CommandLine | None = None) 
     finally:
         interrupt.restore()
     return 0
-
-
-def cli(argv: Sequence[str] | None = None) -> NoReturn:
-    """hexi-train: as pretrain_gpt.py (megatron_hexi.entry.cli, which checks the command line
-    before torch is imported)."""
-    from megatron_hexi.entry import cli as entry_cli
-
-    entry_cli(argv)
