@@ -12,6 +12,7 @@ import math
 from functools import reduce
 from typing import TYPE_CHECKING
 
+from planner.catalog import get_gpu
 from planner.errors import SpecError
 
 if TYPE_CHECKING:
@@ -161,7 +162,8 @@ def recompute_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
 
 def plan_flag_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
     """The flags of this module checked against the plan (megatron_hexi.arguments checks the
-    rest): query groups, position rows and type, recompute, and the mock vocabulary."""
+    rest): query groups, position rows and type, recompute, bf16 on GPUs without it, and the
+    mock vocabulary."""
     m, problems = plan.model, []
     if args.group_query_attention and args.num_query_groups is None and m.num_query_groups != 1:
         problems.append(
@@ -201,6 +203,12 @@ def plan_flag_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
                 f"(learned_absolute positions, {m.position_rows} rows)"
             )
     problems += recompute_problems(args, plan)
+    no_bf16 = sorted({g.gpu for g in plan.cluster.groups if not get_gpu(g.gpu).bf16})
+    if args.bf16 and no_bf16:
+        problems.append(
+            f"--bf16: the plan's {', '.join(no_bf16)} have no bf16 tensor cores; train with "
+            f"--fp16 (loss scaling), or plan without them"
+        )
     if args.mock_data and not args.data_path:
         vocab = vocab_problem(
             m.vocab_size, args.make_vocab_size_divisible_by, plan, "the mock data's vocabulary"

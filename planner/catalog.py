@@ -21,6 +21,7 @@ class GpuType:
     mem_bw_gbs: float  # memory bandwidth, GB/s
     aliases: tuple[str, ...]
     source: str
+    bf16: bool = True  # has bf16 tensor cores (V100 and T4 do not: they train in fp16)
 
     @property
     def peak_flops(self) -> float:
@@ -43,6 +44,7 @@ def gpu_catalog() -> dict[str, GpuType]:
             float(r["mem_bw_gbs"]),
             tuple(r.get("aliases", ())),
             r["source"],
+            bool(r.get("bf16", True)),
         )
         for r in rows
     }

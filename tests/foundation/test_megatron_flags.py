@@ -395,3 +395,29 @@ def test_plan_and_run_config_agree_on_the_global_batch(plans):
     assert run_config(args, 8).training.train_iters == 2
     assert load_plan(plans["one"]).global_batch_size == 8
     assert isinstance(args, argparse.Namespace)
+
+
+def test_bf16_on_gpus_without_it_is_refused(plans, tmp_path):
+    """V100 and T4 have no bf16 tensor cores (the catalog says so): a plan over a T4 refuses
+    --bf16 and names --fp16; fp16 and fp32 run; a plan of GPUs with bf16 takes --bf16."""
+    from planner.catalog import get_gpu
+    from planner.cluster import load_cluster_dict
+    from planner.plan import build_plan, save_plan
+
+    assert [get_gpu(g).bf16 for g in ("V100-SXM2", "V100-PCIE", "T4", "A100-SXM-80GB")] == [
+        False,
+        False,
+        False,
+        True,
+    ]
+    node = {"name": "t4", "gpu": "T4", "gpus_per_node": 1, "intra_node": "host", "nic": "10 Gbit/s"}
+    cluster = load_cluster_dict({"name": "t4", "nodes": [node]})
+    path = tmp_path / "t4.json"
+    save_plan(build_plan(cluster, load_model("tiny"), 8, REFERENCE), path)
+    t4 = ["--hetero-plan-path", path, *BASE]
+    assert problems([*t4, "--bf16"]) == [
+        "--bf16: the plan's T4 have no bf16 tensor cores; train with --fp16 (loss scaling), or "
+        "plan without them"
+    ]
+    assert problems([*t4, "--fp16"]) == problems(t4) == []
+    assert problems(["--hetero-plan-path", plans["one"], *BASE, "--bf16"]) == []
