@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
-from planner import costmodel as cm
 from planner.host import LayerImpl
 from planner.models import ModelSpec
 from planner.search_pipeline import Context, Fits, PipelineDraft, Unit
+from planner.topology import Topology
 
 
 class LaidOut(Protocol):
@@ -47,7 +47,7 @@ class SearchState(Protocol[C]):
     @property
     def model(self) -> ModelSpec: ...
     @property
-    def topo(self) -> cm.Topology: ...
+    def topo(self) -> Topology: ...
     @property
     def _fits(self) -> Fits: ...
     @property

@@ -12,7 +12,7 @@ Strategies (all scored by the same simulator):
 The outer loop covers micro-batch size and recompute. Deterministic for a seed.
 
 With overlap_grad_reduce / overlap_param_gather the candidates are ranked and scored with the
-overlapped gradient sync (planner.gradsync's overlap model) and the plan records both settings;
+overlapped gradient sync (planner.sync_model's overlap model) and the plan records both settings;
 likewise every candidate is costed (time and memory) with the given attention backend, which the
 plan records. With sequence parallelism every stage of TP degree t > 1 keeps its activations
 outside attention and MLP cut over its t ranks (costmodel.layer_activation_bytes) and needs no
@@ -32,21 +32,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from planner import costmodel as cm
 from planner.attention import ATTENTION_BACKENDS, PLAN_DEFAULT_BACKEND, keeps_scores
 from planner.cli_args import PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER
 from planner.cuda_graphs import PLAN_DEFAULT_GRAPH_IMPL
 from planner.errors import SpecError
-from planner.gradsync import (
-    StageLayout,
-    collectives,
-    overlapped_sync_time,
-    rank_sets,
-    stage_timings,
-    sync_time,
-)
 from planner.host import EAGER_LOCAL, LayerImpl, layer_impl
 from planner.layout import even_split, total_params
+from planner.memory import (
+    FRAMEWORK_RESERVE_BYTES,
+    GRAD_BYTES_PER_PARAM,
+    OPTIMIZER_BYTES_PER_PARAM,
+    WEIGHT_BYTES_PER_PARAM,
+    layer_activation_bytes,
+)
 from planner.neighbours import NeighbourContexts
 from planner.plan import build_plan
 from planner.schedule import last_backward_ends
@@ -69,6 +67,15 @@ from planner.search_pipeline import (
     unit_options,
 )
 from planner.simulator import Estimate, SimulationCache, simulate, simulate_layout
+from planner.sync_model import (
+    StageLayout,
+    collectives,
+    overlapped_sync_time,
+    rank_sets,
+    stage_timings,
+    sync_time,
+)
+from planner.topology import Topology
 from planner.transformer_impl import PLAN_DEFAULT_IMPL, TRANSFORMER_IMPLS
 
 if TYPE_CHECKING:
@@ -267,7 +274,7 @@ class Searcher:
             raise SpecError("--global-batch-size: must be a positive integer")
         self.cluster, self.model, self.gbs = cluster, model, global_batch_size
         self.seed, self.dist_opt = seed, use_distributed_optimizer
-        self.topo = cm.Topology(cluster)
+        self.topo = Topology(cluster)
         self.progress = _Progress(progress)
         if micro_batch_size is not None:
             if micro_batch_size < 1 or global_batch_size % micro_batch_size:
@@ -728,36 +735,34 @@ class Searcher:
         P = total_params(m)
         N = topo.cluster.num_gpus
         devs = [topo.device_of(r) for r in range(N)]
-        room = sum(d.memory_bytes - cm.FRAMEWORK_RESERVE_BYTES for d in devs)
+        room = sum(d.memory_bytes - FRAMEWORK_RESERVE_BYTES for d in devs)
         K_max = N if self.dist_opt else 1
         state = P * (
-            cm.WEIGHT_BYTES_PER_PARAM
-            + cm.GRAD_BYTES_PER_PARAM
-            + cm.OPTIMIZER_BYTES_PER_PARAM / K_max
+            WEIGHT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM / K_max
         )
         name = m.name or "the model"
         if state > room:
             hints = []
             if not self.dist_opt:
-                ds = P * (cm.WEIGHT_BYTES_PER_PARAM + cm.GRAD_BYTES_PER_PARAM)
+                ds = P * (WEIGHT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM)
                 if ds < room:
                     hints.append(
                         "--use-distributed-optimizer (shards the 12 B/param fp32 master "
                         "and Adam state over pipelines)"
                     )
             big = max(devs, key=lambda d: d.memory_bytes)
-            more = math.ceil((state - room) / (big.memory_bytes - cm.FRAMEWORK_RESERVE_BYTES))
+            more = math.ceil((state - room) / (big.memory_bytes - FRAMEWORK_RESERVE_BYTES))
             hints.append(f"about {more} more {big.name} GPUs")
             return (
                 f"no plan fits: {name} ({P / 1e9:.2f} B parameters) needs {state / 1e9:.1f} GB "
                 f"for weights, grads and optimizer state, but the {N} GPUs offer "
-                f"{room / 1e9:.1f} GB after a {cm.FRAMEWORK_RESERVE_BYTES / 1e9:g} GB reserve "
+                f"{room / 1e9:.1f} GB after a {FRAMEWORK_RESERVE_BYTES / 1e9:g} GB reserve "
                 f"each ({(state - room) / 1e9:.1f} GB missing); would fit with: "
                 + " or ".join(hints)
             )
         mbs = min(self.mbs_list)
         rc = max(self.rc_list)
-        act = cm.layer_activation_bytes(
+        act = layer_activation_bytes(
             m, mbs, m.num_query_groups, m.ffn_hidden_size, rc, self.attention_backend
         )
         hints = []
@@ -824,7 +829,7 @@ def _set_partitions(items: Sequence[_T]) -> Iterator[list[list[_T]]]:
 def runs_on_gpus(cluster: ClusterSpec) -> bool:
     """Whether every node of `cluster` is a GPU: none is the catalog's CPU row or has a CPU
     profile (such runs exercise the code path with gloo)."""
-    for d in cm.Topology(cluster).devices:
+    for d in Topology(cluster).devices:
         if d.name == "CPU" or (d.profile is not None and d.profile.profile.is_cpu):
             return False
     return True

@@ -23,7 +23,7 @@ from planner.layout import even_split
 from planner.search_pipeline import Unit
 
 if TYPE_CHECKING:
-    from planner.costmodel import Topology
+    from planner.topology import Topology
 
 # What `refine` asks of a partition: (seconds, pipeline indices slowest first, anything else the
 # caller keeps), or None if it has no feasible layout.

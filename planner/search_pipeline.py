@@ -15,11 +15,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
-from planner import costmodel as cm
 from planner.attention import PLAN_DEFAULT_BACKEND
+from planner.costmodel import group_costs
+from planner.devices import Device
 from planner.host import EAGER_LOCAL, LayerImpl
 from planner.layout import proportional_split
+from planner.memory import BF16_BYTES, RankShape, layers_that_fit, sequence_split
 from planner.schedule import linear_fit, pipeline_time, window_period
+from planner.topology import BoundaryTimes, Signature, Topology, boundary_times
 
 if TYPE_CHECKING:
     from planner.models import ModelSpec
@@ -125,7 +128,7 @@ class Context:
     def __init__(
         self,
         model: ModelSpec,
-        topo: cm.Topology,
+        topo: Topology,
         mbs: int,
         recompute: bool,
         optimizer_fraction: float,
@@ -144,9 +147,9 @@ class Context:
         # best pipeline per part signature (planner.search keeps its own entries)
         self.pipelines: dict[tuple[Any, ...], Any] = {}
         self._stage: dict[tuple[Any, ...], StageDraft] = {}
-        self._boundary: dict[cm.Signature, cm.BoundaryTimes] = {}
+        self._boundary: dict[Signature, BoundaryTimes] = {}
         self._unit_stage: dict[tuple[Any, ...], StageDraft] = {}
-        self._unit_boundary: dict[tuple[Any, ...], cm.BoundaryTimes] = {}
+        self._unit_boundary: dict[tuple[Any, ...], BoundaryTimes] = {}
         self._fit: dict[tuple[Any, ...], int] = {}  # layers_that_fit by its arguments
         # build_pipeline templates by (unit kinds, node pattern, ks, m)
         self._pipes: dict[tuple[Any, ...], _Template | None] = {}
@@ -189,9 +192,7 @@ class Context:
             "ffn": tuple(proportional_split(m.ffn_hidden_size, speeds)),
             "vocab": tuple(proportional_split(m.vocab_size, speeds)),
         }
-        costs = cm.group_costs(
-            m, devs, topo.slowest(ranks), self.attention_backend, self.layer_impl
-        )
+        costs = group_costs(m, devs, topo.slowest(ranks), self.attention_backend, self.layer_impl)
         cf, tf, cb, tb = costs.layer_times(
             self.mbs, shards["query_groups"], shards["ffn"], self.recompute
         )
@@ -209,7 +210,7 @@ class Context:
 
     def _nmax(
         self,
-        devs: Sequence[cm.Device],
+        devs: Sequence[Device],
         shards: Mapping[str, Sequence[int]],
         first: bool,
         last: bool,
@@ -248,16 +249,16 @@ class Context:
         """`costmodel.layers_that_fit` for this search's model, micro-batch and recompute,
         memoised: many stages of one search share a GPU type, shards and position. `tp`: the
         stage's TP degree (the sequence split under sequence parallelism)."""
-        split = cm.sequence_split(tp, self.sequence_parallel)
+        split = sequence_split(tp, self.sequence_parallel)
         key = (capacity, qg, ffn, vocab, first, last, position, num_stages, split)
         got = self._fit.get(key)
         if got is None:
-            shape = cm.RankShape(
+            shape = RankShape(
                 self.mbs, qg, ffn, vocab, first, last, position, num_stages,
                 num_stages - position, self.recompute, self.optimizer_fraction,
                 self.attention_backend, split,
             )  # fmt: skip
-            got = self._fit[key] = cm.layers_that_fit(capacity, self.model, shape)
+            got = self._fit[key] = layers_that_fit(capacity, self.model, shape)
         return got
 
     def unit_stage(
@@ -279,7 +280,7 @@ class Context:
 
     def unit_boundary(
         self, ua: Unit, a: Sequence[int], ub: Unit, b: Sequence[int]
-    ) -> cm.BoundaryTimes:
+    ) -> BoundaryTimes:
         """`boundary` between TP groups inside units ua and ub (same machine or not)."""
         key = (ua.key, len(a), ub.key, len(b), ua.node == ub.node)
         got = self._unit_boundary.get(key)
@@ -287,18 +288,18 @@ class Context:
             got = self._unit_boundary[key] = self.boundary(a, b)
         return got
 
-    def boundary(self, a: Sequence[int], b: Sequence[int]) -> cm.BoundaryTimes:
+    def boundary(self, a: Sequence[int], b: Sequence[int]) -> BoundaryTimes:
         key = self.topo.sig(a, b)
         got = self._boundary.get(key)
         if got is None:
-            got = cm.boundary_times(self.model, self.mbs, a, b, self.topo, self.sequence_parallel)
+            got = boundary_times(self.model, self.mbs, a, b, self.topo, self.sequence_parallel)
             self._boundary[key] = got
         return got
 
     def link_cost(self, u: Unit, v: Unit) -> float:
         """Seconds to move one activation between two units (the ordering's edge weight)."""
         bw, lat = self.topo.node_link(u.node, v.node)
-        return self.model.seq_length * self.mbs * self.model.hidden_size * cm.BF16_BYTES / bw + lat
+        return self.model.seq_length * self.mbs * self.model.hidden_size * BF16_BYTES / bw + lat
 
 
 def assign_layers(
@@ -510,7 +511,7 @@ def _build_rows(ctx: Context, units: Sequence[Unit], ks: Sequence[int]) -> _Rows
     prev: tuple[Unit, int] | None = None  # (unit, TP size) of the previous unit's last stage
     for u, k in zip(units, ks):
         t = len(u.ranks) // k
-        inner: cm.BoundaryTimes | None = None  # between two TP groups of this unit
+        inner: BoundaryTimes | None = None  # between two TP groups of this unit
         for j in range(k):
             first, last = i == 0, i == p - 1
             st = stage_cache.get((u.key, t, first, last, p - i))
