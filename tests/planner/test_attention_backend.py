@@ -14,7 +14,8 @@ from planner.costmodel import group_costs
 from planner.devices import device_for
 from planner.memory import RankShape, layer_activation_bytes, rank_memory
 from planner.models import load_model
-from planner.plan import load_plan, plan_from_dict, validate_plan_dict
+from planner.plan import load_plan, plan_from_dict
+from planner.plan_validation import validate_plan_dict
 from planner.search import search_plan
 from planner.simulator import simulate
 

@@ -16,7 +16,8 @@ from planner.cluster import load_cluster, load_cluster_dict
 from planner.membership import PlanningOptions, plan_for
 from planner.memory import RankShape, layer_activation_bytes, rank_memory, sequence_split
 from planner.models import load_model
-from planner.plan import load_plan, plan_from_dict, validate_plan_dict
+from planner.plan import load_plan, plan_from_dict
+from planner.plan_validation import validate_plan_dict
 from planner.search import STRATEGIES, search_plan
 from planner.search_pipeline import unit_options
 from planner.simulator import simulate
