@@ -238,7 +238,7 @@ class Context:
         num_stages: int,
         tp: int = 1,
     ) -> int:
-        """`costmodel.layers_that_fit` for this search's model, micro-batch and recompute,
+        """`memory.layers_that_fit` for this search's model, micro-batch and recompute,
         memoised: many stages of one search share a GPU type, shards and position. `tp`: the
         stage's TP degree (the sequence split under sequence parallelism)."""
         split = sequence_split(tp, self.sequence_parallel)

@@ -490,7 +490,7 @@ def _pipeline_eval(
     """(1F1B seconds, per stage (fwd, bwd, compute, tp_comm, p2p_in), per rank MemoryUse
     without optimizer state, the schedule's inputs) of one pipeline. Under
     `sequence_parallel` a stage of TP degree t > 1 keeps its activations cut over its t ranks
-    (costmodel.sequence_split) and does not all-gather what it receives."""
+    (memory.sequence_split) and does not all-gather what it receives."""
     p = len(stages)
     fwd, bwd, xf, xb, rows, mems = [], [], [], [], [], []
     for k, st in enumerate(stages):
