@@ -4,7 +4,7 @@
         --train-iters 3 --lr 1e-3 --lr-decay-style constant
 """
 
-from megatron_hexi.training import cli
+from megatron_hexi.entry import cli
 
 if __name__ == "__main__":
     cli()

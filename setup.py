@@ -62,7 +62,7 @@ setup(
     entry_points={
         "console_scripts": [
             "hexi-plan=planner.cli:main",
-            "hexi-train=megatron_hexi.training:cli",
+            "hexi-train=megatron_hexi.entry:cli",
             "hexi-launch=megatron_hexi.launch.cli:main",
             "hexi-cluster=megatron_hexi.cluster_tools.cli:cli",
             "hexi-profile=megatron_hexi.profile.cli:cli",

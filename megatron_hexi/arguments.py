@@ -9,9 +9,9 @@ The checked flags become a RunConfig (run_config), the only form the runtime rea
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megatron_hexi.config import (
     CheckpointConfig,
@@ -39,43 +39,98 @@ from planner.transformer_impl import default_impl
 
 if TYPE_CHECKING:
     from planner.plan import Plan, Training
-from megatron_hexi.flags import MODEL_FLAGS, build_parser, check_ranges, check_split
+from megatron_hexi.flag_parsing import Parser, check_split, range_problems
+from megatron_hexi.flags import MODEL_FLAGS, build_parser
+from megatron_hexi.plan_flags import (
+    ACCEPTED,
+    iterations,
+    plan_flag_problems,
+    schedule_problems,
+)
+from megatron_hexi.refused_flags import REFUSED_DESTS, refused_problems
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, checked on its own (not against a plan): raises one SpecError that
+    lists every problem it has."""
+    args, problems = _parse(argv)
+    if problems:
+        raise SpecError(problems)
+    assert args is not None
+    return args
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace | None, list[str]]:
+    """The parsed flags (None if argparse could not read the line) and all their problems: bad
+    values, unknown and refused flags, ranges, and flags that need or exclude each other."""
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except SpecError as e:
+        return None, list(map(str, e.problems))
+    assert isinstance(parser, Parser)
+    problems = list(parser.problems)
+    for dest in parser.bad:  # reported once: later checks see the flag as not given
+        setattr(args, dest, parser.get_default(dest))
     flags = [u for u in unknown if u.startswith("--")]
-    if flags:
-        raise SpecError(
+    if flags:  # the other words are their values
+        problems.append(
             f"unsupported flag{'s' if len(flags) > 1 else ''}: {' '.join(flags)} "
             f"(this runtime does not implement {'them' if len(flags) > 1 else 'it'}; "
-            f"see pretrain_gpt.py --help)"
+            f"see pretrain_gpt.py --help and docs/megatron-flags.md)"
         )
-    if unknown:
-        raise SpecError(f"unexpected argument: {' '.join(unknown)}")
+    elif unknown:
+        problems.append(f"unexpected argument: {' '.join(unknown)}")
+    problems += refused_problems(args)
     if args.recompute_activations:
-        raise SpecError(
+        problems.append(
             "--recompute-activations (selective recompute) is not supported; use "
             "--recompute-granularity full, or plan with recompute"
         )
-    check_ranges(args)
-    check_precision(args)
-    check_plan_source(args)
-    check_split(args.split)
+    if args.recompute_granularity == "selective":
+        problems.append(
+            "--recompute-granularity selective is not supported; use --recompute-granularity "
+            "full with a plan that recomputes, or drop the flag"
+        )
+    problems += range_problems(args)
+    problems += _collect(check_precision, args)
+    problems += _collect(check_plan_source, args)
+    problems += _collect(check_split, args.split)
+    if args.lr is None and "lr" not in parser.bad:
+        problems.append("--lr is required (the peak learning rate)")
+    if not parser.bad & {"train_iters", "train_samples"}:
+        problems += schedule_problems(args)
     if not args.mock_data and not args.data_path:
-        raise SpecError("give --mock-data or --data-path")
+        problems.append("give --mock-data or --data-path")
     if args.data_path:
-        check_tokenizer_flags(args)
+        problems += _collect(check_tokenizer_flags, args)
     if args.valid_data_path and not args.data_path:
-        raise SpecError("--valid-data-path needs --data-path (and its tokenizer)")
+        problems.append("--valid-data-path needs --data-path (and its tokenizer)")
     if args.save_interval and not args.save:
-        raise SpecError("--save-interval needs --save DIR")
-    loading = ("ckpt_step", "finetune", "no_load_optim", "no_load_rng", "hetero_load_if_exists")
+        problems.append("--save-interval needs --save DIR")
+    if args.manual_gc_interval and not args.manual_gc:
+        problems.append("--manual-gc-interval needs --manual-gc (Python collects on its own)")
+    loading = (
+        "ckpt_step",
+        "finetune",
+        "no_load_optim",
+        "no_load_rng",
+        "hetero_load_if_exists",
+        "exit_on_missing_checkpoint",
+    )
     given = [f for f in loading if getattr(args, f) not in (None, False)]
     if not args.load and given:
-        raise SpecError(f"--{given[0].replace('_', '-')} needs --load DIR")
-    return args
+        problems.append(f"--{given[0].replace('_', '-')} needs --load DIR")
+    return args, problems
+
+
+def _collect(check: Callable[[Any], None], value: Any) -> list[str]:
+    """The problems a raising check finds, as a list."""
+    try:
+        check(value)
+    except SpecError as e:
+        return list(map(str, e.problems))
+    return []
 
 
 def check_precision(args: argparse.Namespace) -> None:
@@ -154,7 +209,7 @@ def planning_inputs(args: argparse.Namespace, cuda: bool) -> PlanningInputs:
     (its `auto`): a run that shrinks to fewer nodes may need it to fit. Without
     --transformer-impl, Transformer Engine where this run can use it (`cuda` and TE installed),
     else the local spec (planner.transformer_impl.default_impl)."""
-    seq = args.seq_length if args.seq_length is not None else args.max_position_embeddings
+    seq = args.seq_length
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise SpecError(PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER)
     graphs = cuda_graph_settings(
@@ -226,6 +281,13 @@ def cuda_graph_problems(args: argparse.Namespace, t: Training) -> list[str]:
 
 def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
     """Every given flag must agree with the plan; returns nothing, raises SpecError otherwise."""
+    problems = plan_problems(args, plan)
+    if problems:
+        raise SpecError(problems)
+
+
+def plan_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
+    """One line per given flag that contradicts the plan."""
     m = plan.model
     problems = []
     for flag, field in MODEL_FLAGS.items():
@@ -233,7 +295,8 @@ def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
         if given is not None and given != getattr(m, field):
             problems.append(
                 f"--{flag.replace('_', '-')} {given} contradicts the plan's model "
-                f"{field} {getattr(m, field)}"
+                f"{field} {getattr(m, field)}; drop the flag, or plan a model (YAML) with "
+                f"{field}: {given}"
             )
     if args.swiglu is not None and args.swiglu != m.swiglu:
         problems.append(f"--swiglu contradicts the plan's model (swiglu: {m.swiglu})")
@@ -296,7 +359,8 @@ def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
                 f"{flag} contradicts the plan ({field}: false); re-plan with hexi-plan ... {flag}"
             )
     backend = attention_backend(args)
-    if backend is not None and backend != t.attention_backend:
+    same_module = args.use_flash_attn and t.attention_backend == "auto"  # planner.attention
+    if backend is not None and backend != t.attention_backend and not same_module:
         problems.append(
             f"--attention-backend {backend} contradicts the plan (attention_backend: "
             f"{t.attention_backend}); re-plan with hexi-plan ... --attention-backend {backend}"
@@ -309,10 +373,50 @@ def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
         )
     problems.extend(cuda_graph_problems(args, t))
     wants_recompute = args.recompute_granularity == "full"
-    if args.recompute_granularity is not None and wants_recompute != plan.training.recompute:
-        problems.append("--recompute-granularity full contradicts the plan (recompute: false)")
+    if wants_recompute and not plan.training.recompute:
+        problems.append(
+            "--recompute-granularity full contradicts the plan (recompute: false); re-plan "
+            "with hexi-plan ... --recompute"
+        )
+    return problems + plan_flag_problems(args, plan)
+
+
+@dataclass(frozen=True)
+class CommandLine:
+    """A command line checked as far as it can be before torch is imported: the flags, the
+    plan of --hetero-plan-path (None: planned at start-up) and the RunConfig."""
+
+    args: argparse.Namespace
+    config: RunConfig
+    plan: Plan | None
+
+
+def check_command_line(argv: Sequence[str] | None = None) -> CommandLine:
+    """Parse, check and (with --hetero-plan-path) compare with the plan; raises one SpecError
+    listing every problem found. Imports no torch."""
+    from planner.plan import load_plan
+
+    args, problems = _parse(argv)
+    if args is None:
+        raise SpecError(problems)
+    plan = None
+    if args.hetero_plan_path and not any(p.startswith("give exactly one of") for p in problems):
+        try:
+            plan = load_plan(args.hetero_plan_path)
+        except SpecError as e:
+            problems += map(str, e.problems)
+        else:
+            problems += plan_problems(args, plan)
+    config = None
+    if args.lr is not None and not schedule_problems(args):
+        try:
+            config = run_config(args, plan.global_batch_size if plan else args.global_batch_size)
+        except SpecError as e:
+            problems += map(str, e.problems)
     if problems:
         raise SpecError(problems)
+    assert config is not None
+    return CommandLine(args, config, plan)
 
 
 # Flags that never reach the runtime as values: the plan decides what they describe (the flags
@@ -324,6 +428,10 @@ NOT_IN_RUN_CONFIG = frozenset(
         "hetero_cluster",  # planned into the Plan at start-up
         "hetero_model",
         *MODEL_FLAGS,
+        "max_position_embeddings",
+        "no_position_embedding",
+        "use_rope_scaling",
+        "rotary_percent",
         "group_query_attention",
         "swiglu",
         "untie_embeddings_and_output_weights",
@@ -332,8 +440,6 @@ NOT_IN_RUN_CONFIG = frozenset(
         "disable_bias_linear",
         "recompute_activations",
         "recompute_granularity",
-        "recompute_method",
-        "recompute_num_layers",
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
         "micro_batch_size",
@@ -349,19 +455,28 @@ NOT_IN_RUN_CONFIG = frozenset(
         "cuda_graph_impl",
         "cuda_graph_scope",
         "optimizer",  # adam only
+        *ACCEPTED,  # accepted with no effect (megatron_hexi.plan_flags.ACCEPTED says why)
+        *REFUSED_DESTS,  # refused (megatron_hexi.refused_flags)
     }
 )
 
 
-def run_config(args: argparse.Namespace) -> RunConfig:
-    """The parsed flags (parse_args) as a RunConfig: the one place a flag reaches the runtime."""
+def run_config(args: argparse.Namespace, global_batch_size: int | None = None) -> RunConfig:
+    """The parsed flags (parse_args) as a RunConfig: the one place a flag reaches the runtime.
+    `global_batch_size` (the plan's) turns samples into iterations."""
+    train_iters, decay_iters, warmup_iters = iterations(args, global_batch_size)
     return RunConfig(
         training=TrainingConfig(
-            train_iters=args.train_iters,
+            train_iters=train_iters,
             seed=args.seed,
             exit_interval=args.exit_interval,
+            exit_duration_in_mins=args.exit_duration_in_mins,
             exit_signal_handler=args.exit_signal_handler,
             check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
+            manual_gc=args.manual_gc,
+            manual_gc_interval=args.manual_gc_interval,
+            recompute_method=args.recompute_method,
+            recompute_num_layers=args.recompute_num_layers,
         ),
         evaluation=EvaluationConfig(
             eval_interval=args.eval_interval,
@@ -379,8 +494,9 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         ),
         lr_schedule=LRScheduleConfig(
             lr_decay_style=args.lr_decay_style,
-            lr_decay_iters=args.lr_decay_iters,
-            lr_warmup_iters=args.lr_warmup_iters,
+            lr_decay_iters=decay_iters,
+            lr_warmup_iters=warmup_iters,
+            lr_warmup_fraction=args.lr_warmup_fraction,
             lr_warmup_init=args.lr_warmup_init,
         ),
         precision=PrecisionConfig(
@@ -410,12 +526,13 @@ def run_config(args: argparse.Namespace) -> RunConfig:
             tokenizer_special_tokens=special_tokens_flag(args),
             legacy_tokenizer=args.legacy_tokenizer,
             valid_data_path=None if args.valid_data_path is None else tuple(args.valid_data_path),
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         ),
         checkpoint=CheckpointConfig(
             save=args.save,
             save_interval=args.save_interval,
             load=args.load,
-            load_if_exists=args.hetero_load_if_exists,
+            exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
             ckpt_step=args.ckpt_step,
             finetune=args.finetune,
             no_load_optim=args.no_load_optim,
@@ -429,6 +546,8 @@ def run_config(args: argparse.Namespace) -> RunConfig:
             metrics_path=args.hetero_metrics_path,
             tensorboard_dir=args.tensorboard_dir,
             tensorboard_log_interval=args.tensorboard_log_interval,
+            log_params_norm=args.log_params_norm,
+            log_world_size_to_tensorboard=args.log_world_size_to_tensorboard,
             wandb_project=args.wandb_project,
             wandb_exp_name=args.wandb_exp_name,
             wandb_save_dir=args.wandb_save_dir,

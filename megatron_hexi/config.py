@@ -29,10 +29,21 @@ class TrainingConfig:
     """Seeds the weights, dropout and the data order."""
     exit_interval: int | None = None
     """Stop (saving first, with a save directory) when the iteration is a multiple of it."""
+    exit_duration_in_mins: float | None = None
+    """Stop (saving first) after the iteration during which this many minutes since start-up
+    have passed on any rank."""
     exit_signal_handler: bool = False
     """On SIGTERM, finish the current step, save (with a save directory) and exit 0."""
     check_for_nan_in_loss_and_grad: bool = True
     """Stop with an error on a NaN or infinite loss or gradient norm, as Megatron-LM does."""
+    manual_gc: bool = False
+    """Disable Python's automatic garbage collection; collect at agreed points instead."""
+    manual_gc_interval: int = 0
+    """With `manual_gc`: collect every this many iterations (0: not during training)."""
+    recompute_method: str | None = None
+    """megatron-core's recompute method under a plan that recomputes; None: uniform."""
+    recompute_num_layers: int | None = None
+    """Its layer count; None: 1."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,8 @@ class LRScheduleConfig:
     lr_decay_iters: int | None = None
     """Iterations of decay; None: `TrainingConfig.train_iters`."""
     lr_warmup_iters: int = 0
+    lr_warmup_fraction: float | None = None
+    """Warm-up as this fraction of the decay iterations (instead of `lr_warmup_iters`)."""
     lr_warmup_init: float = 0.0
     """Learning rate at the start of warm-up."""
 
@@ -163,6 +176,8 @@ class DataConfig:
     """Megatron-LM's older Llama2Tokenizer and TikTokenizer classes (--legacy-tokenizer)."""
     valid_data_path: tuple[str, ...] | None = None
     """Validation prefixes, as `data_path`; None: the validation split of `split`."""
+    make_vocab_size_divisible_by: int | None = None
+    """Check that the tokenizer's vocabulary, padded as Megatron-LM pads it, is the plan's."""
 
 
 @dataclass(frozen=True)
@@ -174,8 +189,8 @@ class CheckpointConfig:
     save_interval: int | None = None
     load: str | None = None
     """Directory to resume from."""
-    load_if_exists: bool = False
-    """With `load`: start fresh when the directory holds no checkpoint at all."""
+    exit_on_missing_checkpoint: bool = False
+    """With `load`: a directory with no checkpoint at all is an error (else: a fresh start)."""
     ckpt_step: int | None = None
     """Load this iteration instead of the one the pointer file names."""
     finetune: bool = False
@@ -201,6 +216,10 @@ class LoggingConfig:
     """JSONL file, one line of metrics per iteration."""
     tensorboard_dir: str | None = None
     tensorboard_log_interval: int = 1
+    log_params_norm: bool = False
+    """Add the parameters' L2 norm to the iteration line and the scalars (params-norm)."""
+    log_world_size_to_tensorboard: bool = False
+    """Write the world size with each iteration's scalars."""
     wandb_project: str | None = None
     """Log the TensorBoard scalars to this wandb project too."""
     wandb_exp_name: str | None = None

@@ -233,11 +233,17 @@ def _build_real_dataset(
 ) -> TopLevelDataset:
     """megatron-core's GPTDataset (BlendedDataset over several prefixes) for one split: of
     --data-path under --split, or of --valid-data-path for validation when given."""
+    from megatron_hexi.plan_flags import vocab_problem
     from megatron_hexi.tokenizer import check_vocab_fits
 
     if tokenizer is None:
         raise SpecError("--data-path needs --tokenizer-type and its tokenizer files")
     check_vocab_fits(tokenizer, plan.model.vocab_size)
+    padding = vocab_problem(
+        tokenizer.vocab_size, data.make_vocab_size_divisible_by, plan, "the tokenizer"
+    )
+    if padding:
+        raise SpecError(padding)
     own_blend = data.valid_data_path if which == Split.valid else None
     flag = "--valid-data-path" if own_blend else "--data-path"
     assert data.data_path is not None

@@ -100,6 +100,7 @@ class IntervalLog:
             + (f"lm loss: {sum(advanced) / len(advanced):.6E} | " if advanced else "")
             + f"loss scale: {last.get('loss_scale', 1.0):.1f} | "
             + (f"grad norm: {last['grad_norm']:.3f} | " if last["grad_norm"] is not None else "")
+            + (f"params norm: {last['params_norm']:.3f} | " if "params_norm" in last else "")
             + f"number of skipped iterations: {skipped:>3d} | "
             f"number of nan iterations: {nan:>3d} | tokens/s: {tokens / seconds:.1f} | "
             f"MFU: {mfu * 100:.2f}% | "

@@ -58,6 +58,8 @@ def stage_config(
     hidden_dropout: float = 0.0,
     attention_dropout: float = 0.0,
     recompute: bool = False,
+    recompute_method: str = "uniform",
+    recompute_num_layers: int = 1,
     transformer_impl: str = "local",
     attention_backend: str = "auto",
     fusions: Fusions | None = None,
@@ -75,9 +77,11 @@ def stage_config(
         from megatron.core.transformer.enums import AttnBackend
 
         kwargs["attention_backend"] = AttnBackend[attention_backend]
-    if recompute:
+    if recompute:  # the method megatron_hexi.plan_flags allows under the plan
         kwargs.update(
-            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+            recompute_granularity="full",
+            recompute_method=recompute_method,
+            recompute_num_layers=recompute_num_layers,
         )
     return TransformerConfig(
         num_layers=view.layers[1] - view.layers[0],

@@ -13,6 +13,7 @@ skip, and the scalers of all ranks stay equal.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -191,13 +192,16 @@ def build_optimizer(
     opt.grad_sync = grad_sync
     s, train_iters = config.lr_schedule, config.training.train_iters
     decay_iters = s.lr_decay_iters or train_iters
+    # Megatron-LM: warm-up steps = fraction x decay steps (a whole number of iterations or not)
+    fraction = s.lr_warmup_fraction
+    warmup = s.lr_warmup_iters if fraction is None else fraction * decay_iters
     scheduler = OptimizerParamScheduler(
         opt,
         init_lr=s.lr_warmup_init,
         max_lr=o.lr,
         min_lr=o.min_lr,
-        lr_warmup_steps=s.lr_warmup_iters,
-        lr_decay_steps=max(decay_iters, s.lr_warmup_iters + 1),
+        lr_warmup_steps=warmup,  # type: ignore[arg-type,unused-ignore]  # used as a float
+        lr_decay_steps=max(decay_iters, math.floor(warmup) + 1),
         lr_decay_style=s.lr_decay_style,
         start_wd=o.weight_decay,
         end_wd=o.weight_decay,

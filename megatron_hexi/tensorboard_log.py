@@ -40,6 +40,8 @@ def iteration_scalars(m: Mapping[str, Any], global_batch_size: int) -> dict[str,
     }
     if m["grad_norm"] is not None:
         scalars["grad-norm"] = m["grad_norm"]
+    if "params_norm" in m:  # --log-params-norm
+        scalars["params-norm"] = m["params_norm"]
     for p, t in enumerate(m["pipelines"]):
         scalars[f"pipeline-step-time/pipeline-{p}"] = t
     for r, gb in enumerate(m["peak_memory_gb"]):

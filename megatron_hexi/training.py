@@ -17,13 +17,18 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_hexi import interrupt, tensorboard_log, wandb_log
-from megatron_hexi.arguments import check_against_plan, parse_args, planning_inputs, run_config
+from megatron_hexi.arguments import (
+    CommandLine,
+    check_against_plan,
+    check_command_line,
+    planning_inputs,
+)
 from megatron_hexi.communicator import Boundary, StageCommunicator
 from megatron_hexi.cuda_graphs import check_cuda_graphs
 from megatron_hexi.distributed import (
@@ -35,8 +40,9 @@ from megatron_hexi.distributed import (
 )
 from megatron_hexi.exit_signal import ExitSignal
 from megatron_hexi.fusions import stage_fusions
-from megatron_hexi.grad_sync import FP32MainGrads, GradientSync
+from megatron_hexi.grad_sync import FP32MainGrads, GradientSync, global_norm
 from megatron_hexi.layer_specs import check_transformer_impl
+from megatron_hexi.loop_checkpoints import load_at_start, save_at
 from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.memory_fit import check_memory_fit
 from megatron_hexi.metrics import (
@@ -59,6 +65,7 @@ from megatron_hexi.optimizer import build_optimizer, params_dtype
 from megatron_hexi.process_groups import SingleRank, StagePosition, build_groups
 from megatron_hexi.rank_mapping import map_processes
 from megatron_hexi.report import error_lines, prints
+from megatron_hexi.run_limits import ExitDuration, ManualGC
 from megatron_hexi.run_paths import check_run_paths
 from megatron_hexi.startup_plan import plan_at_start, resume_iteration
 from megatron_hexi.step_accounting import StepClock, batches_to_device, loss_mask_tokens
@@ -67,7 +74,6 @@ from planner.catalog import get_gpu
 from planner.errors import SpecError
 from planner.flops import model_flops_per_sample
 from planner.layout import gradient_segments, rank_params, reduced_together, total_params
-from planner.plan import load_plan
 
 if TYPE_CHECKING:
     from megatron.core.datasets.blended_megatron_dataset_builder import TopLevelDataset
@@ -120,6 +126,8 @@ class Trainer:
             hidden_dropout=config.dropout.hidden_dropout,
             attention_dropout=config.dropout.attention_dropout,
             recompute=plan.training.recompute,
+            recompute_method=config.training.recompute_method or "uniform",
+            recompute_num_layers=config.training.recompute_num_layers or 1,
             transformer_impl=impl,
             attention_backend=backend,
             fusions=self.fusions,
@@ -267,6 +275,12 @@ class Trainer:
         return output, None
 
     # -- one iteration ----------------------------------------------------------------------
+    def params_norm(self) -> float:
+        """--log-params-norm: the L2 norm of the model's parameters, each element counted once
+        over all ranks (the slices whose gradients this rank counts in the gradient norm)."""
+        owned = [s.param.detach().narrow(s.dim, s.start, s.length) for s in self.grad_sync.owned]
+        return float(global_norm(owned, self.device).item())
+
     def train_step(self, iteration: int) -> dict[str, Any]:
         """Forward/backward of this pipeline's micro-batches, gradient sync, optimizer step."""
 
@@ -464,52 +478,6 @@ def eval_window(iteration: int, train_iters: int, ev: EvaluationConfig, *, end: 
     return window if end else window - 1
 
 
-def _resume_iteration(trainer: Trainer) -> int:
-    """--load: the checkpoint's iteration (0 for a fresh start under --hetero-load-if-exists)."""
-    from megatron_hexi import checkpoint
-
-    ckpt = trainer.config.checkpoint
-    if not ckpt.load:
-        return 0
-    if ckpt.load_if_exists:
-        found = [checkpoint.checkpoint_exists(ckpt.load) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(found, src=0)  # one decision for every rank
-        if not found[0]:
-            if dist.get_rank() == 0:
-                print(
-                    f" no checkpoint in {ckpt.load}: starting from iteration 0 "
-                    f"(--hetero-load-if-exists)",
-                    flush=True,
-                )
-            return 0
-    loaded = checkpoint.load(trainer, ckpt)
-    trainer.checkpoint_events.append(
-        {
-            "load_iteration": loaded.iteration,
-            "seconds": loaded.seconds,
-            "optimizer_restored": loaded.optimizer,
-            "rng_restored": loaded.rng,
-        }
-    )
-    return loaded.iteration
-
-
-def _save(trainer: Trainer, save: str, iteration: int) -> None:
-    from megatron_hexi import checkpoint
-
-    trainer.settle_parameters()
-    seconds, size = checkpoint.save(trainer, save, iteration)
-    trainer.checkpoint_events.append(
-        {"save_iteration": iteration, "seconds": seconds, "bytes": size}
-    )
-    if dist.get_rank() == 0:
-        print(
-            f" successfully saved checkpoint from iteration {iteration:>7d} to {save} "
-            f"[ {seconds:.3f} s, {size / 1e6:.2f} MB ]",
-            flush=True,
-        )
-
-
 def run(
     plan: Plan, config: RunConfig, device: torch.device, plan_file: str | None = None
 ) -> tuple[Trainer, list[dict[str, Any]]]:
@@ -518,7 +486,7 @@ def run(
     rank). The trainer's `evaluations` lists every validation loss of the run. `plan_file` names
     the plan in the metrics (a run's history shows the plan of each start)."""
     trainer = Trainer(plan, config, device)
-    first = _resume_iteration(trainer)
+    first = load_at_start(trainer)
     stop = ExitSignal(device) if config.training.exit_signal_handler else None
     try:
         return _train(trainer, first, plan_file, stop)
@@ -541,9 +509,17 @@ def _train(
     rank, world = dist.get_rank(), dist.get_world_size()
     with contextlib.ExitStack() as outputs:  # closed on every way out, errors included
         metrics_file, writers = open_outputs(outputs, plan, config, append=bool(first))
+        collector = outputs.enter_context(ManualGC(train.manual_gc, train.manual_gc_interval))
+        duration = (
+            ExitDuration(train.exit_duration_in_mins, device)
+            if train.exit_duration_in_mins
+            else None
+        )
 
         def evaluate(iteration: int, end: bool) -> Evaluation:
+            collector.around_evaluation()
             result = trainer.evaluate(eval_window(iteration, train.train_iters, ev, end=end))
+            collector.around_evaluation()
             trainer.evaluations.append({"iteration": iteration, "end": end, **result._asdict()})
             for w in writers:
                 w.log(iteration, validation_scalars(result.lm_loss), always=True)
@@ -564,6 +540,9 @@ def _train(
         )
         for it in range(first, last_iters):
             m = trainer.train_step(it)
+            if log.log_params_norm:
+                m["params_norm"] = trainer.params_norm()
+            collector.after_iteration(it + 1)
             m["iteration"] = it + 1
             m["tokens_per_s"] = tokens_per_iter / m["step_time_s"]
             m["mfu"] = flops / (m["step_time_s"] * peak)
@@ -579,12 +558,15 @@ def _train(
                     print(interval.line(), flush=True)
                 if metrics_file:
                     metrics_file.write_line(json.dumps(m))
+            scalars = iteration_scalars(m, plan.global_batch_size)
+            if log.log_world_size_to_tensorboard:
+                scalars["world-size"] = float(world)
             for w in writers:
-                w.log(it + 1, iteration_scalars(m, plan.global_batch_size))
+                w.log(it + 1, scalars)
             if train.check_for_nan_in_loss_and_grad:
                 check_finite(m)
             if ckpt.save and ckpt.save_interval and (it + 1) % ckpt.save_interval == 0:
-                _save(trainer, ckpt.save, it + 1)
+                save_at(trainer, ckpt.save, it + 1)
                 saved = it + 1
             if stop is not None and stop.agreed():
                 signalled = True
@@ -592,6 +574,15 @@ def _train(
                     print(
                         f" received signal {stop.signum.name} at iteration {it + 1}: saving and "
                         f"exiting (--exit-signal-handler)",
+                        flush=True,
+                    )
+                break
+            if duration is not None and duration.passed():
+                signalled = True  # out of time: save, then go (as Megatron-LM, no evaluation)
+                if rank == 0:
+                    print(
+                        f" exiting program after {duration.elapsed_minutes():.2f} minutes at "
+                        f"iteration {it + 1} (--exit-duration-in-mins {duration.minutes:g})",
                         flush=True,
                     )
                 break
@@ -605,7 +596,7 @@ def _train(
         last = first + len(history)
         trainer.settle_parameters()
         if ckpt.save and history and saved != last:
-            _save(trainer, ckpt.save, last)
+            save_at(trainer, ckpt.save, last)
         if ev.batches and not signalled:  # a signalled run has seconds left: save, then go
             result = evaluate(last, end=True)
             if metrics_file:  # a line of its own: the last iteration's may hold another one
@@ -630,24 +621,30 @@ def _train(
     return trainer, history
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, checked: CommandLine | None = None) -> int:
     """Run pretrain_gpt.py; returns the exit code (2: a clear error). A failure after the process
-    group exists ends the process itself (exit 1). Call `cli` to end the process with the code."""
+    group exists ends the process itself (exit 1). `checked`: the command line already checked
+    (megatron_hexi.entry does it before importing torch; its `cli`, hexi-train, ends the
+    process with the code)."""
     interrupt.install()
     save: str | None = None
     try:
-        args = parse_args(argv)
-        config = run_config(args)
+        command_line = checked or check_command_line(argv)
+        args, config = command_line.args, command_line.config
         save = config.checkpoint.save
         if config.logging.tensorboard_dir:
             tensorboard_log.check_available()
         if config.logging.wandb_project:
             wandb_log.check_available()
         cuda = wants_cuda(config.runtime)
+        if config.runtime.distributed_backend == "nccl" and not cuda:
+            raise SpecError(
+                "--distributed-backend nccl needs CUDA, and this run is on the CPU (no CUDA "
+                "device, or --hetero-device cpu); drop the flag (gloo on the CPU) or run on GPUs"
+            )
         input_files = [args.hetero_plan_path, args.hetero_cluster, args.hetero_model]
-        if args.hetero_plan_path:
-            plan = load_plan(args.hetero_plan_path)
-            check_against_plan(args, plan)
+        if command_line.plan is not None:
+            plan = command_line.plan
             check_transformer_impl(plan.training.transformer_impl, cuda)
             check_cuda_graphs(plan.training.cuda_graph_impl, cuda)
             plan_file: str | None = os.path.basename(args.hetero_plan_path)
@@ -691,11 +688,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         interrupt.restore()
     return 0
-
-
-def cli(argv: Sequence[str] | None = None) -> NoReturn:
-    """pretrain_gpt.py and hexi-train: main, then a deliberate exit (megatron_hexi.process_exit
-    says why the interpreter's own shutdown could turn the exit code into SIGABRT)."""
-    from megatron_hexi.process_exit import exit_process
-
-    exit_process(main(argv))

@@ -151,7 +151,7 @@ def sh(value: object) -> str:
     return shlex.quote(str(value))
 
 
-TRAIN_COMMAND = "hexi-train"  # setup.py's console script for megatron_hexi.training:cli
+TRAIN_COMMAND = "hexi-train"  # setup.py's console script for megatron_hexi.entry:cli
 NO_PYTHON = "--no-python "  # torchrun runs the entry as a program, not as `python ENTRY`
 
 

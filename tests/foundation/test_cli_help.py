@@ -189,3 +189,18 @@ def test_training_help_shows_a_runnable_example(program):
             _parse_plan(words[1:])
             planned += 1
     assert trained and planned, stdout
+
+
+def test_pretrain_gpt_help_lists_every_flag_with_its_default():
+    """pretrain_gpt.py --help names every flag the parser has, each with its help text and its
+    default (the parser's HelpFormatter adds `(default: ...)` where the help does not say it)."""
+    from megatron_hexi.flags import build_parser
+
+    code, stdout, stderr = run_script([REPO / "pretrain_gpt.py", "--help"], timeout=120, cwd=REPO)
+    assert code == 0, stderr
+    text = " ".join(stdout.split())
+    flags = [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
+    for action in flags:
+        assert f" {action.option_strings[0]} " in text, f"{action.option_strings[0]} not shown"
+    shown = [a for a in flags if not a.help.startswith("refused:")]  # refused: no default
+    assert text.count("default") >= len(shown), text.count("default")

@@ -58,3 +58,61 @@ def test_planner_imports_without_torch(examples_dir, repo_root):
         "planner.catalog",
         "planner.errors",
     } <= set(result["modules"])
+
+
+_ENTRY = textwrap.dedent("""
+    import importlib.abc, json, runpy, sys
+    BLOCKED = {blocked!r}
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ImportError(f"{{name}} is blocked: a command line is checked without it")
+            return None
+
+    sys.meta_path.insert(0, Block())
+    from megatron_hexi.arguments import check_command_line
+    from planner.errors import SpecError
+
+    try:
+        check_command_line({argv!r})
+    except SpecError as e:
+        print("PROBLEMS", json.dumps([str(p) for p in e.problems]), flush=True)
+    leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+    print("LEAKED", json.dumps(leaked), flush=True)
+    sys.argv = ["pretrain_gpt.py", *{argv!r}]
+    runpy.run_path("pretrain_gpt.py", run_name="__main__")  # the script itself: exits
+""")
+
+
+def _entry(repo_root, argv):
+    script = _ENTRY.format(blocked=BLOCKED, argv=[str(a) for a in argv])
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=repo_root, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_pretrain_gpt_refuses_a_command_line_without_torch(examples_dir, repo_root):
+    """A refused command line (a bad choice, a refused flag, a plan contradiction) is checked
+    and reported, in one message, with torch and megatron unimportable: the script exits 2
+    with one error line per problem and no traceback."""
+    plan = examples_dir / "plans" / "hetero-4rank.json"
+    argv = ["--hetero-plan-path", plan, "--mock-data", "--train-iters", "2", "--lr", "1e-3"]
+    argv += ["--lr-decay-style", "wavy", "--ckpt-format", "torch_dist", "--hidden-size", "99"]
+    r = _entry(repo_root, argv)
+    assert r.returncode == 2, r.stderr
+    lines = dict(ln.split(" ", 1) for ln in r.stdout.splitlines() if ln[:1].isupper())
+    problems = json.loads(lines["PROBLEMS"])
+    assert json.loads(lines["LEAKED"]) == []
+    assert len(problems) == 3, problems
+    assert r.stderr.splitlines() == [f"pretrain_gpt.py: error: {p}" for p in problems]
+    assert "invalid choice: 'wavy'" in problems[0] and "--ckpt-format is refused" in problems[1]
+    assert "--hidden-size 99 contradicts the plan's model hidden_size 64" in problems[2]
+
+
+def test_pretrain_gpt_help_without_torch(repo_root):
+    """--help needs neither torch nor megatron (it prints in a fraction of a second)."""
+    r = _entry(repo_root, ["--help"])
+    assert r.returncode == 0, r.stderr
+    assert "--hetero-plan-path" in r.stdout and "--exit-duration-in-mins" in r.stdout
+    assert "Traceback" not in r.stderr

@@ -149,6 +149,24 @@ class _Reads(argparse.Namespace):
         return object.__getattribute__(self, name)
 
 
+# samples instead of iterations, under a plan's global batch of 8
+SAMPLE_FLAGS = {
+    "train_samples": ["--train-samples", "16"],
+    "lr_decay_samples": ["--train-samples", "24", "--lr-decay-samples", "16"],
+    "lr_warmup_samples": ["--train-samples", "24", "--lr-warmup-samples", "8"],
+}
+
+
+def _variant(dest, action):
+    """(argv, the plan's global batch) with `dest` at a value other than its default."""
+    if dest in SAMPLE_FLAGS:
+        at = BASE.index("--train-iters")
+        return BASE[:at] + BASE[at + 2 :] + SAMPLE_FLAGS[dest], 8
+    if dest == "manual_gc_interval":
+        return BASE + ["--manual-gc", "--manual-gc-interval", "7"], None
+    return BASE + _other_value(action), None
+
+
 def _other_value(action):
     """argv for `action` giving a value other than its default (and valid with BASE)."""
     flag = action.option_strings[0]
@@ -207,7 +225,8 @@ def test_every_flag_maps_onto_the_run_config():
     base = _flat(run_config(parse_args(BASE)))
     reached = set()
     for dest in sorted(reads.read):
-        changed = _flat(run_config(parse_args(BASE + _other_value(actions[dest]))))
+        argv, global_batch = _variant(dest, actions[dest])
+        changed = _flat(run_config(parse_args(argv), global_batch))
         fields = {k for k in base if changed[k] != base[k]}
         assert fields, f"--{dest.replace('_', '-')} does not change the RunConfig"
         reached |= fields

@@ -77,7 +77,7 @@ def train_deterministic(argv):
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
-    from megatron_hexi.training import cli
+    from megatron_hexi.entry import cli
 
     cli(argv)
 
@@ -89,6 +89,7 @@ def train_runtime(argv):
     variant uses them), and iteration PROFILE_AT (1-based) profiled (module docstring)."""
     on, record, profile_at, args = argv[0] == "on", Path(argv[1]), int(argv[2]), argv[3:]
     from megatron_hexi import training
+    from megatron_hexi.entry import cli
 
     if not on:  # Megatron-LM's switches; the fused cross-entropy is off by default
         args = [*args, *EAGER_FLAGS]
@@ -108,7 +109,7 @@ def train_runtime(argv):
 
     training.Trainer.__init__ = init
     training.Trainer.train_step = train_step
-    training.cli(args)
+    cli(args)
 
 
 def train_megatron(argv):
