@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-from planner.gradsync import BUCKET_ELEMENTS
 from planner.layout import reduced_together
+from planner.sync_model import BUCKET_ELEMENTS
 
 if TYPE_CHECKING:
     from megatron_hexi.process_groups import HeteroGroups

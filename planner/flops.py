@@ -72,7 +72,7 @@ def layer_flops(m: LayerShape, b: int) -> int:
 
 def attention_fraction(m: LayerShape) -> float:
     """Attention's part of a layer's FLOPs: weighs a rank's query groups against its FFN columns
-    when one measured layer time is shared out by shard (planner.profile)."""
+    when one measured layer time is shared out by shard (planner.profiles)."""
     att = attention_flops(m, 1)
     return att / (att + mlp_flops(m, 1))
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
-from planner import costmodel as cm
 from planner.host import LayerImpl
 from planner.models import ModelSpec
-from planner.search_pipeline import Context, Fits, PipelineDraft, Unit
+from planner.search_pipeline import Context, Fits, MachineChunk, PipelineDraft
+from planner.topology import Topology
 
 
 class LaidOut(Protocol):
@@ -32,7 +32,7 @@ class LaidOut(Protocol):
     @property
     def ctx(self) -> Context: ...
     @property
-    def parts(self) -> list[list[Unit]]: ...
+    def parts(self) -> list[list[MachineChunk]]: ...
     @property
     def cache(self) -> Any: ...
 
@@ -47,7 +47,7 @@ class SearchState(Protocol[C]):
     @property
     def model(self) -> ModelSpec: ...
     @property
-    def topo(self) -> cm.Topology: ...
+    def topo(self) -> Topology: ...
     @property
     def _fits(self) -> Fits: ...
     @property
@@ -62,7 +62,7 @@ class SearchState(Protocol[C]):
     def evaluate(
         self,
         ctx: Context,
-        parts: list[list[Unit]],
+        parts: list[list[MachineChunk]],
         mbs: int,
         exhaustive: bool,
         cache: Any,
@@ -75,7 +75,7 @@ class SearchState(Protocol[C]):
     def context(self, mbs: int, rc: bool, K: int) -> Context: ...
 
 
-# On big unit graphs (planner.search.SMALL_UNIT_GRAPH) a neighbour's context starts with cold
+# On big chunk graphs (planner.search.SMALL_CHUNK_GRAPH) a neighbour's context starts with cold
 # layout caches: only the requested setting's best few candidates are laid out there, the best
 # of them polished one way, to keep the search's time within a fifth of what it was.
 BIG_POOL = 6

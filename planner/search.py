@@ -1,21 +1,23 @@
 """The search: from a cluster, a model and a global batch to the fastest plan that fits.
 
 Strategies (all scored by the same simulator):
-- `hexi`: two-phase hierarchical partitioning. The number of pipelines K and the coarsening level
-  (whole machines or machine chunks) are searched; phase 1 (search_partition) splits the units
-  into K pipelines and refines; phase 2 (search_pipeline) lays out each pipeline; micro-batches go
-  to pipelines in proportion to their speed so that they finish together.
-- `uniform`: the best Megatron-style TP x PP x DP over all GPUs (even layers, even batch, even
-  shards, Megatron's rank order): what a user gets without this project.
-- `exhaustive`: every partition of the units, every unit order and every per-unit stage count of
-  hexi's search space; refused above a size limit.
+- `hexi`: two-phase hierarchical partitioning. Every machine is cut into equal chunks of its GPUs
+  (`MachineChunk`: GPUs of one machine that go to one pipeline; a whole machine is one chunk);
+  the number of pipelines K and the coarsening level (chunks per machine) are searched; phase 1
+  (search_partition) splits the chunks into K pipelines and refines; phase 2 (search_order,
+  search_pipeline) lays out each pipeline; micro-batches go to pipelines in proportion to their
+  speed so that they finish together (search_candidates).
+- `uniform` (search_baselines): the best Megatron-style TP x PP x DP over all GPUs (even layers,
+  even batch, even shards, Megatron's rank order): what a user gets without this project.
+- `exhaustive` (search_baselines): every partition of the chunks, every chunk order and every
+  per-chunk stage count of hexi's search space; refused above a size limit.
 The outer loop covers micro-batch size and recompute. Deterministic for a seed.
 
 With overlap_grad_reduce / overlap_param_gather the candidates are ranked and scored with the
-overlapped gradient sync (planner.gradsync's overlap model) and the plan records both settings;
+overlapped gradient sync (planner.sync_model's overlap model) and the plan records both settings;
 likewise every candidate is costed (time and memory) with the given attention backend, which the
 plan records. With sequence parallelism every stage of TP degree t > 1 keeps its activations
-outside attention and MLP cut over its t ranks (costmodel.layer_activation_bytes) and needs no
+outside attention and MLP cut over its t ranks (memory.layer_activation_bytes) and needs no
 all-gather of received activations; only TP degrees that divide seq_length are laid out, so
 every plan validates, and the plan records the setting.
 """
@@ -23,37 +25,35 @@ every plan validates, and the plan records the setting.
 from __future__ import annotations
 
 import gc
-import heapq
-import itertools
 import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from planner import costmodel as cm
 from planner.attention import ATTENTION_BACKENDS, PLAN_DEFAULT_BACKEND, keeps_scores
 from planner.cli_args import PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER
 from planner.cuda_graphs import PLAN_DEFAULT_GRAPH_IMPL
 from planner.errors import SpecError
-from planner.gradsync import (
-    StageLayout,
-    collectives,
-    overlapped_sync_time,
-    rank_sets,
-    stage_timings,
-    sync_time,
-)
 from planner.host import EAGER_LOCAL, LayerImpl, layer_impl
-from planner.layout import even_split, total_params
+from planner.layout import total_params
+from planner.memory import (
+    FRAMEWORK_RESERVE_BYTES,
+    GRAD_BYTES_PER_PARAM,
+    OPTIMIZER_BYTES_PER_PARAM,
+    WEIGHT_BYTES_PER_PARAM,
+    layer_activation_bytes,
+)
 from planner.neighbours import NeighbourContexts
 from planner.plan import build_plan
 from planner.schedule import last_backward_ends
+from planner.search_baselines import exhaustive, uniform
+from planner.search_candidates import FINALISTS, Candidate, Solution, allocate, rebalance
+from planner.search_order import best_pipeline
 from planner.search_partition import (
     Evaluation,
     greedy_partition,
-    make_units,
+    make_chunks,
     metis_partition,
     refine,
     striped_partition,
@@ -61,14 +61,19 @@ from planner.search_partition import (
 from planner.search_pipeline import (
     Context,
     Fits,
+    MachineChunk,
     PipelineDraft,
-    Unit,
-    best_pipeline,
     build_pipeline,
-    draft_to_stages,
-    unit_options,
 )
-from planner.simulator import Estimate, SimulationCache, simulate, simulate_layout
+from planner.simulator import SimulationCache, simulate, simulate_layout
+from planner.sync_model import (
+    collectives,
+    overlapped_sync_time,
+    rank_sets,
+    stage_timings,
+    sync_time,
+)
+from planner.topology import Topology
 from planner.transformer_impl import PLAN_DEFAULT_IMPL, TRANSFORMER_IMPLS
 
 if TYPE_CHECKING:
@@ -76,18 +81,13 @@ if TYPE_CHECKING:
     from planner.models import ModelSpec
     from planner.plan import Plan
 
-_T = TypeVar("_T")
-
 STRATEGIES = ("hexi", "uniform", "exhaustive")
 MICRO_BATCH_CANDIDATES = (1, 2, 4)  # searched when --micro-batch-size is not given
 # Then these, in turn, while each beats the size before it: a fast GPU running small GEMMs or
 # waiting for its host (planner.kernels, planner.host) gains from fewer, larger micro-batches,
 # until memory or the pipeline's fill and drain say stop.
 LARGER_MICRO_BATCHES = (8, 16, 32, 64)
-EXHAUSTIVE_MAX_UNITS = 8
-EXHAUSTIVE_MAX_LAYOUTS = 50_000  # pipeline layouts exhaustive may evaluate
-FINALISTS = 6  # candidates scored exactly by the simulator per knob
-SMALL_UNIT_GRAPH = 64  # below this, every K and partition seed is tried
+SMALL_CHUNK_GRAPH = 64  # below this, every K and partition seed is tried
 
 
 class _Progress:
@@ -105,7 +105,7 @@ class _Progress:
 
 def _k_grid(n: int, cap: int) -> list[int]:
     """Numbers of pipelines to try: all up to 16 (up to 4 on big graphs), then x1.5 steps."""
-    small = 16 if n <= SMALL_UNIT_GRAPH else 4
+    small = 16 if n <= SMALL_CHUNK_GRAPH else 4
     ks = set(range(1, min(n, cap, small) + 1))
     x = small
     while x < min(n, cap):
@@ -113,116 +113,6 @@ def _k_grid(n: int, cap: int) -> list[int]:
         ks.add(min(x, n, cap))
     ks.update(k for k in (n, cap) if k <= min(n, cap))
     return sorted(ks)
-
-
-def allocate(drafts: Sequence[PipelineDraft], total: int) -> list[int] | None:
-    """Micro-batch counts (>= 1 each, summing to `total`) that equalise the pipelines' finish.
-
-    Water-filling on each pipeline's linear time fixed + m * rate (exact for the 1F1B periodic
-    regime); refined afterwards on exact schedule times by `rebalance`.
-    """
-    K = len(drafts)
-    if total < K:
-        return None
-    inv = sum(1 / d.rate for d in drafts)
-    T = (total + sum(d.fixed / d.rate for d in drafts)) / inv
-    ms = [max(1, int((T - d.fixed) / d.rate)) for d in drafts]
-    excess = sum(ms) - total
-    if excess > 0:  # take from the latest finishers (ties: lowest index), heap: O(K log K)
-        heap = [(-(d.fixed + d.rate * m), i) for i, (d, m) in enumerate(zip(drafts, ms)) if m > 1]
-        heapq.heapify(heap)
-        while excess > 0:
-            _, i = heapq.heappop(heap)
-            ms[i] -= 1
-            excess -= 1
-            if ms[i] > 1:
-                heapq.heappush(heap, (-(drafts[i].fixed + drafts[i].rate * ms[i]), i))
-    elif excess < 0:  # give to the earliest finishers after one more
-        heap = [(d.fixed + d.rate * (m + 1), i) for i, (d, m) in enumerate(zip(drafts, ms))]
-        heapq.heapify(heap)
-        while excess < 0:
-            _, i = heapq.heappop(heap)
-            ms[i] += 1
-            excess += 1
-            heapq.heappush(heap, (drafts[i].fixed + drafts[i].rate * (ms[i] + 1), i))
-    return ms
-
-
-def rebalance(
-    drafts: Sequence[PipelineDraft], ms: Sequence[int], max_moves: int | None = None
-) -> tuple[list[int], float]:
-    """Move single micro-batches from the slowest pipeline (exact 1F1B time) while it helps."""
-    cache: dict[tuple[int, int], float] = {}
-
-    def t(i: int, m: int) -> float:
-        key = (id(drafts[i]), m)
-        if key not in cache:
-            cache[key] = drafts[i].time(m)
-        return cache[key]
-
-    ms = list(ms)
-    K = len(ms)
-    times = [t(i, m) for i, m in enumerate(ms)]
-    nxt = [t(i, m + 1) for i, m in enumerate(ms)]
-    for _ in range(max_moves or 2 * K + 4):
-        slow = max(range(K), key=times.__getitem__)
-        if ms[slow] <= 1 or K < 2:
-            break
-        dst = min((i for i in range(K) if i != slow), key=nxt.__getitem__)
-        others = max((times[i] for i in range(K) if i != slow and i != dst), default=0.0)
-        new_max = max(others, t(slow, ms[slow] - 1), nxt[dst])
-        if new_max >= times[slow] - 1e-12:
-            break
-        ms[slow] -= 1
-        ms[dst] += 1
-        for i in (slow, dst):
-            times[i], nxt[i] = t(i, ms[i]), t(i, ms[i] + 1)
-    return ms, max(times)
-
-
-@dataclass(eq=False)
-class _Candidate:
-    """A laid-out partition with its micro-batch counts, and what the search learns of it."""
-
-    drafts: list[PipelineDraft]  # PipelineDraft per pipeline
-    ms: list[int]  # micro-batches per pipeline
-    mbs: int
-    recompute: bool
-    pipe_time: float  # slowest pipeline by the drafts' linear fits
-    ctx: Context  # the context, partition and pipeline cache it came from,
-    parts: list[list[Unit]]  # so that it can be refined and polished
-    cache: dict[tuple[Any, ...], _Solution | None]
-    sync: float | None = None  # exposed gradient sync seconds (`Searcher.proxy`)
-    estimate: Estimate | None = None  # the simulator's Estimate (`Searcher.score`)
-
-    def layouts(self, model: ModelSpec) -> list[list[StageLayout]]:
-        out = []
-        for d in self.drafts:
-            stages, first = [], 0
-            for s in d.stages:
-                stages.append(
-                    StageLayout(
-                        s.ranks,
-                        (first, first + s.layers),
-                        tuple(s.shards["query_groups"]),
-                        tuple(s.shards["ffn"]),
-                        tuple(s.shards["vocab"]),
-                    )
-                )
-                first += s.layers
-            out.append(stages)
-        return out
-
-    def pipelines(self, model: ModelSpec) -> list[dict[str, Any]]:
-        order = sorted(range(len(self.drafts)), key=lambda i: min(self.drafts[i].stages[0].ranks))
-        return [
-            {
-                "micro_batch_size": self.mbs,
-                "num_microbatches": self.ms[i],
-                "stages": draft_to_stages(self.drafts[i], model.num_layers),
-            }
-            for i in order
-        ]
 
 
 class Searcher:
@@ -267,7 +157,7 @@ class Searcher:
             raise SpecError("--global-batch-size: must be a positive integer")
         self.cluster, self.model, self.gbs = cluster, model, global_batch_size
         self.seed, self.dist_opt = seed, use_distributed_optimizer
-        self.topo = cm.Topology(cluster)
+        self.topo = Topology(cluster)
         self.progress = _Progress(progress)
         if micro_batch_size is not None:
             if micro_batch_size < 1 or global_batch_size % micro_batch_size:
@@ -319,48 +209,48 @@ class Searcher:
     def _pipeline(
         self,
         ctx: Context,
-        part: Sequence[Unit],
+        part: Sequence[MachineChunk],
         m_est: int,
         exhaustive: bool,
-        cache: dict[tuple[Any, ...], _Solution | None],
+        cache: dict[tuple[Any, ...], Solution | None],
         polish: bool = False,
         tune_orders: bool = False,
     ) -> PipelineDraft | None:
         """Best draft for a part; solved once per interchangeable signature, then re-mapped."""
-        if len(part) > self.model.num_layers:  # every unit hosts at least one stage
+        if len(part) > self.model.num_layers:  # every chunk hosts at least one stage
             return None
-        key = (tuple(sorted(u.key for u in part)), m_est, exhaustive, polish, tune_orders)
+        key = (tuple(sorted(ch.key for ch in part)), m_est, exhaustive, polish, tune_orders)
         if key in cache:
             sol = cache[key]
             if sol is None:
                 return None
-            pool: dict[tuple[str, int], list[Unit]] = {}
-            for u in sorted(part, key=lambda u: u.ranks):
-                pool.setdefault(u.key, []).append(u)
-            units = [pool[k].pop(0) for k in sol.unit_keys]
-            draft = build_pipeline(ctx, units, sol.ks, m_est)
+            pool: dict[tuple[str, int], list[MachineChunk]] = {}
+            for ch in sorted(part, key=lambda ch: ch.ranks):
+                pool.setdefault(ch.key, []).append(ch)
+            chunks = [pool[k].pop(0) for k in sol.chunk_keys]
+            draft = build_pipeline(ctx, chunks, sol.ks, m_est)
             assert draft is not None  # laid out for another part of the same kinds
             return draft.fit(ctx.fits)
         d = best_pipeline(ctx, part, m_est, exhaustive, polish, tune_orders)
-        cache[key] = None if d is None else _Solution(tuple(u.key for u in d.units), d.ks)
+        cache[key] = None if d is None else Solution(tuple(ch.key for ch in d.chunks), d.ks)
         return d
 
     def evaluate(
         self,
         ctx: Context,
-        parts: list[list[Unit]],
+        parts: list[list[MachineChunk]],
         mbs: int,
         exhaustive: bool,
-        cache: dict[tuple[Any, ...], _Solution | None],
+        cache: dict[tuple[Any, ...], Solution | None],
         polish: bool = False,
         tune_orders: bool = False,
-    ) -> _Candidate | None:
+    ) -> Candidate | None:
         """Candidate for a partition (pipelines laid out, micro-batches allocated) or None."""
         U = self.gbs // mbs
         K = len(parts)
         if U < K:
             return None
-        flops = [sum(self.topo.devices[u.node].flops * len(u.ranks) for u in p) for p in parts]
+        flops = [sum(self.topo.devices[ch.node].flops * len(ch.ranks) for ch in p) for p in parts]
         tot = sum(flops)
         drafts = []
         for p, f in zip(parts, flops):
@@ -372,7 +262,7 @@ class Searcher:
         ms = allocate(drafts, U)
         if ms is None:
             return None
-        return _Candidate(
+        return Candidate(
             drafts,
             ms,
             mbs,
@@ -383,7 +273,7 @@ class Searcher:
             cache,
         )
 
-    def proxy(self, cand: _Candidate) -> float:
+    def proxy(self, cand: Candidate) -> float:
         """Pipelines' time + exposed gradient sync: ranks candidates before the exact score."""
         if cand.sync is None and (self.overlap_grad_reduce or self.overlap_param_gather):
             layouts = cand.layouts(self.model)
@@ -412,7 +302,7 @@ class Searcher:
             )[0]
         return cand.pipe_time + cand.sync
 
-    def score(self, cand: _Candidate) -> tuple[bool, float]:
+    def score(self, cand: Candidate) -> tuple[bool, float]:
         """(does not fit, iteration seconds) from the simulator, after exact rebalancing."""
         if cand.estimate is None:
             cand.ms, _ = rebalance(cand.drafts, cand.ms)
@@ -436,32 +326,32 @@ class Searcher:
         return (not e.fits_memory, e.iteration_time_s)
 
     # ----------------------------------------------------------------------------- strategies
-    def hexi(self) -> _Candidate | None:
+    def hexi(self) -> Candidate | None:
         best = None
         for rc in self.rc_list:
-            best_at: list[_Candidate | None] = []
+            best_at: list[Candidate | None] = []
             for mbs in self._micro_batches(best_at):
                 cands = []
                 for c in self.chunk_levels():
-                    units = make_units(self.topo, c, self.by_name)
-                    n = len(units)
+                    chunks = make_chunks(self.topo, c, self.by_name)
+                    n = len(chunks)
                     U = self.gbs // mbs
                     for K in _k_grid(n, U):
-                        if c > 1 and n > SMALL_UNIT_GRAPH and K != c:
+                        if c > 1 and n > SMALL_CHUNK_GRAPH and K != c:
                             continue
-                        if K * self.model.num_layers < n:  # a pipeline would get > L units
+                        if K * self.model.num_layers < n:  # a pipeline would get > L chunks
                             continue
                         ctx = self.context(mbs, rc, K)
                         cache = ctx.pipelines
-                        seeds = [striped_partition(units, K)] if K == c and c > 1 else []
-                        seeds.append(greedy_partition(self.topo, units, K))
+                        seeds = [striped_partition(chunks, K)] if K == c and c > 1 else []
+                        seeds.append(greedy_partition(self.topo, chunks, K))
                         if 2 * K <= n:  # METIS needs room to balance; greedy covers the rest
-                            seeds.append(metis_partition(self.topo, units, K, self.seed))
+                            seeds.append(metis_partition(self.topo, chunks, K, self.seed))
                         seen = set()
                         for parts in seeds:
                             if parts is None:
                                 continue
-                            sig = tuple(sorted(tuple(sorted(u.ranks for u in p)) for p in parts))
+                            sig = tuple(sorted(tuple(sorted(ch.ranks for ch in p)) for p in parts))
                             if sig in seen:
                                 continue
                             seen.add(sig)
@@ -469,14 +359,14 @@ class Searcher:
                             if cand is not None:
                                 cands.append(cand)
                         self.progress(
-                            f"recompute={rc} micro-batch {mbs}: {n} units, K={K}, "
+                            f"recompute={rc} micro-batch {mbs}: {n} chunks, K={K}, "
                             f"{len(cands)} candidates"
                         )
                 # cheap first cut per K (pipelines only), then rank with the gradient sync
-                per_k: dict[int, list[_Candidate]] = {}
+                per_k: dict[int, list[Candidate]] = {}
                 for cand in sorted(cands, key=lambda c: c.pipe_time):
                     per_k.setdefault(len(cand.drafts), []).append(cand)
-                big = bool(cands) and sum(len(u) for u in cands[0].parts) > SMALL_UNIT_GRAPH
+                big = bool(cands) and sum(len(ch) for ch in cands[0].parts) > SMALL_CHUNK_GRAPH
                 keep = 3 if big else None
                 cands = sorted((c for v in per_k.values() for c in v[:keep]), key=self.proxy)
                 finals = cands[:FINALISTS]
@@ -498,7 +388,7 @@ class Searcher:
                     best = here
         return best
 
-    def _micro_batches(self, best_at: list[_Candidate | None]) -> Iterator[int]:
+    def _micro_batches(self, best_at: list[Candidate | None]) -> Iterator[int]:
         """The micro-batch sizes hexi searches: mbs_list, then each of `larger_mbs` while the
         size before it beat the one before that (`best_at`: the best candidate found per size
         so far, filled in by the caller between steps)."""
@@ -511,171 +401,37 @@ class Searcher:
                 return
             yield mbs
 
-    def _refine(self, cand: _Candidate) -> _Candidate | None:
+    def _refine(self, cand: Candidate) -> Candidate | None:
         ctx, mbs, cache = cand.ctx, cand.mbs, cand.cache
 
-        def evaluate(parts: list[list[Unit]]) -> Evaluation | None:
+        def evaluate(parts: list[list[MachineChunk]]) -> Evaluation | None:
             got = self.evaluate(ctx, parts, mbs, False, cache)
             if got is None:
                 return None
             times = [d.fixed + d.rate * m for d, m in zip(got.drafts, got.ms)]
-            flops = [sum(self.topo.devices[u.node].flops * len(u.ranks) for u in p) for p in parts]
+            flops = [
+                sum(self.topo.devices[ch.node].flops * len(ch.ranks) for ch in p) for p in parts
+            ]
             order = sorted(range(len(parts)), key=lambda i: -times[i] * flops[i] / got.ms[i])
             return self.proxy(got), order, got
 
-        big = sum(len(p) for p in cand.parts) > SMALL_UNIT_GRAPH
+        big = sum(len(p) for p in cand.parts) > SMALL_CHUNK_GRAPH
         parts, res = refine(
             cand.parts, evaluate, max_rounds=2 if big else 4, max_trials=16 if big else 64
         )
         if res is None or parts is cand.parts:
             return None
-        return res[2]  # the _Candidate of `evaluate` above
-
-    def exhaustive(self) -> _Candidate | None:
-        levels = []
-        for c in self.chunk_levels():
-            units = make_units(self.topo, c, self.by_name)
-            if len(units) <= EXHAUSTIVE_MAX_UNITS:
-                levels.append(units)
-        levels = [u for u in levels if self._exhaustive_size(u) <= EXHAUSTIVE_MAX_LAYOUTS]
-        if not levels:
-            n = len(make_units(self.topo, 1, self.by_name))
-            raise SpecError(
-                f"--strategy exhaustive: cluster {self.cluster.name!r} ({n} machines, "
-                f"{self.topo.cluster.num_gpus} GPUs) is too large to enumerate "
-                f"(limit {EXHAUSTIVE_MAX_UNITS} units / {EXHAUSTIVE_MAX_LAYOUTS} "
-                f"pipeline layouts); use --strategy hexi"
-            )
-        best = None
-        for rc in self.rc_list:
-            for mbs in self.mbs_list:
-                cands = []
-                for units in levels:
-                    caches: dict[int, dict[tuple[Any, ...], _Solution | None]] = {}
-                    seen = set()
-                    for parts in _set_partitions(units):
-                        K = len(parts)
-                        sig = tuple(sorted(tuple(sorted(u.key for u in p)) for p in parts))
-                        if sig in seen and not self.by_name:
-                            continue  # same machines' kinds per pipeline: same plan cost
-                        seen.add(sig)
-                        if K > self.gbs // mbs:
-                            continue
-                        ctx = self.context(mbs, rc, K)
-                        cache = caches.setdefault(id(ctx), {})
-                        cand = self.evaluate(ctx, parts, mbs, True, cache)
-                        if cand is not None:
-                            cands.append(cand)
-                    self.progress(f"exhaustive: {len(cands)} candidates")
-                cands.sort(key=self.proxy)
-                for cand in cands[:FINALISTS]:
-                    if best is None or self.score(cand) < self.score(best):
-                        best = cand
-        return best
-
-    def _exhaustive_size(self, units: Sequence[Unit]) -> int:
-        """Distinct pipeline layouts exhaustive evaluates: every sub-multiset of units (by kind),
-        each distinct order and every per-unit stage count."""
-        kinds: dict[tuple[Any, ...], list[Unit]] = {}
-        for u in units:
-            kinds.setdefault(u.key if not self.by_name else u.ranks, []).append(u)
-        groups = [
-            (len(v), len(unit_options(len(v[0].ranks), self.model, self.sequence_parallel)))
-            for v in kinds.values()
-        ]
-        total = 0
-        for counts in itertools.product(*[range(c + 1) for c, _ in groups]):
-            k = sum(counts)
-            if k == 0:
-                continue
-            perms = math.factorial(k)
-            for c in counts:
-                perms //= math.factorial(c)
-            opts = 1
-            for c, (_, o) in zip(counts, groups):
-                opts *= o**c
-            total += perms * opts
-        return total
-
-    def uniform(self) -> _Uniform | None:
-        """Best fitting Megatron-style layout: TP t, PP p, DP d with t*p*d = all GPUs."""
-        N, L, m = self.topo.cluster.num_gpus, self.model.num_layers, self.model
-        best = None
-        for t in _divisors(N):
-            if t > m.num_query_groups:
-                continue
-            if self.sequence_parallel and t > 1 and m.seq_length % t:
-                continue  # the plan's rule: the sequence is cut evenly over the TP ranks
-            shards = (
-                tuple(even_split(m.num_query_groups, t)),
-                tuple(even_split(m.ffn_hidden_size, t)),
-                tuple(even_split(m.vocab_size, t)),
-            )
-            for p in _divisors(N // t):
-                d = N // (t * p)
-                if p > L or self.gbs % d:
-                    continue
-                per = self.gbs // d
-                for rc in self.rc_list:
-                    for mbs in self.mbs_list:
-                        if per % mbs:
-                            continue
-                        layers = even_split(L, p)
-                        pipes: list[dict[str, Any]] = []
-                        for dp in range(d):
-                            stages, first = [], 0
-                            for pp in range(p):
-                                base = t * (dp + d * pp)
-                                stages.append(
-                                    {
-                                        "ranks": list(range(base, base + t)),
-                                        "layers": [first, first + layers[pp]],
-                                    }
-                                )
-                                first += layers[pp]
-                            pipes.append(
-                                {
-                                    "micro_batch_size": mbs,
-                                    "num_microbatches": per // mbs,
-                                    "stages": stages,
-                                }
-                            )
-                        lay = [
-                            [
-                                StageLayout(tuple(s["ranks"]), tuple(s["layers"]), *shards)
-                                for s in pp_["stages"]
-                            ]
-                            for pp_ in pipes
-                        ]
-                        e = simulate_layout(
-                            m,
-                            self.cluster,
-                            lay,
-                            [(mbs, per // mbs)] * d,
-                            rc,
-                            self.dist_opt,
-                            "even",
-                            self.topo,
-                            self.simulations,
-                            self.overlap_grad_reduce,
-                            self.overlap_param_gather,
-                            attention_backend=self.attention_backend,
-                            sequence_parallel=self.sequence_parallel,
-                            layer_impl=self.layer_impl,
-                        )
-                        key = (not e.fits_memory, e.iteration_time_s)
-                        if best is None or key < best.key:
-                            best = _Uniform(key, pipes, rc)
-                self.progress(f"uniform: TP {t} x PP {p} x DP {d}")
-        return best
+        return res[2]  # the Candidate of `evaluate` above
 
     # ---------------------------------------------------------------------------------- entry
     def run(self, strategy: str) -> Plan:
         if strategy not in STRATEGIES:
             raise SpecError(f"--strategy: must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-        uni = self.uniform() if strategy in ("uniform", "hexi") else None
+        uni = uniform(self) if strategy in ("uniform", "hexi") else None
         fitting_uni = uni if uni is not None and not uni.key[0] else None
-        cand = {"hexi": self.hexi, "exhaustive": self.exhaustive}.get(strategy, lambda: None)()
+        cand = {"hexi": self.hexi, "exhaustive": lambda: exhaustive(self)}.get(
+            strategy, lambda: None
+        )()
         if (
             cand is not None
             and not self.score(cand)[0]
@@ -728,36 +484,34 @@ class Searcher:
         P = total_params(m)
         N = topo.cluster.num_gpus
         devs = [topo.device_of(r) for r in range(N)]
-        room = sum(d.memory_bytes - cm.FRAMEWORK_RESERVE_BYTES for d in devs)
+        room = sum(d.memory_bytes - FRAMEWORK_RESERVE_BYTES for d in devs)
         K_max = N if self.dist_opt else 1
         state = P * (
-            cm.WEIGHT_BYTES_PER_PARAM
-            + cm.GRAD_BYTES_PER_PARAM
-            + cm.OPTIMIZER_BYTES_PER_PARAM / K_max
+            WEIGHT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM / K_max
         )
         name = m.name or "the model"
         if state > room:
             hints = []
             if not self.dist_opt:
-                ds = P * (cm.WEIGHT_BYTES_PER_PARAM + cm.GRAD_BYTES_PER_PARAM)
+                ds = P * (WEIGHT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM)
                 if ds < room:
                     hints.append(
                         "--use-distributed-optimizer (shards the 12 B/param fp32 master "
                         "and Adam state over pipelines)"
                     )
             big = max(devs, key=lambda d: d.memory_bytes)
-            more = math.ceil((state - room) / (big.memory_bytes - cm.FRAMEWORK_RESERVE_BYTES))
+            more = math.ceil((state - room) / (big.memory_bytes - FRAMEWORK_RESERVE_BYTES))
             hints.append(f"about {more} more {big.name} GPUs")
             return (
                 f"no plan fits: {name} ({P / 1e9:.2f} B parameters) needs {state / 1e9:.1f} GB "
                 f"for weights, grads and optimizer state, but the {N} GPUs offer "
-                f"{room / 1e9:.1f} GB after a {cm.FRAMEWORK_RESERVE_BYTES / 1e9:g} GB reserve "
+                f"{room / 1e9:.1f} GB after a {FRAMEWORK_RESERVE_BYTES / 1e9:g} GB reserve "
                 f"each ({(state - room) / 1e9:.1f} GB missing); would fit with: "
                 + " or ".join(hints)
             )
         mbs = min(self.mbs_list)
         rc = max(self.rc_list)
-        act = cm.layer_activation_bytes(
+        act = layer_activation_bytes(
             m, mbs, m.num_query_groups, m.ffn_hidden_size, rc, self.attention_backend
         )
         hints = []
@@ -781,50 +535,10 @@ class Searcher:
         )
 
 
-class _Solution(NamedTuple):
-    """A part's best pipeline, by unit kinds: re-mapped onto any part of the same kinds."""
-
-    unit_keys: tuple[tuple[str, int], ...]  # unit kinds in stage order
-    ks: tuple[int, ...]  # stages each unit hosts
-
-
-class _Uniform(NamedTuple):
-    """The best uniform layout found: its sort key, plan pipelines and recompute."""
-
-    key: tuple[bool, float]  # (does not fit, iteration seconds)
-    pipelines: list[dict[str, Any]]
-    recompute: bool
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _set_partitions(items: Sequence[_T]) -> Iterator[list[list[_T]]]:
-    """Every partition of a list into non-empty blocks (restricted growth strings)."""
-    n = len(items)
-    if n == 0:
-        return
-    a = [0] * n
-
-    def rec(i: int, k: int) -> Iterator[list[list[_T]]]:
-        if i == n:
-            blocks: list[list[_T]] = [[] for _ in range(k)]
-            for x, b in zip(items, a):
-                blocks[b].append(x)
-            yield blocks
-            return
-        for b in range(k + 1):
-            a[i] = b
-            yield from rec(i + 1, max(k, b + 1))
-
-    yield from rec(0, 0)
-
-
 def runs_on_gpus(cluster: ClusterSpec) -> bool:
     """Whether every node of `cluster` is a GPU: none is the catalog's CPU row or has a CPU
     profile (such runs exercise the code path with gloo)."""
-    for d in cm.Topology(cluster).devices:
+    for d in Topology(cluster).devices:
         if d.name == "CPU" or (d.profile is not None and d.profile.profile.is_cpu):
             return False
     return True
@@ -903,7 +617,5 @@ __all__ = [
     "overlap_by_default",
     "runs_on_gpus",
     "Searcher",
-    "allocate",
-    "rebalance",
     "STRATEGIES",
 ]

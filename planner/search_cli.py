@@ -21,15 +21,15 @@ from planner.cli_args import (
     with_examples,
 )
 from planner.cluster import load_cluster
-from planner.costmodel import Topology
 from planner.errors import SpecError
 from planner.limits import MAX_BATCH, MAX_SEED, MAX_SEQ_LENGTH
+from planner.measured_costs import cost_sources
 from planner.membership import PlanningOptions, plan_for, smallest_fitting_nodes
 from planner.models import load_model
 from planner.plan import load_plan, save_plan
-from planner.profile import cost_sources
 from planner.search import STRATEGIES, overlap_by_default, runs_on_gpus
 from planner.simulator import simulate
+from planner.topology import Topology
 
 if TYPE_CHECKING:
     from planner.cluster import ClusterSpec

@@ -1,25 +1,30 @@
-"""Phase 2 of the search: lay out one pipeline on a group of machine chunks ("units").
+"""Phase 2 of the search: lay out one pipeline on a group of machine chunks.
 
-A unit is a set of GPUs of one machine (same type, fast links). For each unit we choose how many
-stages it hosts (its GPUs split into equal TP groups: any GPU count per machine); the units are
+A chunk is a set of GPUs of one machine (same type, fast links). For each chunk we choose how many
+stages it hosts (its GPUs split into equal TP groups: any GPU count per machine); the chunks are
 ordered with a top-tau greedy search that favours fast links between consecutive stages; layers
 go to stages by a dynamic programme that minimises the pipeline's 1F1B time under every stage's
 memory limit. All times and bytes come from planner.costmodel, shard sizes from planner.layout.
+
+This module lays out one pipeline for a given chunk order and stage counts (`build_pipeline`);
+which order and counts to take is planner/search_order.py's choice (`best_pipeline`).
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-from planner import costmodel as cm
 from planner.attention import PLAN_DEFAULT_BACKEND
+from planner.costmodel import group_costs
+from planner.devices import Device
 from planner.host import EAGER_LOCAL, LayerImpl
 from planner.layout import proportional_split
+from planner.memory import BF16_BYTES, RankShape, layers_that_fit, sequence_split
 from planner.schedule import linear_fit, pipeline_time, window_period
+from planner.topology import BoundaryTimes, Signature, Topology, boundary_times
 
 if TYPE_CHECKING:
     from planner.models import ModelSpec
@@ -28,29 +33,19 @@ if TYPE_CHECKING:
 # times (fwd, bwd, xf, xb), shared by a search's contexts.
 Fits: TypeAlias = dict[tuple[tuple[float, ...], ...], tuple[float, float]]
 
-# Pipelines of at most this many units also get a per-unit pass over stage counts.
-PER_UNIT_REFINE_MAX_UNITS = 16
-
-# Beam width of the stage-ordering search (HexiScale's tau). Stated choice: 4 partial orders.
-TOP_TAU = 4
-
-# Pipelines on few machines also try every order of whole machines (up to this many distinct
-# orders), re-tuning stage counts on the best BLOCK_ORDERS_REFINED of them.
-BLOCK_ORDERS_MAX = 120
-BLOCK_ORDERS_REFINED = 2
-
 
 @dataclass(frozen=True)
-class Unit:
-    """GPUs of one machine that go to the same pipeline."""
+class MachineChunk:
+    """GPUs of one machine that go to the same pipeline: the whole machine, or one of its equal
+    chunks at a finer coarsening level (planner.search_partition.make_chunks)."""
 
     node: int  # node index in cluster order
     ranks: tuple[int, ...]  # global ranks (cluster order)
     key: tuple[str, int]  # interchangeability signature (group or node name, size)
 
 
-def unit_options(n: int, model: ModelSpec, sequence_parallel: bool = False) -> list[int]:
-    """Stage counts a unit of n GPUs may host: k stages of n/k GPUs (k divides n). Under
+def chunk_stage_options(n: int, model: ModelSpec, sequence_parallel: bool = False) -> list[int]:
+    """Stage counts a chunk of n GPUs may host: k stages of n/k GPUs (k divides n). Under
     sequence parallelism a TP degree t > 1 must also divide seq_length (the plan's rule: the
     sequence is cut evenly over the TP ranks); k = n (TP 1) is always there."""
     out = []
@@ -84,7 +79,7 @@ class PipelineDraft:
     xb: list[float]
     fixed: float = 0.0  # time(m) ~ fixed + m * rate
     rate: float = 0.0
-    units: tuple[Unit, ...] = ()  # the units in stage order and the stages each hosts
+    chunks: tuple[MachineChunk, ...] = ()  # the chunks in stage order and the stages each hosts
     ks: tuple[int, ...] = ()
 
     def fwd_bwd(self) -> tuple[list[float], list[float]]:
@@ -125,7 +120,7 @@ class Context:
     def __init__(
         self,
         model: ModelSpec,
-        topo: cm.Topology,
+        topo: Topology,
         mbs: int,
         recompute: bool,
         optimizer_fraction: float,
@@ -144,11 +139,11 @@ class Context:
         # best pipeline per part signature (planner.search keeps its own entries)
         self.pipelines: dict[tuple[Any, ...], Any] = {}
         self._stage: dict[tuple[Any, ...], StageDraft] = {}
-        self._boundary: dict[cm.Signature, cm.BoundaryTimes] = {}
-        self._unit_stage: dict[tuple[Any, ...], StageDraft] = {}
-        self._unit_boundary: dict[tuple[Any, ...], cm.BoundaryTimes] = {}
+        self._boundary: dict[Signature, BoundaryTimes] = {}
+        self._chunk_stage: dict[tuple[Any, ...], StageDraft] = {}
+        self._chunk_boundary: dict[tuple[Any, ...], BoundaryTimes] = {}
         self._fit: dict[tuple[Any, ...], int] = {}  # layers_that_fit by its arguments
-        # build_pipeline templates by (unit kinds, node pattern, ks, m)
+        # build_pipeline templates by (chunk kinds, node pattern, ks, m)
         self._pipes: dict[tuple[Any, ...], _Template | None] = {}
         self._rows: dict[tuple[Any, ...], _Rows] = {}  # their stages, by all of that but m
         self.timings = timings
@@ -162,7 +157,7 @@ class Context:
                 timings.sequence_parallel,
                 timings.layer_impl,
             )
-            self._boundary, self._unit_boundary = timings._boundary, timings._unit_boundary
+            self._boundary, self._chunk_boundary = timings._boundary, timings._chunk_boundary
 
     def stage(
         self, ranks: Sequence[int], first: bool, last: bool, position: int, num_stages: int
@@ -189,9 +184,7 @@ class Context:
             "ffn": tuple(proportional_split(m.ffn_hidden_size, speeds)),
             "vocab": tuple(proportional_split(m.vocab_size, speeds)),
         }
-        costs = cm.group_costs(
-            m, devs, topo.slowest(ranks), self.attention_backend, self.layer_impl
-        )
+        costs = group_costs(m, devs, topo.slowest(ranks), self.attention_backend, self.layer_impl)
         cf, tf, cb, tb = costs.layer_times(
             self.mbs, shards["query_groups"], shards["ffn"], self.recompute
         )
@@ -209,7 +202,7 @@ class Context:
 
     def _nmax(
         self,
-        devs: Sequence[cm.Device],
+        devs: Sequence[Device],
         shards: Mapping[str, Sequence[int]],
         first: bool,
         last: bool,
@@ -245,60 +238,60 @@ class Context:
         num_stages: int,
         tp: int = 1,
     ) -> int:
-        """`costmodel.layers_that_fit` for this search's model, micro-batch and recompute,
+        """`memory.layers_that_fit` for this search's model, micro-batch and recompute,
         memoised: many stages of one search share a GPU type, shards and position. `tp`: the
         stage's TP degree (the sequence split under sequence parallelism)."""
-        split = cm.sequence_split(tp, self.sequence_parallel)
+        split = sequence_split(tp, self.sequence_parallel)
         key = (capacity, qg, ffn, vocab, first, last, position, num_stages, split)
         got = self._fit.get(key)
         if got is None:
-            shape = cm.RankShape(
+            shape = RankShape(
                 self.mbs, qg, ffn, vocab, first, last, position, num_stages,
                 num_stages - position, self.recompute, self.optimizer_fraction,
                 self.attention_backend, split,
             )  # fmt: skip
-            got = self._fit[key] = cm.layers_that_fit(capacity, self.model, shape)
+            got = self._fit[key] = layers_that_fit(capacity, self.model, shape)
         return got
 
-    def unit_stage(
+    def chunk_stage(
         self,
-        unit: Unit,
+        chunk: MachineChunk,
         ranks: tuple[int, ...],
         first: bool,
         last: bool,
         position: int,
         num_stages: int,
     ) -> StageDraft:
-        """`stage` for a TP group inside one unit: keyed by the unit's kind (one machine type
+        """`stage` for a TP group inside one chunk: keyed by the chunk's kind (one machine type
         and size), so the cost signature need not be recomputed from the ranks."""
-        key = (unit.key, len(ranks), first, last, num_stages - position)
-        got = self._unit_stage.get(key)
+        key = (chunk.key, len(ranks), first, last, num_stages - position)
+        got = self._chunk_stage.get(key)
         if got is None:
-            got = self._unit_stage[key] = self.stage(ranks, first, last, position, num_stages)
+            got = self._chunk_stage[key] = self.stage(ranks, first, last, position, num_stages)
         return StageDraft(ranks, got.shards, got.cf, got.cb, got.ef, got.eb, got.nmax)
 
-    def unit_boundary(
-        self, ua: Unit, a: Sequence[int], ub: Unit, b: Sequence[int]
-    ) -> cm.BoundaryTimes:
-        """`boundary` between TP groups inside units ua and ub (same machine or not)."""
+    def chunk_boundary(
+        self, ua: MachineChunk, a: Sequence[int], ub: MachineChunk, b: Sequence[int]
+    ) -> BoundaryTimes:
+        """`boundary` between TP groups inside chunks ua and ub (same machine or not)."""
         key = (ua.key, len(a), ub.key, len(b), ua.node == ub.node)
-        got = self._unit_boundary.get(key)
+        got = self._chunk_boundary.get(key)
         if got is None:
-            got = self._unit_boundary[key] = self.boundary(a, b)
+            got = self._chunk_boundary[key] = self.boundary(a, b)
         return got
 
-    def boundary(self, a: Sequence[int], b: Sequence[int]) -> cm.BoundaryTimes:
+    def boundary(self, a: Sequence[int], b: Sequence[int]) -> BoundaryTimes:
         key = self.topo.sig(a, b)
         got = self._boundary.get(key)
         if got is None:
-            got = cm.boundary_times(self.model, self.mbs, a, b, self.topo, self.sequence_parallel)
+            got = boundary_times(self.model, self.mbs, a, b, self.topo, self.sequence_parallel)
             self._boundary[key] = got
         return got
 
-    def link_cost(self, u: Unit, v: Unit) -> float:
-        """Seconds to move one activation between two units (the ordering's edge weight)."""
-        bw, lat = self.topo.node_link(u.node, v.node)
-        return self.model.seq_length * self.mbs * self.model.hidden_size * cm.BF16_BYTES / bw + lat
+    def link_cost(self, ch: MachineChunk, v: MachineChunk) -> float:
+        """Seconds to move one activation between two chunks (the ordering's edge weight)."""
+        bw, lat = self.topo.node_link(ch.node, v.node)
+        return self.model.seq_length * self.mbs * self.model.hidden_size * BF16_BYTES / bw + lat
 
 
 def assign_layers(
@@ -384,17 +377,17 @@ _MISSING: Any = object()  # a sentinel: the cached template may be None
 
 
 def build_pipeline(
-    ctx: Context, units: Sequence[Unit], ks: Sequence[int], m_est: int
+    ctx: Context, chunks: Sequence[MachineChunk], ks: Sequence[int], m_est: int
 ) -> PipelineDraft | None:
-    """PipelineDraft for units in this order hosting ks[i] stages each, or None if it cannot fit.
+    """PipelineDraft for chunks in this order hosting ks[i] stages each, or None if it cannot fit.
 
-    Solved once per (unit kinds in order, which units share a machine, stage counts, m): pipelines
+    Solved once per (chunk kinds in order, which chunks share a machine, stage counts, m): pipelines
     on identical machines get the same layout, re-mapped to their own ranks.
     """
-    tpl = _template(ctx, units, ks, m_est)
+    tpl = layout_template(ctx, chunks, ks, m_est)
     if tpl is None:
         return None
-    groups = _tp_groups(units, ks)
+    groups = _tp_groups(chunks, ks)
     r = tpl.rows
     stages = [
         StageDraft(g, sh, f, b, ef, eb, n, x)
@@ -402,7 +395,7 @@ def build_pipeline(
             groups, r.shards, r.cf, r.cb, r.ef, r.eb, r.nmax, tpl.layers
         )
     ]
-    return PipelineDraft(stages, r.xf, r.xb, units=tuple(units), ks=tuple(ks))
+    return PipelineDraft(stages, r.xf, r.xb, chunks=tuple(chunks), ks=tuple(ks))
 
 
 class _Template:
@@ -415,52 +408,30 @@ class _Template:
         self.rows, self.layers, self.obj = rows, layers, obj
 
 
-def _template(
-    ctx: Context, units: Sequence[Unit], ks: Sequence[int], m_est: int
+def layout_template(
+    ctx: Context, chunks: Sequence[MachineChunk], ks: Sequence[int], m_est: int
 ) -> _Template | None:
-    """The memoised PipelineDraft (ranks of whichever units built it first; `obj` set) or None."""
+    """The memoised PipelineDraft (ranks of whichever chunks built it first; `obj` set) or None."""
     if sum(ks) > ctx.model.num_layers:
         return None
     seen: dict[int, int] = {}
-    pattern = tuple(seen.setdefault(u.node, len(seen)) for u in units)
-    key = (tuple(u.key for u in units), pattern, tuple(ks), m_est)
+    pattern = tuple(seen.setdefault(ch.node, len(seen)) for ch in chunks)
+    key = (tuple(ch.key for ch in chunks), pattern, tuple(ks), m_est)
     tpl = ctx._pipes.get(key, _MISSING)
     if tpl is _MISSING:
         rkey = key[:3]
         rows = ctx._rows.get(rkey)
         if rows is None:
-            rows = ctx._rows[rkey] = _build_rows(ctx, units, ks)
+            rows = ctx._rows[rkey] = _build_rows(ctx, chunks, ks)
         tpl = ctx._pipes[key] = _lay_out(ctx, rows, m_est)
     return tpl
 
 
-class _Choice:
-    """A scored (order, stage counts) pair; the draft is re-mapped only for the winner."""
-
-    __slots__ = ("units", "ks")
-
-    def __init__(self, units: Iterable[Unit], ks: Iterable[int]):
-        self.units, self.ks = tuple(units), tuple(ks)
-
-
-class _Scored(NamedTuple):
-    """What the search compares: phase 2's objective of a choice (lower is better)."""
-
-    obj: float
-    choice: _Choice
-
-
-def _score(ctx: Context, order: Sequence[Unit], ks: Sequence[int], m_est: int) -> _Scored | None:
-    """_Scored or None: what the search compares, without building the draft."""
-    tpl = _template(ctx, order, ks, m_est)
-    return None if tpl is None else _Scored(tpl.obj, _Choice(order, ks))
-
-
-def _tp_groups(units: Sequence[Unit], ks: Sequence[int]) -> list[tuple[int, ...]]:
+def _tp_groups(chunks: Sequence[MachineChunk], ks: Sequence[int]) -> list[tuple[int, ...]]:
     out: list[tuple[int, ...]] = []
-    for u, k in zip(units, ks):
-        t = len(u.ranks) // k
-        out.extend(u.ranks[i * t : (i + 1) * t] for i in range(k))
+    for ch, k in zip(chunks, ks):
+        t = len(ch.ranks) // k
+        out.extend(ch.ranks[i * t : (i + 1) * t] for i in range(k))
     return out
 
 
@@ -494,10 +465,10 @@ class _Rows:
         self.sxf, self.sxb = sum(xf), sum(xb)
 
 
-def _build_rows(ctx: Context, units: Sequence[Unit], ks: Sequence[int]) -> _Rows:
-    """_Rows for units in this order hosting ks[i] stages each (at most L stages)."""
+def _build_rows(ctx: Context, chunks: Sequence[MachineChunk], ks: Sequence[int]) -> _Rows:
+    """_Rows for chunks in this order hosting ks[i] stages each (at most L stages)."""
     p = sum(ks)
-    stage_cache, boundary_cache = ctx._unit_stage, ctx._unit_boundary
+    stage_cache, boundary_cache = ctx._chunk_stage, ctx._chunk_boundary
     shards: list[dict[str, tuple[int, ...]]] = []
     cf: list[float] = []
     cb: list[float] = []
@@ -507,33 +478,35 @@ def _build_rows(ctx: Context, units: Sequence[Unit], ks: Sequence[int]) -> _Rows
     xf: list[float] = []
     xb: list[float] = []
     i = 0
-    prev: tuple[Unit, int] | None = None  # (unit, TP size) of the previous unit's last stage
-    for u, k in zip(units, ks):
-        t = len(u.ranks) // k
-        inner: cm.BoundaryTimes | None = None  # between two TP groups of this unit
+    prev: tuple[MachineChunk, int] | None = (
+        None  # (chunk, TP size) of the previous chunk's last stage
+    )
+    for ch, k in zip(chunks, ks):
+        t = len(ch.ranks) // k
+        inner: BoundaryTimes | None = None  # between two TP groups of this chunk
         for j in range(k):
             first, last = i == 0, i == p - 1
-            st = stage_cache.get((u.key, t, first, last, p - i))
+            st = stage_cache.get((ch.key, t, first, last, p - i))
             if st is None:
-                st = ctx.unit_stage(u, u.ranks[j * t : (j + 1) * t], first, last, i, p)
+                st = ctx.chunk_stage(ch, ch.ranks[j * t : (j + 1) * t], first, last, i, p)
             ef_i = st.ef
             if i:
                 if j:
                     if inner is None:
-                        got = boundary_cache.get((u.key, t, u.key, t, True))
+                        got = boundary_cache.get((ch.key, t, ch.key, t, True))
                         if got is None:
-                            a, b = u.ranks[(j - 1) * t : j * t], u.ranks[j * t : (j + 1) * t]
-                            got = ctx.unit_boundary(u, a, u, b)
+                            a, b = ch.ranks[(j - 1) * t : j * t], ch.ranks[j * t : (j + 1) * t]
+                            got = ctx.chunk_boundary(ch, a, ch, b)
                         inner = got
                     bd = inner
                 else:
                     assert prev is not None
                     pu, pt = prev
-                    got = boundary_cache.get((pu.key, pt, u.key, t, pu.node == u.node))
+                    got = boundary_cache.get((pu.key, pt, ch.key, t, pu.node == ch.node))
                     if got is None:
                         pj = len(pu.ranks) // pt - 1
-                        got = ctx.unit_boundary(
-                            pu, pu.ranks[pj * pt : (pj + 1) * pt], u, u.ranks[:t]
+                        got = ctx.chunk_boundary(
+                            pu, pu.ranks[pj * pt : (pj + 1) * pt], ch, ch.ranks[:t]
                         )
                     bd = got
                 (tf, gf), (tb, gb) = bd
@@ -548,7 +521,7 @@ def _build_rows(ctx: Context, units: Sequence[Unit], ks: Sequence[int]) -> _Rows
             eb.append(st.eb)
             nmax.append(st.nmax)
             i += 1
-        prev = (u, t)
+        prev = (ch, t)
     return _Rows(shards, cf, cb, ef, eb, nmax, xf, xb)
 
 
@@ -565,247 +538,6 @@ def _lay_out(ctx: Context, r: _Rows, m_est: int) -> _Template | None:
     period = window_period([a + c for a, c in zip(f, b)], r.x)
     obj = (m_est - 1) * period + sum(f) + sum(b) + r.sxf + r.sxb
     return _Template(r, n, obj)
-
-
-def order_units(ctx: Context, units: Sequence[Unit], tau: int = TOP_TAU) -> list[list[Unit]]:
-    """Top-tau greedy orders of the units: keep the tau partial orders with the smallest sum of
-    boundary transfer times, extend each by every unused unit, repeat; returns the final orders.
-
-    Interchangeable units (same key) are tried once per step.
-    """
-    beam: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
-    n = len(units)
-    for _ in range(n):
-        nxt: dict[tuple[tuple[str, int], ...], tuple[tuple[int, ...], float]] = {}
-        for path, score in beam:
-            used = set(path)
-            seen = set()
-            for i, u in enumerate(units):
-                if i in used or u.key in seen:
-                    continue
-                seen.add(u.key)
-                s = score + (ctx.link_cost(units[path[-1]], u) if path else 0.0)
-                new = path + (i,)
-                sig = tuple(units[j].key for j in new)
-                if sig not in nxt or s < nxt[sig][1]:
-                    nxt[sig] = (new, s)
-        beam = sorted(nxt.values(), key=lambda x: (x[1], [units[j].key for j in x[0]]))[:tau]
-    return [[units[i] for i in path] for path, _ in beam]
-
-
-def best_pipeline(
-    ctx: Context,
-    units: Sequence[Unit],
-    m_est: int,
-    exhaustive: bool = False,
-    polish: bool = False,
-    tune_orders: bool = False,
-) -> PipelineDraft | None:
-    """The best PipelineDraft for these units (None if nothing fits), fitted for the schedule.
-
-    Heuristic: candidate orders = top-tau orders, their reverses, and units by memory (largest
-    first: early stages hold more micro-batches); stage counts chosen per GPU type by coordinate
-    descent (for the best top-tau order and the memory order; the others take the counts
-    chosen so far, or with `tune_orders` are tuned too). Polish (the search's finalists): also
-    every order of whole machines, when few (`_block_orders`). The search polishes its
-    finalists with and without `tune_orders` and keeps what the simulator scores best: the
-    cheap objective that picks a pipeline's layout does not always agree with it.
-    Exhaustive: every distinct order x every per-unit stage count.
-    """
-    if exhaustive:
-        orders, seen = [], set()
-        for perm in itertools.permutations(range(len(units))):
-            sig = tuple(units[i].key for i in perm)
-            if sig not in seen:
-                seen.add(sig)
-                orders.append([units[i] for i in perm])
-    else:
-        orders = order_units(ctx, units)
-        orders += [list(reversed(o)) for o in orders]
-        orders.append(
-            sorted(
-                units,
-                key=lambda u: (
-                    -ctx.topo.device_of(u.ranks[0]).memory_bytes,
-                    -ctx.topo.device_of(u.ranks[0]).flops,
-                    u.node,
-                ),
-            )
-        )
-    uniq, seen = [], set()
-    for o in orders:
-        sig = tuple(u.key for u in o)
-        if sig not in seen:
-            seen.add(sig)
-            uniq.append(o)
-    best = None
-    for n_order, order in enumerate(uniq):
-        opts = [unit_options(len(u.ranks), ctx.model, ctx.sequence_parallel) for u in order]
-        if exhaustive:
-            for ks in itertools.product(*opts):
-                got = _score(ctx, order, ks, m_est)
-                if got is not None and (best is None or got.obj < best.obj):
-                    best = got
-            continue
-        if tune_orders and best is not None:
-            # every order gets its own stage counts, starting also from the counts chosen so
-            # far: scored only with another order's counts, an order was undervalued (at
-            # 10 Gbit/s the search missed a layout it found at 25 Gbit/s that is better at 10
-            # too: tests/planner/test_search_consistency.py)
-            chosen = {u.key: k for u, k in zip(best.choice.units, best.choice.ks)}
-            got = _coordinate_descent(ctx, order, opts, m_est, chosen)
-        elif n_order == 0 or n_order == len(uniq) - 1:  # best top-tau order, memory order
-            got = _coordinate_descent(ctx, order, opts, m_est)
-        elif best is not None:  # other orders: the chosen stage counts
-            sel = {u.key: k for u, k in zip(best.choice.units, best.choice.ks)}
-            got = _score(ctx, order, tuple(sel[u.key] for u in order), m_est)
-        else:
-            got = _coordinate_descent(ctx, order, opts, m_est)
-        if got is not None and (best is None or got.obj < best.obj):
-            best = got
-    if polish and not exhaustive and best is not None:
-        best = _block_orders(ctx, units, m_est, best, seen)
-    if best is None:
-        return None
-    draft = build_pipeline(ctx, best.choice.units, best.choice.ks, m_est)
-    assert draft is not None  # its template was scored above
-    return draft.fit(ctx.fits)
-
-
-def _block_orders(
-    ctx: Context,
-    units: Sequence[Unit],
-    m_est: int,
-    best: _Scored,
-    tried: set[tuple[tuple[str, int], ...]],
-) -> _Scored:
-    """Every order of whole machines (a machine's units kept together), when there are at most
-    BLOCK_ORDERS_MAX distinct ones: each scored with the chosen stage counts per unit kind, the
-    BLOCK_ORDERS_REFINED best then re-tuned by coordinate descent."""
-    by_node: dict[int, list[Unit]] = {}
-    for u in sorted(units, key=lambda u: u.ranks):
-        by_node.setdefault(u.node, []).append(u)
-    blocks = list(by_node.values())
-    if len(blocks) < 2:
-        return best
-    kinds = [tuple(u.key for u in b) for b in blocks]
-    count, n = 1, len(blocks)
-    for i in range(2, n + 1):
-        count *= i
-        if count > 40 * BLOCK_ORDERS_MAX:
-            return best
-    perms, seen = [], set()
-    for perm in itertools.permutations(range(n)):
-        sig = tuple(kinds[i] for i in perm)
-        if sig in seen:
-            continue
-        seen.add(sig)
-        perms.append([u for i in perm for u in blocks[i]])
-        if len(perms) > BLOCK_ORDERS_MAX:
-            return best
-    # each order scored with the stage counts chosen so far and with the fewest stages per unit
-    sels = [
-        {u.key: k for u, k in zip(best.choice.units, best.choice.ks)},
-        {u.key: unit_options(len(u.ranks), ctx.model, ctx.sequence_parallel)[0] for u in units},
-    ]
-    scored = []
-    for i, order in enumerate(perms):
-        if tuple(u.key for u in order) in tried:
-            continue
-        objs = [
-            got.obj
-            for got in (_score(ctx, order, tuple(sel[u.key] for u in order), m_est) for sel in sels)
-            if got is not None
-        ]
-        if objs:
-            scored.append((min(objs), i, order))
-    scored.sort(key=lambda x: (x[0], x[1]))
-    for _, _, order in scored[:BLOCK_ORDERS_REFINED]:
-        opts = [unit_options(len(u.ranks), ctx.model, ctx.sequence_parallel) for u in order]
-        got = _coordinate_descent(ctx, order, opts, m_est)
-        if got is not None and got.obj < best.obj:
-            best = got
-    return best
-
-
-def _coordinate_descent(
-    ctx: Context,
-    order: Sequence[Unit],
-    opts: Sequence[Sequence[int]],
-    m_est: int,
-    chosen: Mapping[tuple[str, int], int] | None = None,
-) -> _Scored | None:
-    """Choose one stage count per unit key (GPU type) by coordinate descent from two starts, and
-    from `chosen` (counts per key found for another order) when given."""
-    keys = sorted({u.key for u in order})
-    choices = {k: opts[[u.key for u in order].index(k)] for k in keys}
-    best = None
-    L = ctx.model.num_layers
-    starts = [{k: choices[k][0] for k in keys}]
-    # start 2: as many stages as memory may need, without exceeding the layers
-    most = {k: choices[k][-1] for k in keys}
-    if sum(most[u.key] for u in order) > L:
-        most = {
-            k: max(
-                [x for x in choices[k] if x * sum(1 for u in order if u.key == k) <= L]
-                or [choices[k][0]]
-            )
-            for k in keys
-        }
-    starts.append(most)
-    if chosen is not None:
-        starts.append({k: chosen[k] for k in keys})
-    cache: dict[tuple[int, ...], _Scored | None] = {}
-
-    def score(sel: Mapping[tuple[str, int], int]) -> _Scored | None:
-        ks = tuple(sel[u.key] for u in order)
-        if ks not in cache:
-            cache[ks] = _score(ctx, order, ks, m_est)
-        return cache[ks]
-
-    for sel in starts:
-        cur = score(sel)
-        for _ in range(3):
-            improved = False
-            for k in keys:
-                for x in choices[k]:
-                    if x == sel[k]:
-                        continue
-                    trial = {**sel, k: x}
-                    got = score(trial)
-                    if got is not None and (cur is None or got.obj < cur.obj - 1e-12):
-                        sel, cur, improved = trial, got, True
-            if not improved:
-                break
-        if cur is not None and len(order) <= PER_UNIT_REFINE_MAX_UNITS:
-            # then per unit: machines of one type may host different stage counts
-            ks = list(cur.choice.ks)
-            for i in [j for _ in range(2) for j in reversed(range(len(order)))]:
-                for x in opts[i]:
-                    if x == ks[i]:
-                        continue
-                    cand = tuple(ks[:i] + [x] + ks[i + 1 :])
-                    if cand not in cache:
-                        cache[cand] = _score(ctx, order, cand, m_est)
-                    got = cache[cand]
-                    if got is not None and got.obj < cur.obj - 1e-12:
-                        cur, ks = got, list(cand)
-            # and swaps: which machine of a type hosts more stages (a two-coordinate move)
-            for i in range(len(order)):
-                for j in range(i + 1, len(order)):
-                    if order[i].key != order[j].key or ks[i] == ks[j]:
-                        continue
-                    swapped = list(ks)
-                    swapped[i], swapped[j] = ks[j], ks[i]
-                    cand = tuple(swapped)
-                    if cand not in cache:
-                        cache[cand] = _score(ctx, order, cand, m_est)
-                    got = cache[cand]
-                    if got is not None and got.obj < cur.obj - 1e-12:
-                        cur, ks = got, list(cand)
-        if cur is not None and (best is None or cur.obj < best.obj):
-            best = cur
-    return best
 
 
 def draft_to_stages(draft: PipelineDraft, num_layers: int) -> list[dict[str, Any]]:

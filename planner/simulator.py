@@ -4,7 +4,7 @@ iteration time = the slowest pipeline's 1F1B time (each stage's own forward/back
 transfers and all-gathers) + the exposed part of the weighted gradient sync across pipelines + the
 optimizer step (the slowest rank). The gradient sync is serial after the last backward (all of it
 exposed), or, with the plan's training.overlap_grad_reduce / overlap_param_gather, overlapped with
-the backward and the next forward as planner.gradsync describes (`overlapped_sync_time`); the
+the backward and the next forward as planner.sync_model describes (`overlapped_sync_time`); the
 stages' last-backward end times come from the same 1F1B simulation. MFU = model FLOPs without
 recompute / (iteration time x the sum of the used GPUs' catalog peaks). Memory is checked per rank
 against the device's capacity.
@@ -16,7 +16,7 @@ stages' forward + backward time over the iteration), and the pipelines are evalu
 
 Distributed optimizer: each rank holds the fp32 master and Adam state of the elements
 planner.layout.optimizer_elements gives it (the runtime's own split; counted here by its fast
-mirror planner.gradsync.optimizer_elements).
+mirror planner.sync_model.fast_optimizer_elements).
 """
 
 from __future__ import annotations
@@ -25,24 +25,34 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from planner import costmodel as cm
 from planner.attention import PLAN_DEFAULT_BACKEND
+from planner.costmodel import stage_cost
+from planner.devices import Device, optimizer_step_time
 from planner.flops import model_flops_per_sample
-from planner.gradsync import (
+from planner.host import EAGER_LOCAL, LayerImpl, layer_impl
+from planner.layout import optimizer_weight
+from planner.measured_costs import step_overhead
+from planner.memory import (
+    OPTIMIZER_BYTES_PER_PARAM,
+    WEIGHT_BYTES_PER_PARAM,
+    MemoryUse,
+    RankShape,
+    rank_memory,
+    sequence_split,
+)
+from planner.schedule import last_backward_ends, pipeline_time
+from planner.sync_model import (
     BUCKET_ELEMENTS,
     Layout,
     StageLayout,
     collectives,
-    optimizer_elements,
+    fast_optimizer_elements,
     overlapped_sync_time,
     rank_sets,
     stage_timings,
     sync_time,
 )
-from planner.host import EAGER_LOCAL, LayerImpl, layer_impl
-from planner.layout import optimizer_weight
-from planner.profile import step_overhead
-from planner.schedule import last_backward_ends, pipeline_time
+from planner.topology import Topology, boundary_times
 
 if TYPE_CHECKING:
     from planner.cluster import ClusterSpec
@@ -56,7 +66,7 @@ ScheduleInputs: TypeAlias = tuple[
 ]
 # One pipeline's evaluation: (1F1B seconds, per stage (fwd, bwd, compute, tp_comm, p2p_in), per
 # rank MemoryUse without optimizer state, the schedule's inputs).
-PipelineEval: TypeAlias = tuple[float, list[tuple[float, ...]], list[cm.MemoryUse], ScheduleInputs]
+PipelineEval: TypeAlias = tuple[float, list[tuple[float, ...]], list[MemoryUse], ScheduleInputs]
 
 
 class SimulationCache:
@@ -149,7 +159,7 @@ def layouts_of(plan: Plan) -> list[list[StageLayout]]:
 
 def simulate(
     plan: Plan,
-    topo: cm.Topology | None = None,
+    topo: Topology | None = None,
     cache: SimulationCache | None = None,
     bucket_elements: int = BUCKET_ELEMENTS,
 ) -> Estimate:
@@ -180,7 +190,7 @@ def plan_layer_impl(plan: Plan) -> LayerImpl:
     return layer_impl(t.transformer_impl, t.cuda_graph_impl, t.cuda_graph_scope)
 
 
-def _gpu_label(topo: cm.Topology, ranks: Sequence[int]) -> str:
+def _gpu_label(topo: Topology, ranks: Sequence[int]) -> str:
     nodes = sorted({topo.node_of[r] for r in ranks})
     dev = topo.devices[nodes[0]].name
     where = ",".join(topo.nodes[n].name for n in nodes[:3]) + ("..." if len(nodes) > 3 else "")
@@ -195,7 +205,7 @@ def simulate_layout(
     recompute: bool,
     distributed_optimizer: bool = False,
     optimizer_shard: str = "even",
-    topo: cm.Topology | None = None,
+    topo: Topology | None = None,
     cache: SimulationCache | None = None,
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
@@ -212,7 +222,7 @@ def simulate_layout(
     distributed optimizer; sequence parallelism acts in stages of TP degree > 1). `layer_impl`:
     how the layers run (planner.host: the host time of a layer pass)."""
     m = model
-    topo = topo or cm.Topology(cluster)
+    topo = topo or Topology(cluster)
     cache = cache if cache is not None else SimulationCache()
     overlapped = overlap_grad_reduce or (overlap_param_gather and distributed_optimizer)
     ptimes, reports, ranks_all, mems_all, scheds, ends = _pipelines(
@@ -287,10 +297,10 @@ def simulate_layout(
         if got is None:
             dev = devices[n]
             # elements whose fp32 master and Adam state this rank keeps and steps
-            state = base.weights / cm.WEIGHT_BYTES_PER_PARAM if owned is None else owned[r]
-            opt = state * cm.OPTIMIZER_BYTES_PER_PARAM
+            state = base.weights / WEIGHT_BYTES_PER_PARAM if owned is None else owned[r]
+            opt = state * OPTIMIZER_BYTES_PER_PARAM
             total = base.total + opt
-            step = cm.optimizer_step_time(state, dev.mem_bw) + step_overhead(dev)
+            step = optimizer_step_time(state, dev.mem_bw) + step_overhead(dev)
             t = {k: v / 1e9 for k, v in base.terms().items()}
             t["optimizer"] = opt / 1e9
             got = seen[key] = (total, step, t, dev.memory_bytes, dev.peak_flops)
@@ -342,7 +352,7 @@ def simulate_layout(
 
 
 def _optimizer_elements(
-    m: ModelSpec, topo: cm.Topology, layouts: Layout, optimizer_shard: str, cache: SimulationCache
+    m: ModelSpec, topo: Topology, layouts: Layout, optimizer_shard: str, cache: SimulationCache
 ) -> dict[int, int]:
     """{rank: elements of optimizer state it owns}, weighted (optimizer_shard "memory") by the
     catalog GPU of each rank's node, as the plan names it."""
@@ -352,7 +362,7 @@ def _optimizer_elements(
         if len(cache.optimizer) > cache.MAX_ENTRIES:
             cache.optimizer.clear()
         nodes, node_of = topo.nodes, topo.node_of
-        got = cache.optimizer[key] = optimizer_elements(
+        got = cache.optimizer[key] = fast_optimizer_elements(
             m, layouts, lambda r: optimizer_weight(nodes[node_of[r]].gpu, optimizer_shard)
         )
     return got
@@ -360,7 +370,7 @@ def _optimizer_elements(
 
 def _pipelines(
     m: ModelSpec,
-    topo: cm.Topology,
+    topo: Topology,
     layouts: Layout,
     batches: Sequence[tuple[int, int]],
     recompute: bool,
@@ -374,7 +384,7 @@ def _pipelines(
     list[float],
     list[StageReport],
     list[int],
-    list[cm.MemoryUse],
+    list[MemoryUse],
     list[ScheduleInputs],
     list[tuple[float, ...]],
 ]:
@@ -389,7 +399,7 @@ def _pipelines(
     ptimes: list[float] = []
     reports: list[StageReport] = []
     ranks_all: list[int] = []
-    mems_all: list[cm.MemoryUse] = []
+    mems_all: list[MemoryUse] = []
     scheds: list[ScheduleInputs] = []
     for pi, (stages, (mbs, nmb)) in enumerate(zip(layouts, batches)):
         ranks = [r for st in stages for r in st.ranks]
@@ -428,7 +438,7 @@ def _pipelines(
 
 
 def _shared_node_slowdowns(
-    topo: cm.Topology,
+    topo: Topology,
     reports: Sequence[StageReport],
     batches: Sequence[tuple[int, int]],
     period: float,
@@ -455,7 +465,7 @@ def _shared_node_slowdowns(
     return out
 
 
-def _device(topo: cm.Topology, rank: int, slow: Mapping[int, float] | None) -> cm.Device:
+def _device(topo: Topology, rank: int, slow: Mapping[int, float] | None) -> Device:
     """The rank's Device, with its own contention when `slow` gives one."""
     dev = topo.device_of(rank)
     s = slow.get(rank) if slow else None
@@ -467,7 +477,7 @@ def _device(topo: cm.Topology, rank: int, slow: Mapping[int, float] | None) -> c
 
 def _pipeline_eval(
     m: ModelSpec,
-    topo: cm.Topology,
+    topo: Topology,
     stages: Sequence[StageLayout],
     mbs: int,
     nmb: int,
@@ -480,14 +490,14 @@ def _pipeline_eval(
     """(1F1B seconds, per stage (fwd, bwd, compute, tp_comm, p2p_in), per rank MemoryUse
     without optimizer state, the schedule's inputs) of one pipeline. Under
     `sequence_parallel` a stage of TP degree t > 1 keeps its activations cut over its t ranks
-    (costmodel.sequence_split) and does not all-gather what it receives."""
+    (memory.sequence_split) and does not all-gather what it receives."""
     p = len(stages)
     fwd, bwd, xf, xb, rows, mems = [], [], [], [], [], []
     for k, st in enumerate(stages):
         devs = [_device(topo, r, slow) for r in st.ranks]
         first, last = st.layers[0] == 0, st.layers[1] == m.num_layers
         link = topo.slowest(st.ranks)
-        c = cm.stage_cost(
+        c = stage_cost(
             m,
             mbs,
             devs,
@@ -504,18 +514,18 @@ def _pipeline_eval(
         bwd.append(c.bwd)
         rows.append([c.fwd, c.bwd, c.compute, c.tp_comm, 0.0, c.host_wait])
         seen = {}
-        split = cm.sequence_split(len(st.ranks), sequence_parallel)
+        split = sequence_split(len(st.ranks), sequence_parallel)
         for i in range(len(st.ranks)):
-            shape = cm.RankShape(
+            shape = RankShape(
                 mbs, st.query_groups[i], st.ffn[i], st.vocab[i], first, last, k, p, nmb,
                 recompute, optimizer_fraction=0.0, attention_backend=attention_backend,
                 sequence_split=split,
             )  # fmt: skip
             if shape not in seen:
-                seen[shape] = cm.rank_memory(m, shape, st.layers[1] - st.layers[0])
+                seen[shape] = rank_memory(m, shape, st.layers[1] - st.layers[0])
             mems.append(seen[shape])
     for k in range(p - 1):
-        (tf, gf), (tb, gb) = cm.boundary_times(
+        (tf, gf), (tb, gb) = boundary_times(
             m, mbs, stages[k].ranks, stages[k + 1].ranks, topo, sequence_parallel
         )
         xf.append(tf)
@@ -530,7 +540,7 @@ def _pipeline_eval(
 
 
 def _bottleneck(
-    topo: cm.Topology,
+    topo: Topology,
     reports: Sequence[StageReport],
     ptimes: Sequence[float],
     batches: Sequence[tuple[int, int]],

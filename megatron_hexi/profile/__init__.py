@@ -1,7 +1,7 @@
 """`hexi-profile`: measure this device's training costs with the runtime's own modules.
 
 The JSON it writes is referenced by a cluster file's node group (`profile: path.json`) and read by
-the planner (planner/profile.py). Format "hexi-device-profile/1":
+the planner (planner/profiles.py). Format "hexi-device-profile/1":
 
 - `device` (catalog GPU name; "CPU" on CPU), `matmul_tflops` (achieved GEMM throughput),
   `memory_gb`, `memory_bandwidth_gbs`, `source`, `threads`, `cpu_cores`, `dtype`, `model`;

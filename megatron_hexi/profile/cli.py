@@ -278,7 +278,7 @@ def contention(
     one alone, so a data-parallel step (less its all-reduce) below the one-rank step shows that
     every one-rank burst met a slow spell: it then stands for the one-rank step as well
     (`training.one_rank_step_s`, and hexi-profile's runtime overheads)."""
-    from planner.profile import _loglog
+    from planner.profiles import _loglog
 
     probe = None
     if ref is not None:  # the grid point the probe compares with was measured

@@ -148,7 +148,7 @@ def predicted_steps(
 ) -> dict[int, float]:
     """{k: the planner's step time for the one-rank plan of k micro-batches of 1}, from this
     profile without its runtime overheads (pure planner code; no torch)."""
-    from planner.profile import _profile_of
+    from planner.profiles import _profile_of
     from planner.simulator import simulate
 
     bare = {key: v for key, v in profile.items() if key not in ("runtime", "contention")}

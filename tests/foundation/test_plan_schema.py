@@ -11,7 +11,7 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 
 from planner import cluster as cluster_mod  # noqa: E402
-from planner import plan as plan_mod  # noqa: E402
+from planner import plan_validation as plan_mod  # noqa: E402
 from planner.models import ModelSpec  # noqa: E402
 
 DATA = Path(__file__).parent / "data"

@@ -9,10 +9,13 @@ import pytest
 from host_zero import zero_host_time
 
 from planner import attention, kernels
-from planner import costmodel as cm
 from planner.cluster import load_cluster
+from planner.costmodel import group_costs
+from planner.devices import device_for
+from planner.memory import RankShape, layer_activation_bytes, rank_memory
 from planner.models import load_model
-from planner.plan import load_plan, plan_from_dict, validate_plan_dict
+from planner.plan import load_plan, plan_from_dict
+from planner.plan_validation import validate_plan_dict
 from planner.search import search_plan
 from planner.simulator import simulate
 
@@ -63,28 +66,28 @@ def test_activation_memory_of_one_layer_by_hand(backend):
     unfused = (18 + 160) * sbh + 8 * sbf
     fused = 18 * sbh + 8 * sbf
     want = unfused if backend in ("unfused", "local") else fused
-    assert cm.layer_activation_bytes(L7, 1, 32, 11008, False, backend) == want
+    assert layer_activation_bytes(L7, 1, 32, 11008, False, backend) == want
     # TP 2: the rank's half of the heads keeps half of the term
     half = (14 + (80 if backend in ("unfused", "local") else 0)) * sbh + 4 * sbf
-    assert cm.layer_activation_bytes(L7, 1, 16, 5504, False, backend) == half
+    assert layer_activation_bytes(L7, 1, 16, 5504, False, backend) == half
     # full recompute keeps the layer input only, whatever the backend
-    assert cm.layer_activation_bytes(L7, 1, 32, 11008, True, backend) == 2 * sbh
-    shape = cm.RankShape(1, 32, 11008, 32000, False, False, 0, 1, 1, False, 1.0, backend)
-    assert cm.rank_memory(L7, shape, 1).activations == want
+    assert layer_activation_bytes(L7, 1, 32, 11008, True, backend) == 2 * sbh
+    shape = RankShape(1, 32, 11008, 32000, False, False, 0, 1, 1, False, 1.0, backend)
+    assert rank_memory(L7, shape, 1).activations == want
 
 
 def test_unfused_time_term_by_hand():
     """Unfused attention pays 13 B forward and 19 B backward per element of the [b, a, s, s]
     scores at the device's memory bandwidth (A100-SXM-80GB: 2039 GB/s), on top of the FLOPs."""
-    dev = cm.device_for("A100-SXM-80GB")
+    dev = device_for("A100-SXM-80GB")
     assert dev.mem_bw == 2039e9
     elements = 1 * 32 * S * S
     xf, xb = 13 * elements / 2039e9, 19 * elements / 2039e9
     assert xf == pytest.approx(3.4229e-3, rel=1e-4)  # 3.4 ms forward per layer
     for rc in (False, True):
-        fused = cm.group_costs(L7, [dev], (1e12, 0.0), "auto").layer_times(1, [32], [11008], rc)
+        fused = group_costs(L7, [dev], (1e12, 0.0), "auto").layer_times(1, [32], [11008], rc)
         for backend in ("unfused", "local"):
-            costs = cm.group_costs(L7, [dev], (1e12, 0.0), backend)
+            costs = group_costs(L7, [dev], (1e12, 0.0), backend)
             cf, tf, cb, tb = costs.layer_times(1, [32], [11008], rc)
             assert cf - fused[0] == pytest.approx(xf, rel=1e-9)
             # full recompute repeats the forward, its traffic included
@@ -92,15 +95,15 @@ def test_unfused_time_term_by_hand():
             assert (tf, tb) == (fused[1], fused[3])
     # flash and fused cost as auto does
     for backend in ("flash", "fused"):
-        got = cm.group_costs(L7, [dev], (1e12, 0.0), backend).layer_times(1, [32], [11008], False)
-        assert got == cm.group_costs(L7, [dev], (1e12, 0.0), "auto").layer_times(
+        got = group_costs(L7, [dev], (1e12, 0.0), backend).layer_times(1, [32], [11008], False)
+        assert got == group_costs(L7, [dev], (1e12, 0.0), "auto").layer_times(
             1, [32], [11008], False
         )
     # TP: each rank moves its heads' share; the group waits for the slowest
-    slow = cm.device_for("RTX-4090")
-    two = cm.group_costs(L7, [dev, slow], (1e12, 0.0), "unfused")
+    slow = device_for("RTX-4090")
+    two = group_costs(L7, [dev, slow], (1e12, 0.0), "unfused")
     cf, _, _, _ = two.layer_times(1, [24, 8], [8256, 2752], False)
-    fused_two = cm.group_costs(L7, [dev, slow], (1e12, 0.0), "auto")
+    fused_two = group_costs(L7, [dev, slow], (1e12, 0.0), "auto")
     per_rank = [
         kernels.attention_times(d.kernels, L7, 1, q).fwd + 13 * 32 * S * S * q / 32 / d.mem_bw
         for q, d in ((24, dev), (8, slow))

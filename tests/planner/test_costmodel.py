@@ -6,11 +6,20 @@ import json
 import pytest
 from host_zero import zero_host_time
 
-from planner import costmodel as cm
 from planner import flops, layout
 from planner.cluster import load_cluster_dict
+from planner.costmodel import AnalyticCosts, group_costs
+from planner.devices import device_for, optimizer_step_time
+from planner.memory import RankShape, in_flight_microbatches, layer_activation_bytes, rank_memory
 from planner.models import load_model
 from planner.schedule import pipeline_time, simulate_1f1b
+from planner.topology import (
+    Topology,
+    boundary_times,
+    p2p_transfer_time,
+    ring_allgather_time,
+    ring_allreduce_time,
+)
 
 TINY = load_model("tiny")  # h 64, a 4, g 4, d 16, f 256, V 128, s 32
 GQA = load_model("tiny-gqa")  # h 64, a 8, g 4, d 8, f 192, V 120, s 32
@@ -39,9 +48,9 @@ def test_llama2_7b_layer_flops_match_closed_form():
 
 
 def test_ring_collectives():
-    assert cm.ring_allreduce_time(1e9, 4, 1e9, 1e-5) == pytest.approx(1.5 + 6e-5)
-    assert cm.ring_allgather_time(1e9, 4, 1e9, 1e-5) == pytest.approx(0.75 + 3e-5)
-    assert cm.ring_allreduce_time(1e9, 1, 1e9, 1e-5) == 0.0
+    assert ring_allreduce_time(1e9, 4, 1e9, 1e-5) == pytest.approx(1.5 + 6e-5)
+    assert ring_allgather_time(1e9, 4, 1e9, 1e-5) == pytest.approx(0.75 + 3e-5)
+    assert ring_allreduce_time(1e9, 1, 1e9, 1e-5) == 0.0
 
 
 def _cluster():
@@ -71,28 +80,28 @@ def _cluster():
 
 
 def test_p2p_split_transfer_and_nic_limit():
-    topo = cm.Topology(_cluster())
+    topo = Topology(_cluster())
     n = 3e9
     # 2 senders on node a -> 3 receivers on node b: largest pair part n/3; but all n bytes leave
     # node a through its 8 GB/s NIC, which dominates.
-    t = cm.p2p_transfer_time(n, [0, 1], [4, 5, 6], topo)
+    t = p2p_transfer_time(n, [0, 1], [4, 5, 6], topo)
     assert t == pytest.approx(n / 8e9)
     # inside one machine: pairs in parallel, no NIC: largest part n/3 at 100 GB/s + 5 us
-    t = cm.p2p_transfer_time(n, [0, 1], [1, 2, 3], topo)
+    t = p2p_transfer_time(n, [0, 1], [1, 2, 3], topo)
     assert t == pytest.approx(n / 3 / 100e9 + 5e-6)
 
 
 def test_boundary_includes_allgather():
-    topo = cm.Topology(_cluster())
-    (tf, gf), (tb, gb) = cm.boundary_times(TINY, 1, [0], [4, 5], topo)
+    topo = Topology(_cluster())
+    (tf, gf), (tb, gb) = boundary_times(TINY, 1, [0], [4, 5], topo)
     nbytes = 32 * 64 * 2
-    assert gf == pytest.approx(cm.ring_allgather_time(nbytes, 2, 10e9, 5e-6))
+    assert gf == pytest.approx(ring_allgather_time(nbytes, 2, 10e9, 5e-6))
     assert gb == 0.0  # one sender: nothing to gather
     assert tf == pytest.approx(max(nbytes / 2 / 8e9 + 10e-6, nbytes / 8e9))
 
 
 def test_slowest_pair():
-    topo = cm.Topology(_cluster())
+    topo = Topology(_cluster())
     assert topo.slowest([0, 1]) == (100e9, 5e-6)
     assert topo.slowest([0, 1, 4]) == pytest.approx((8e9, 10e-6))
 
@@ -107,16 +116,16 @@ def test_uneven_tp_shards_cost_in_proportion(monkeypatch):
     zero_host_time(monkeypatch)
     # timed from FLOPs at the sustained rate (the kernel model's own figures:
     # tests/planner/test_kernels.py)
-    dev = dataclasses.replace(cm.device_for("A100-SXM-80GB"), kernels=None)
+    dev = dataclasses.replace(device_for("A100-SXM-80GB"), kernels=None)
     # fused attention: FLOPs alone (tests/planner/test_attention_backend.py: the unfused term)
-    costs = cm.group_costs(TINY, [dev, dev], (1e9, 0.0), "auto")
-    assert isinstance(costs, cm.AnalyticCosts)
+    costs = group_costs(TINY, [dev, dev], (1e9, 0.0), "auto")
+    assert isinstance(costs, AnalyticCosts)
     cf, tf, cb, tb = costs.layer_times(1, [3, 1], [192, 64], False)
     expect = (
         flops.attention_flops(TINY, 1) * 3 / 4 + flops.mlp_flops(TINY, 1) * 192 / 256
     ) / dev.flops
     assert cf == pytest.approx(expect)
-    assert tf == pytest.approx(2 * cm.ring_allreduce_time(32 * 64 * 2, 2, 1e9, 0.0))
+    assert tf == pytest.approx(2 * ring_allreduce_time(32 * 64 * 2, 2, 1e9, 0.0))
     assert cb == pytest.approx(2 * cf) and tb == pytest.approx(tf)
     cf2, tf2, cb2, tb2 = costs.layer_times(1, [3, 1], [192, 64], True)
     assert cb2 == pytest.approx(3 * cf) and tb2 == pytest.approx(2 * tf)
@@ -128,8 +137,8 @@ def test_params_and_memory():
     tied = load_model("tiny-tied")
     assert layout.total_params(tied) == 4 * 65664 + 128 * 64 + 64
     # llama2-7b, one GPU: 18 B/param
-    one_gpu = cm.RankShape(1, 32, 11008, 32000, True, True, 0, 1, 8, False)
-    mem = cm.rank_memory(L7, one_gpu, 32)
+    one_gpu = RankShape(1, 32, 11008, 32000, True, True, 0, 1, 8, False)
+    mem = rank_memory(L7, one_gpu, 32)
     P = layout.total_params(L7)
     assert P == pytest.approx(6.738e9, rel=1e-3)
     assert mem.weights + mem.grads + mem.optimizer == pytest.approx(18 * P)
@@ -138,31 +147,31 @@ def test_params_and_memory():
     assert one_gpu.attention_backend == "unfused"
     # SwiGLU MLP: 8 bytes per FFN column per token (gate, up, SiLU(gate), product, bf16)
     sbf = 4096 * 11008
-    assert cm.layer_activation_bytes(L7, 1, 32, 11008, False) == (18 + 160) * sbh + 8 * sbf
+    assert layer_activation_bytes(L7, 1, 32, 11008, False) == (18 + 160) * sbh + 8 * sbf
     # TP 2: 10 + 8/2 + 160/2, and half the FFN columns
-    assert cm.layer_activation_bytes(L7, 1, 16, 5504, False) == (14 + 80) * sbh + 4 * sbf
-    assert cm.layer_activation_bytes(L7, 1, 16, 5504, True) == 2 * sbh
+    assert layer_activation_bytes(L7, 1, 16, 5504, False) == (14 + 80) * sbh + 4 * sbf
+    assert layer_activation_bytes(L7, 1, 16, 5504, True) == 2 * sbh
     assert mem.activations == 1 * 32 * ((18 + 160) * sbh + 8 * sbf)  # one stage: 1 in flight
     assert mem.logits == 4096 * 32000 * 4
     # stage 0 of 4 keeps 4 micro-batches, stage 3 one; fewer if fewer micro-batches
-    assert cm.in_flight_microbatches(0, 4, 8) == 4
-    assert cm.in_flight_microbatches(3, 4, 8) == 1
-    assert cm.in_flight_microbatches(0, 4, 2) == 2
-    middle = cm.RankShape(1, 32, 11008, 32000, False, False, 0, 1, 1, False, 0.5)
-    half = cm.rank_memory(L7, middle, 1)
+    assert in_flight_microbatches(0, 4, 8) == 4
+    assert in_flight_microbatches(3, 4, 8) == 1
+    assert in_flight_microbatches(0, 4, 2) == 2
+    middle = RankShape(1, 32, 11008, 32000, False, False, 0, 1, 1, False, 0.5)
+    half = rank_memory(L7, middle, 1)
     assert half.optimizer == pytest.approx(12 * layout.layer_params(L7, 32, 11008) * 0.5)
 
 
 def test_optimizer_step_time():
-    assert cm.optimizer_step_time(1e9, 1e12) == pytest.approx(0.03)
+    assert optimizer_step_time(1e9, 1e12) == pytest.approx(0.03)
 
 
 def test_profile_hook(tmp_path):
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps({"device": "RTX-4090", "matmul_tflops": 100.0, "memory_gb": 23}))
-    d = cm.device_for("RTX-4090", str(prof))
+    d = device_for("RTX-4090", str(prof))
     assert d.flops == 100e12 and d.memory_bytes == 23e9 and d.peak_flops == 165.2e12
-    assert cm.device_for("RTX-4090").flops == pytest.approx(165.2e12 * 0.55)
+    assert device_for("RTX-4090").flops == pytest.approx(165.2e12 * 0.55)
 
 
 def test_1f1b_uniform_closed_form():

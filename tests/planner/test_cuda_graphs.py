@@ -7,7 +7,8 @@ import os
 import pytest
 
 from planner import cuda_graphs
-from planner.plan import load_plan, plan_from_dict, validate_plan_dict
+from planner.plan import load_plan, plan_from_dict
+from planner.plan_validation import validate_plan_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -23,7 +23,7 @@ import pytest
 
 from planner import layout
 from planner.cluster import load_cluster_dict
-from planner.costmodel import RankShape, layers_that_fit, rank_memory
+from planner.memory import RankShape, layers_that_fit, rank_memory
 from planner.models import load_model
 from planner.plan import build_plan, load_plan, plan_from_dict
 from planner.simulator import simulate
@@ -400,7 +400,10 @@ def test_planner_imports_form_a_tree():
     for mod in sorted(graph):
         visit(mod)
     assert graph["flops"] == set()
-    assert "costmodel" not in graph["profile"] and "profile" in graph["costmodel"]
+    # the profile reader only reads and interpolates: the cost sources ask it, never the reverse
+    cost_side = {"costmodel", "measured_costs", "devices", "topology", "memory"}
+    assert not cost_side & graph["profiles"], graph["profiles"]
+    assert "measured_costs" in graph["costmodel"] and "profiles" in graph["devices"]
     # the front ends share planner.cli_args; the search's sits beside the CLI, not below it
     assert "cli_args" in graph["cli"] and "cli_args" in graph["search_cli"]
     assert "cli" not in graph["search_cli"]

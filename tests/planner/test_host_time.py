@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from planner import costmodel as cm
 from planner import flops, kernels
 from planner.cluster import load_cluster_dict
+from planner.costmodel import AnalyticCosts, group_costs
+from planner.devices import device_for
 from planner.host import (
     HOST_GRAPHED,
     HOST_LOCAL_EAGER,
@@ -17,6 +18,7 @@ from planner.host import (
     host_costs,
 )
 from planner.layout import total_params
+from planner.measured_costs import MeasuredCosts
 from planner.models import load_model, model_from_dict
 from planner.plan import build_plan
 from planner.search import search_plan
@@ -68,7 +70,7 @@ def test_single_gpu_host_bound_by_hand():
     time is well under a microsecond); the LM head stays device time."""
     m = load_model("tiny")
     est = simulate(_single("A100-SXM-80GB", m, 2, 2))
-    dev = cm.device_for("A100-SXM-80GB")
+    dev = device_for("A100-SXM-80GB")
     assert dev.kernels is not None
     lf = (
         kernels.attention_times(dev.kernels, m, 2, 4).fwd
@@ -85,7 +87,7 @@ def test_single_gpu_host_bound_by_hand():
     )
     assert est.bottleneck.startswith("host-bound: pipeline 0 stage 0")
     # with CUDA graphs a pass is one launch: device-bound again, 30x faster here
-    costs = cm.group_costs(m, [dev], (1e9, 0.0), "auto", LayerImpl("local", True))
+    costs = group_costs(m, [dev], (1e9, 0.0), "auto", LayerImpl("local", True))
     cf, _, cb, _ = costs.layer_times(2, [4], [256], False)
     assert cf == pytest.approx(max(lf, 10e-6)) and cb == pytest.approx(max(2 * lf, 10e-6))
     assert cf + cb < (2.2e-3 + 1.8e-3) / 30
@@ -93,18 +95,18 @@ def test_single_gpu_host_bound_by_hand():
 
 def test_cpu_devices_have_no_separate_host():
     m = load_model("tiny")
-    costs = cm.group_costs(m, [cm.device_for("CPU")], (1e9, 0.0), "auto")
-    assert isinstance(costs, cm.AnalyticCosts) and costs.host is None
+    costs = group_costs(m, [device_for("CPU")], (1e9, 0.0), "auto")
+    assert isinstance(costs, AnalyticCosts) and costs.host is None
     cf, _, _, _ = costs.layer_times(1, [4], [256], False)
-    assert cf == pytest.approx(flops.layer_flops(m, 1) / cm.device_for("CPU").flops)
+    assert cf == pytest.approx(flops.layer_flops(m, 1) / device_for("CPU").flops)
 
 
 def test_large_layers_are_device_bound():
     """llama2-7b at 4096 tokens on an A100: the device (10.8 ms forward, as 0.55 of peak gave
     before the kernel model) outlasts the host."""
     m = load_model("llama2-7b")
-    dev = cm.device_for("A100-SXM-80GB")
-    costs = cm.group_costs(m, [dev], (1e9, 0.0), "auto")
+    dev = device_for("A100-SXM-80GB")
+    costs = group_costs(m, [dev], (1e9, 0.0), "auto")
     cf, tf, cb, tb, wf, wb = costs.layer_split(1, [32], [11008], False)
     assert wf == wb == 0.0
     assert dev.kernels is not None
@@ -183,7 +185,7 @@ def _profile(tmp_path, host_fields: bool, model) -> str:
 def test_profile_host_time_read_and_old_profiles_valid(tmp_path, host_fields):
     other = {**GPU_CHECK_MODEL, "hidden_size": 512, "name": "other"}
     path = _profile(tmp_path, host_fields, other)
-    dev = cm.device_for("A100-SXM-80GB", path)
+    dev = device_for("A100-SXM-80GB", path)
     assert dev.profile is not None
     got = dev.profile.profile.host
     if host_fields:
@@ -191,8 +193,8 @@ def test_profile_host_time_read_and_old_profiles_valid(tmp_path, host_fields):
     else:
         assert got is None
     m = model_from_dict(GPU_CHECK_MODEL)  # not the profiled model: FLOPs + host time
-    costs = cm.group_costs(m, [dev], (1e9, 0.0), "auto")
-    assert isinstance(costs, cm.MeasuredCosts)
+    costs = group_costs(m, [dev], (1e9, 0.0), "auto")
+    assert isinstance(costs, MeasuredCosts)
     cf, _, cb, _ = costs.layer_times(1, [8], [2816], False)
     expect = (5e-3, 4e-3) if host_fields else (2.2e-3, 1.8e-3)
     assert (cf, cb) == pytest.approx(expect)

@@ -5,12 +5,12 @@ larger micro-batches where they pay and stopping where they do not."""
 import pytest
 from test_host_time import GPU_CHECK_MODEL, _one
 
-from planner import costmodel as cm
 from planner import flops, kernels
+from planner.devices import device_for
 from planner.models import load_model, model_from_dict
 from planner.search import Searcher, search_plan
 
-A100 = cm.device_for("A100-SXM-80GB")
+A100 = device_for("A100-SXM-80GB")
 K = A100.kernels
 assert K is not None
 PEAK, BW = 312e12, 2039e9
@@ -18,8 +18,8 @@ PEAK, BW = 312e12, 2039e9
 
 def test_catalog_gpus_are_kernel_timed_cpu_and_profiles_are_not():
     assert K == kernels.KernelDevice(PEAK, BW)
-    assert cm.device_for("CPU").kernels is None
-    assert cm.device_for("H200").kernels is not None
+    assert device_for("CPU").kernels is None
+    assert device_for("H200").kernels is not None
 
 
 def test_gemm_time_by_hand():

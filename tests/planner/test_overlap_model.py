@@ -9,10 +9,15 @@ import os
 import pytest
 from host_zero import zero_host_time
 
-from planner import costmodel as cm
 from planner.cluster import load_cluster, load_cluster_dict
 from planner.errors import SpecError
-from planner.gradsync import (
+from planner.membership import PlanningOptions, plan_for
+from planner.models import load_model
+from planner.plan import build_plan, load_plan, plan_from_dict
+from planner.schedule import last_backward_ends, pipeline_time
+from planner.search import overlap_by_default, search_plan
+from planner.simulator import layouts_of, simulate, simulate_layout
+from planner.sync_model import (
     StageLayout,
     StageTiming,
     Timings,
@@ -22,12 +27,7 @@ from planner.gradsync import (
     rank_sets,
     sync_time,
 )
-from planner.membership import PlanningOptions, plan_for
-from planner.models import load_model
-from planner.plan import build_plan, load_plan, plan_from_dict
-from planner.schedule import last_backward_ends, pipeline_time
-from planner.search import overlap_by_default, search_plan
-from planner.simulator import layouts_of, simulate, simulate_layout
+from planner.topology import Topology, boundary_times
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = load_model("tiny")
@@ -98,7 +98,7 @@ def _timing(ranks, grads_done, fwd=0.1, bwd=0.2, first=0, last=4):
 def test_one_collective_ready_at_a_known_time():
     """One all-reduce of 100M fp32 elements over two machines (10 Gbit/s): ready at 1.0 s, the
     pipelines end at 1.2 s; exposed = finish - pipeline end."""
-    topo = cm.Topology(_cluster(2))
+    topo = Topology(_cluster(2))
     bw, lat = topo.slowest((0, 1))
     assert bw == pytest.approx(1.25e9)
     elems = 100_000_000
@@ -128,7 +128,7 @@ def test_one_collective_ready_at_a_known_time():
 def test_collectives_on_one_nic_queue():
     """(0, 1) and (0, 2) both use machine 0's NIC: the second waits for the first. (0, 1) and
     (2, 3) share no machine: they run at the same time."""
-    topo = cm.Topology(_cluster(4))
+    topo = Topology(_cluster(4))
     bw, lat = topo.slowest((0, 1))
     elems = 200_000_000
     t = _ring_allreduce(4 * elems, 2, bw, lat)
@@ -151,7 +151,7 @@ def test_collectives_on_one_nic_queue():
 
 def test_collective_inside_a_machine_uses_its_own_link():
     """A set inside machine 0 does not queue behind one between machines 1 and 2."""
-    topo = cm.Topology(_cluster(3, gpus_per_node=2))
+    topo = Topology(_cluster(3, gpus_per_node=2))
     elems = 25_000_000
     inside = topo.slowest((0, 1))
     across = topo.slowest((2, 4))
@@ -170,7 +170,7 @@ def test_param_gather_hidden_up_to_the_forward():
     """Distributed optimizer: reduce-scatter (fp32) then all-gather (bf16) of 50M elements over
     two machines. The all-gather hides behind one forward of the holders' stage; only the excess
     is exposed, and without --overlap-param-gather all of it is."""
-    topo = cm.Topology(_cluster(2))
+    topo = Topology(_cluster(2))
     bw, lat = topo.slowest((0, 1))
     elems = 50_000_000
     rs = 0.5 * 4 * elems / bw + lat
@@ -225,7 +225,7 @@ def test_buckets_take_whole_layers_last_first():
 def test_large_layers_start_before_the_stage_ends():
     """Two layers of 100M elements on one stage (so two buckets): the last layer's bucket
     starts half-way through the stage's last backward, the first layer's when it ends."""
-    topo = cm.Topology(_cluster(2))
+    topo = Topology(_cluster(2))
     bw, lat = topo.slowest((0, 1))
     per = 100_000_000
     t = _ring_allreduce(4 * 2 * per, 2, bw, lat)  # the set's time, shared by its buckets
@@ -305,7 +305,7 @@ def test_simulated_two_pipelines_by_hand():
     ]  # fmt: skip
     serial_plan = build_plan(cluster, TINY, 8, pipes)
     plan = build_plan(cluster, TINY, 8, pipes, overlap_grad_reduce=True)
-    topo = cm.Topology(cluster)
+    topo = Topology(cluster)
     serial, est = simulate(serial_plan), simulate(plan)
 
     sets = rank_sets(TINY, layouts_of(plan))
@@ -316,7 +316,7 @@ def test_simulated_two_pipelines_by_hand():
     assert serial.grad_sync_time_s == pytest.approx(t02 + t13)
 
     s0, s1 = est.stages[0], est.stages[1]  # pipeline 0's stages (both pipelines are alike)
-    (tf, _), (tb, _) = cm.boundary_times(TINY, 1, (0,), (1,), topo)
+    (tf, _), (tb, _) = boundary_times(TINY, 1, (0,), (1,), topo)
     ends = last_backward_ends([s0.fwd, s1.fwd], [s0.bwd, s1.bwd], [tf], [tb], 4)
     P = max(est.pipeline_time_s)
     assert ends[0] == pytest.approx(P)
@@ -498,5 +498,5 @@ def test_search_with_overlap_keeps_estimates_consistent():
     )  # fmt: skip
     assert again.iteration_time_s == est.iteration_time_s
     serial_total, _ = sync_time(rank_sets(plan.model, layouts_of(plan), True),
-                                cm.Topology(plan.cluster), True)  # fmt: skip
+                                Topology(plan.cluster), True)  # fmt: skip
     assert est.grad_sync_serial_s == pytest.approx(serial_total)

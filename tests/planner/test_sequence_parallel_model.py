@@ -10,16 +10,18 @@ import os
 import pytest
 from host_zero import zero_host_time
 
-from planner import costmodel as cm
 from planner.cli import build_parser
 from planner.cli_args import with_seq_length
 from planner.cluster import load_cluster, load_cluster_dict
 from planner.membership import PlanningOptions, plan_for
+from planner.memory import RankShape, layer_activation_bytes, rank_memory, sequence_split
 from planner.models import load_model
-from planner.plan import load_plan, plan_from_dict, validate_plan_dict
+from planner.plan import load_plan, plan_from_dict
+from planner.plan_validation import validate_plan_dict
 from planner.search import STRATEGIES, search_plan
-from planner.search_pipeline import unit_options
+from planner.search_pipeline import chunk_stage_options
 from planner.simulator import simulate
+from planner.topology import Topology, boundary_times, ring_allgather_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 L7 = load_model("llama2-7b")
@@ -56,8 +58,8 @@ def _cluster(name):
 
 
 def test_sequence_split_rule():
-    assert [cm.sequence_split(t, True) for t in (1, 2, 3, 4, 8)] == [1, 2, 3, 4, 8]
-    assert [cm.sequence_split(t, False) for t in (1, 2, 4, 8)] == [1, 1, 1, 1]
+    assert [sequence_split(t, True) for t in (1, 2, 3, 4, 8)] == [1, 2, 3, 4, 8]
+    assert [sequence_split(t, False) for t in (1, 2, 4, 8)] == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("backend", ["auto", "unfused"])
@@ -70,36 +72,36 @@ def test_layer_activation_bytes_by_hand(backend):
         qg, ffn = 32 // t, 11008 // t
         off = (10 + (8 + scores) / t) * SBH + 8 * SBF / t
         on = (10 / t + (8 + scores) / t) * SBH + 8 * SBF / t
-        assert cm.layer_activation_bytes(L7, 1, qg, ffn, False, backend) == off
-        assert cm.layer_activation_bytes(L7, 1, qg, ffn, False, backend, sequence_split=1) == off
-        assert cm.layer_activation_bytes(L7, 1, qg, ffn, False, backend, sequence_split=t) == on
+        assert layer_activation_bytes(L7, 1, qg, ffn, False, backend) == off
+        assert layer_activation_bytes(L7, 1, qg, ffn, False, backend, sequence_split=1) == off
+        assert layer_activation_bytes(L7, 1, qg, ffn, False, backend, sequence_split=t) == on
         # two samples per micro-batch: twice the bytes
-        two = cm.layer_activation_bytes(L7, 2, qg, ffn, False, backend, sequence_split=t)
+        two = layer_activation_bytes(L7, 2, qg, ffn, False, backend, sequence_split=t)
         assert two == 2 * on
         # full recompute keeps the layer input, s/sigma of its positions
-        assert cm.layer_activation_bytes(L7, 1, qg, ffn, True, backend) == 2 * SBH
-        got = cm.layer_activation_bytes(L7, 1, qg, ffn, True, backend, sequence_split=t)
+        assert layer_activation_bytes(L7, 1, qg, ffn, True, backend) == 2 * SBH
+        got = layer_activation_bytes(L7, 1, qg, ffn, True, backend, sequence_split=t)
         assert got == 2 * SBH / t
     # TP 4, fused: 2.5 + 2 = 4.5 sbh and 2 sbf; the cut saves 7.5 sbh = 252 MB per layer
-    cut = cm.layer_activation_bytes(L7, 1, 8, 2752, False, "auto", sequence_split=4)
+    cut = layer_activation_bytes(L7, 1, 8, 2752, False, "auto", sequence_split=4)
     assert cut == 4.5 * SBH + 2 * SBF
-    assert cm.layer_activation_bytes(L7, 1, 8, 2752, False, "auto") - cut == 7.5 * SBH
+    assert layer_activation_bytes(L7, 1, 8, 2752, False, "auto") - cut == 7.5 * SBH
     # the split acts on the replicated term only, whatever the rank's share of heads and columns
-    assert cm.layer_activation_bytes(L7, 1, 32, 11008, False, "auto", sequence_split=2) == (
+    assert layer_activation_bytes(L7, 1, 32, 11008, False, "auto", sequence_split=2) == (
         (5 + 8) * SBH + 8 * SBF
     )
     with pytest.raises(ValueError, match="sequence_split"):
-        cm.layer_activation_bytes(L7, 1, 32, 11008, False, sequence_split=0)
+        layer_activation_bytes(L7, 1, 32, 11008, False, sequence_split=0)
 
 
 def test_default_is_byte_identical():
     """sequence_split 1 (and the default) gives the same value and type as before."""
     for rc in (False, True):
         for backend in ("auto", "unfused"):
-            a = cm.layer_activation_bytes(L7, 1, 16, 5504, rc, backend)
-            b = cm.layer_activation_bytes(L7, 1, 16, 5504, rc, backend, sequence_split=1)
+            a = layer_activation_bytes(L7, 1, 16, 5504, rc, backend)
+            b = layer_activation_bytes(L7, 1, 16, 5504, rc, backend, sequence_split=1)
             assert a == b and type(a) is type(b)
-    assert type(cm.layer_activation_bytes(L7, 1, 16, 5504, True)) is int
+    assert type(layer_activation_bytes(L7, 1, 16, 5504, True)) is int
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -109,11 +111,11 @@ def test_rank_memory_activations_by_hand(recompute):
     working set for the recomputed micro-batch; logits and model state do not change."""
 
     def shape(split, last=False):
-        return cm.RankShape(
+        return RankShape(
             1, 16, 5504, 16000, False, last, 0, 4, 8, recompute, 1.0, "auto", split
         )  # fmt: skip
 
-    off, on = cm.rank_memory(L7, shape(1), 8), cm.rank_memory(L7, shape(2), 8)
+    off, on = rank_memory(L7, shape(1), 8), rank_memory(L7, shape(2), 8)
     working = (5 + 4) * SBH + 4 * SBF
     if recompute:
         assert on.activations == 4 * 8 * SBH + working
@@ -128,24 +130,24 @@ def test_rank_memory_activations_by_hand(recompute):
         off.reserve,
     )
     # the output layer gathers the whole sequence: logits [s, b, V_rank] fp32 either way
-    last_on, last_off = cm.rank_memory(L7, shape(2, True), 8), cm.rank_memory(L7, shape(1, True), 8)
+    last_on, last_off = rank_memory(L7, shape(2, True), 8), rank_memory(L7, shape(1, True), 8)
     assert last_on.logits == last_off.logits == S * 16000 * 4
     # positional order of the fields before it is kept: the split is the last field
-    assert [f.name for f in dataclasses.fields(cm.RankShape)][-1] == "sequence_split"
+    assert [f.name for f in dataclasses.fields(RankShape)][-1] == "sequence_split"
 
 
 def test_boundary_leaves_out_the_all_gathers():
     """Under SP a TP group's part of the sequence is its part of the split-sent buffer: the same
     transfers, no all-gather on either side (megatron_hexi.communicator)."""
-    topo = cm.Topology(_cluster("mini-hetero"))
-    (tf, gf), (tb, gb) = cm.boundary_times(TINY, 1, [0, 1], [2], topo)
+    topo = Topology(_cluster("mini-hetero"))
+    (tf, gf), (tb, gb) = boundary_times(TINY, 1, [0, 1], [2], topo)
     assert gb > 0 and gf == 0  # TP 2 senders gather the gradient; a TP-1 receiver need not
-    (tf2, gf2), (tb2, gb2) = cm.boundary_times(TINY, 1, [0, 1], [2], topo, True)
+    (tf2, gf2), (tb2, gb2) = boundary_times(TINY, 1, [0, 1], [2], topo, True)
     assert (tf2, tb2) == (tf, tb) and (gf2, gb2) == (0.0, 0.0)
-    (tf, gf), (tb, gb) = cm.boundary_times(TINY, 1, [2], [0, 1], topo)
+    (tf, gf), (tb, gb) = boundary_times(TINY, 1, [2], [0, 1], topo)
     nbytes = 32 * 64 * 2
-    assert gf == cm.ring_allgather_time(nbytes, 2, *topo.slowest([0, 1]))
-    assert cm.boundary_times(TINY, 1, [2], [0, 1], topo, True) == ((tf, 0.0), (tb, 0.0))
+    assert gf == ring_allgather_time(nbytes, 2, *topo.slowest([0, 1]))
+    assert boundary_times(TINY, 1, [2], [0, 1], topo, True) == ((tf, 0.0), (tb, 0.0))
 
 
 # ------------------------------------------------------------------------------- simulator
@@ -212,11 +214,11 @@ def test_flipping_the_field_cuts_activations_on_tp_stages(backend):
 
 def test_unit_options_skip_tp_degrees_that_do_not_divide_the_sequence():
     m30 = with_seq_length(TINY, 30)  # 30 = 2 x 15: TP 2 and 1 only
-    assert unit_options(4, m30) == [1, 2, 4]
-    assert unit_options(4, m30, True) == [2, 4]
-    assert unit_options(3, TINY) == [1, 3]
-    assert unit_options(3, TINY, True) == [3]  # TP 1 always remains
-    assert unit_options(4, TINY, True) == [1, 2, 4]
+    assert chunk_stage_options(4, m30) == [1, 2, 4]
+    assert chunk_stage_options(4, m30, True) == [2, 4]
+    assert chunk_stage_options(3, TINY) == [1, 3]
+    assert chunk_stage_options(3, TINY, True) == [3]  # TP 1 always remains
+    assert chunk_stage_options(4, TINY, True) == [1, 2, 4]
 
 
 def test_searched_plan_records_sp_and_uses_only_dividing_tp_degrees():

@@ -5,10 +5,11 @@ import os
 import pytest
 from host_zero import zero_host_time
 
-from planner import costmodel as cm
 from planner import flops, kernels
 from planner.cluster import load_cluster_dict
+from planner.devices import device_for
 from planner.layout import total_params
+from planner.memory import FRAMEWORK_RESERVE_BYTES, layer_activation_bytes
 from planner.models import load_model
 from planner.plan import build_plan, load_plan
 from planner.simulator import simulate
@@ -46,7 +47,7 @@ def test_single_gpu_by_hand(monkeypatch):
         ],
     )
     est = simulate(plan)
-    dev = cm.device_for("A100-SXM-80GB")
+    dev = device_for("A100-SXM-80GB")
     assert dev.kernels is not None  # a catalog GPU: timed kernel by kernel
     att = kernels.attention_times(dev.kernels, m, 2, m.num_query_groups)
     mlp = kernels.mlp_times(dev.kernels, m, 2, m.ffn_hidden_size)
@@ -67,9 +68,9 @@ def test_single_gpu_by_hand(monkeypatch):
     assert est.peak_memory_gb[0] == pytest.approx(
         (
             18 * total_params(m)
-            + 4 * cm.layer_activation_bytes(m, 2, 4, 256, False)
+            + 4 * layer_activation_bytes(m, 2, 4, 256, False)
             + 32 * 2 * 128 * 4
-            + cm.FRAMEWORK_RESERVE_BYTES
+            + FRAMEWORK_RESERVE_BYTES
         )
         / 1e9
     )

@@ -10,7 +10,8 @@ import pytest
 from planner import transformer_impl
 from planner.cluster import load_cluster
 from planner.models import load_model
-from planner.plan import load_plan, plan_from_dict, validate_plan_dict
+from planner.plan import load_plan, plan_from_dict
+from planner.plan_validation import validate_plan_dict
 from planner.search import search_plan
 from planner.simulator import simulate
 

@@ -8,11 +8,11 @@ import sys
 import pytest
 
 from planner.cluster import load_cluster_dict
-from planner.costmodel import Topology
+from planner.measured_costs import cost_sources
 from planner.models import load_model
 from planner.plan import build_plan
-from planner.profile import cost_sources
 from planner.simulator import simulate
+from planner.topology import Topology
 
 TWO_STAGES = [
     {
@@ -194,7 +194,7 @@ def test_planner_uses_profile(tiny_profile, tmp_path):
     assert "another model" in other["cpu"]
     simulate(build_plan(_cluster(path), load_model("tiny-gqa"), 8, TWO_STAGES))
     # interpolation: more micro-batch work never costs less
-    from planner.profile import DeviceProfile
+    from planner.profiles import DeviceProfile
 
     prof = DeviceProfile(json.loads(path.read_text()), str(path))
     top = max(e["mbs"] for e in prof.data["layer"])
@@ -264,7 +264,8 @@ def test_in_situ_tp_comm(tmp_path):
     beyond the model's own compute estimate (grid x contention); other widths use the curve."""
     import types
 
-    from planner.profile import DeviceProfile, MeasuredCosts, ProfiledDevice
+    from planner.measured_costs import MeasuredCosts
+    from planner.profiles import DeviceProfile, ProfiledDevice
 
     path, model = _synthetic_profile(tmp_path)
     prof = DeviceProfile(json.loads(path.read_text()), str(path))

@@ -409,12 +409,12 @@ def main(argv=None):
 
     import fidelity as this
     from harness import run_distributed
-    from planner.costmodel import Topology
-    from planner.gradsync import BUCKET_ELEMENTS
+    from planner.measured_costs import cost_sources
     from planner.models import load_model
     from planner.plan import build_plan
-    from planner.profile import cost_sources
     from planner.simulator import simulate
+    from planner.sync_model import BUCKET_ELEMENTS
+    from planner.topology import Topology
 
     start = time.monotonic()
     loads = [os.getloadavg()[0]]

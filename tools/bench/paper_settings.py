@@ -27,10 +27,10 @@ import time
 
 from planner.attention import ATTENTION_BACKENDS, CLI_DEFAULT_BACKEND
 from planner.cluster import load_cluster
-from planner.costmodel import Topology
 from planner.errors import SpecError
 from planner.models import load_model
 from planner.search import overlap_by_default, search_plan
+from planner.topology import Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTERS = [

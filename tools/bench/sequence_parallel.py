@@ -26,7 +26,7 @@ Why: under sequence parallelism (Korthikanti et al. 2022) a TP stage keeps its a
 outside attention and MLP (the norms' inputs, the residual stream, the dropout masks: the
 replicated `10 sbh` of the `34 sbh` per layer) for its part of the sequence only, s/t positions
 on each of its t ranks, and all-gathers / reduce-scatters the sequence around attention and MLP
-instead of all-reducing. The planner divides that term by t (`costmodel.layer_activation_bytes`'s
+instead of all-reducing. The planner divides that term by t (`memory.layer_activation_bytes`'s
 `sequence_split`); this bench checks the saving against the runtime's bytes.
 
 Checks: every rank of an "on" launch must run megatron-core's sequence parallelism (its

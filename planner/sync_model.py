@@ -49,18 +49,13 @@ from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
-from planner.costmodel import (
-    BF16_BYTES,
-    GRAD_BYTES_PER_PARAM,
-    ring_allgather_time,
-    ring_allreduce_time,
-    ring_reduce_scatter_time,
-)
 from planner.layout import unit_params, unit_tensors, weighted_split
+from planner.memory import BF16_BYTES, GRAD_BYTES_PER_PARAM
+from planner.topology import ring_allgather_time, ring_allreduce_time, ring_reduce_scatter_time
 
 if TYPE_CHECKING:
-    from planner.costmodel import Topology
     from planner.models import ModelSpec
+    from planner.topology import Topology
 
 
 class StageLayout(NamedTuple):
@@ -196,7 +191,7 @@ def rank_sets(
 
     `pipelines` is a list of lists of StageLayout (stage order). A fast mirror of
     planner.layout's gradient_segments and reduced_together, which the runtime's buckets follow
-    (pinned by tests/planner/test_gradsync_layout.py): a segment joins a collective over its
+    (pinned by tests/planner/test_sync_model_layout.py): a segment joins a collective over its
     holders when several stages contribute to it, or, with the distributed optimizer, when
     several ranks hold it. Sets of one rank are included (they cost nothing); TP-replicated
     parameters that need no collective are left out. Sizes per unit: layout.unit_params.
@@ -214,13 +209,13 @@ def rank_sets(
     return sets
 
 
-def optimizer_elements(
+def fast_optimizer_elements(
     model: ModelSpec, pipelines: Layout, weight_of: Callable[[int], float]
 ) -> dict[int, int]:
     """{rank: elements of fp32 master + Adam state it owns} under the distributed optimizer.
 
     A fast mirror of planner.layout.optimizer_elements for a layout (pinned by
-    tests/planner/test_gradsync_layout.py): the same segments, each tensor's rows cut among
+    tests/planner/test_sync_model_layout.py): the same segments, each tensor's rows cut among
     the segment's holders by layout.weighted_split with weights `weight_of(rank)`.
     """
     tensors = unit_tensors(model)

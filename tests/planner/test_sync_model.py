@@ -3,9 +3,9 @@
 import pytest
 
 from planner.cluster import load_cluster_dict
-from planner.costmodel import Topology, ring_allreduce_time
-from planner.gradsync import StageLayout, rank_sets, sync_time
 from planner.models import load_model
+from planner.sync_model import StageLayout, rank_sets, sync_time
+from planner.topology import Topology, ring_allreduce_time
 
 TINY = load_model("tiny")  # h 64, g 4 (1 head per group, d 16), f 256, V 128, 4 layers
 

@@ -1,6 +1,6 @@
 """The cost model's gradient collectives are exactly the runtime's buckets.
 
-planner.gradsync re-derives, for speed, the rank sets and volumes that planner.layout gives the
+planner.sync_model re-derives, for speed, the rank sets and volumes that planner.layout gives the
 runtime (gradient_segments; megatron_hexi.grad_sync buckets segments by Segment.ranks, fp32), and
 the distributed optimizer's shares (layout.optimizer_elements). For example plans, searched plans
 (tied embeddings, GQA) and hand-made uneven shards, the rank sets and bytes per rank set must be
@@ -14,7 +14,6 @@ import os
 import pytest
 
 from planner.cluster import load_cluster_dict
-from planner.gradsync import optimizer_elements, rank_sets
 from planner.layout import (
     canonical_shards,
     gradient_segments,
@@ -28,6 +27,7 @@ from planner.plan import build_plan, load_plan
 from planner.random_clusters import random_cluster
 from planner.search import search_plan
 from planner.simulator import layouts_of
+from planner.sync_model import fast_optimizer_elements, rank_sets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GRAD_BYTES = 4  # fp32 gradient buffers, reduced as fp32
@@ -182,7 +182,7 @@ PLANS = _plans()
 
 
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
-def test_gradsync_rank_sets_equal_runtime_buckets(distributed_optimizer):
+def test_sync_model_rank_sets_equal_runtime_buckets(distributed_optimizer):
     multi = 0
     for name, plan in PLANS:
         want = runtime_buckets(plan, distributed_optimizer)
@@ -193,7 +193,7 @@ def test_gradsync_rank_sets_equal_runtime_buckets(distributed_optimizer):
 
 
 @pytest.mark.parametrize("optimizer_shard", ["even", "memory"])
-def test_gradsync_optimizer_shares_equal_layout(optimizer_shard):
+def test_sync_model_optimizer_shares_equal_layout(optimizer_shard):
     kinds = 0
     for name, plan in PLANS:
         plan = dataclasses.replace(
@@ -204,7 +204,7 @@ def test_gradsync_optimizer_shares_equal_layout(optimizer_shard):
         )
         want = plan_optimizer_elements(plan)
         gpus = [e.gpu for e in plan.ranks]
-        got = optimizer_elements(
+        got = fast_optimizer_elements(
             plan.model,
             layouts_of(plan),
             lambda r, gpus=gpus: optimizer_weight(gpus[r], optimizer_shard),

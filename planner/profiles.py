@@ -1,6 +1,6 @@
 """Measured device profiles (`hexi-profile`) in the cost model: reading and interpolation.
 
-A node group's `profile: path.json` (planner/costmodel.device_for) may be
+A node group's `profile: path.json` (planner/devices.device_for) may be
 - a plain profile: only `matmul_tflops` (+ optional memory figures) replaces the catalog's
   sustained throughput; every time is still FLOPs / throughput;
 - a detailed profile (format "hexi-device-profile/1", written by hexi-profile): for the model it
@@ -16,12 +16,6 @@ A node group's `profile: path.json` (planner/costmodel.device_for) may be
   all-reduces lose to the compute beside them (and what compute loses to polling collectives).
   For another model it falls back to `matmul_tflops`.
 
-Attention backend (the plan's `training.attention_backend`): a measured layer time is taken as
-it was measured, whichever attention the profiling run used; an unfused backend's s x s traffic
-(planner/attention.unfused_attention_times) is added only to layers timed from FLOPs (a device
-without a detailed profile, or one measured for another model). Memory follows the plan's
-backend everywhere.
-
 CPU contention (stated model): a node of a CPU profile runs `gpus_per_node` processes of `threads`
 threads on `cpu_cores` cores. With k processes the compute slows by the measured `contention`
 slowdown at the profiled process count (interpolated linearly from 1.0 at one process), and beyond
@@ -29,8 +23,8 @@ the cores by a further k x threads / cores (time-slicing). The simulator then co
 that computes for part of the step as that part of a process (planner/simulator.py). GPU
 profiles get no contention.
 
-A TP group with a profiled device takes all its costs from `MeasuredCosts`
-(planner/costmodel.group_costs chooses it once per group).
+How the cost model uses what is read here (a TP group with a profiled device takes all its
+costs from it): planner/measured_costs.py.
 
 Pure Python (no torch): the planner must not import torch.
 """
@@ -43,14 +37,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from planner.attention import PLAN_DEFAULT_BACKEND, keeps_scores, unfused_attention_times
 from planner.errors import SpecError
-from planner.flops import attention_flops, attention_fraction, head_flops, mlp_flops
-from planner.host import EAGER_LOCAL, HostCosts, LayerImpl, host_costs
+from planner.flops import attention_fraction
+from planner.host import HostCosts
 from planner.inputs import is_number, read_json
 
 if TYPE_CHECKING:
-    from planner.costmodel import Device, Topology
     from planner.models import ModelSpec
 
 FORMAT = "hexi-device-profile/1"
@@ -306,170 +298,3 @@ def attach(data: dict[str, Any], path: str, procs_per_node: int) -> ProfiledDevi
         return None
     prof = _profile_of(path)
     return ProfiledDevice(prof, prof.contention(procs_per_node))
-
-
-# ------------------------------------------------------------------------- cost-model hooks
-
-
-class MeasuredCosts:
-    """Per micro-batch costs of a TP group in which a device carries a detailed profile.
-
-    Each device's source is chosen once, here: its profile where it was measured for this model,
-    else FLOPs at its sustained rate (a profile of another model gives only `matmul_tflops`).
-    The group waits for its slowest device. Collectives follow the first profiled device's
-    measurements (in-situ TP runs, the all-reduce curve or its fit).
-    """
-
-    def __init__(
-        self,
-        m: ModelSpec,
-        devices: Sequence[Device],
-        tp_link: Sequence[float],
-        attention_backend: str = PLAN_DEFAULT_BACKEND,
-        layer_impl: LayerImpl = EAGER_LOCAL,
-    ):
-        self.m, self.devices, self.tp_link = m, devices, tuple(tp_link)
-        # a GPU whose layers are timed from FLOPs waits for its host: the host time its
-        # profile measured (eager runs), else the catalog's for the implementation
-        self.host = [
-            None
-            if d.name == "CPU" or (d.profile is not None and d.profile.profile.is_cpu)
-            else d.profile.profile.host
-            if d.profile is not None and d.profile.profile.host and not layer_impl.cuda_graphs
-            else host_costs(layer_impl)
-            for d in devices
-        ]
-        # an unfused backend's score traffic is added where a layer is timed from FLOPs; a
-        # measured layer time holds whatever its attention moved
-        self.unfused = keeps_scores(attention_backend)
-        self.measured = [
-            d.profile if d.profile is not None and d.profile.profile.matches(m) else None
-            for d in devices
-        ]
-        self.comm = next(d.profile.profile for d in devices if d.profile is not None)
-
-    def layer_times(
-        self, mbs: int, qg: Sequence[int], ffn: Sequence[int], recompute: bool
-    ) -> tuple[float, float, float, float]:
-        """(compute_fwd, tp_comm_fwd, compute_bwd, tp_comm_bwd) of one layer."""
-        m = self.m
-        g, f = m.num_query_groups, m.ffn_hidden_size
-        cf = cb = 0.0
-        for q, x, dev, pd, host in zip(qg, ffn, self.devices, self.measured, self.host):
-            if pd is not None:
-                s = pd.profile.share(q / g, x / f)
-                fw = pd.profile.layer("fwd_s", s, mbs) * pd.slowdown
-                bw = (
-                    pd.profile.layer("bwd_recompute_s" if recompute else "bwd_s", s, mbs)
-                    * pd.slowdown
-                )
-            else:
-                fw = (attention_flops(m, mbs) * q / g + mlp_flops(m, mbs) * x / f) / dev.flops
-                bw = fw * 2
-                if self.unfused:
-                    xf, xb = unfused_attention_times(m, mbs, q, dev.mem_bw)
-                    fw, bw = fw + xf, bw + xb
-                if recompute:
-                    bw += fw
-                if host is not None:  # a pass lasts at least its host time (planner.host)
-                    hf, hb = host.layer_pass(recompute)
-                    fw, bw = max(fw, hf), max(bw, hb)
-            cf, cb = max(cf, fw), max(cb, bw)
-        t, prof = len(self.devices), self.comm
-        if t > 1 and prof.in_situ_tp(m, t, self.tp_link):
-            tb = prof.tp_comm("bwd_recompute_s" if recompute else "bwd_s", mbs)
-            return cf, prof.tp_comm("fwd_s", mbs), cb, tb
-        ar = tp_allreduce(prof, m, mbs, t, self.tp_link)
-        return cf, 2 * ar, cb, (4 if recompute else 2) * ar
-
-    def embedding_times(self, mbs: int) -> tuple[float, float]:
-        """(fwd, bwd) of the vocab-parallel embedding's communication: the forward all-reduce
-        of [s, b, h] (its compute is in `extra`)."""
-        return tp_allreduce(self.comm, self.m, mbs, len(self.devices), self.tp_link), 0.0
-
-    def head_times(self, mbs: int, vocab: Sequence[int]) -> tuple[float, float]:
-        """(fwd, bwd) of the LM head + loss: measured by vocabulary share where profiled."""
-        m = self.m
-        cf = cb = 0.0
-        for v, dev, pd in zip(vocab, self.devices, self.measured):
-            if pd is not None and pd.profile.head is not None:
-                share = v / m.vocab_size
-                fw = pd.profile.head("fwd_s", share, mbs) * pd.slowdown
-                bw = pd.profile.head("bwd_s", share, mbs) * pd.slowdown
-            else:
-                fw = head_flops(m, mbs) * v / m.vocab_size / dev.flops
-                bw = 2 * fw
-            cf, cb = max(cf, fw), max(cb, bw)
-        t, prof = len(self.devices), self.comm
-        small = prof.allreduce(m.seq_length * mbs * 4, t, self.tp_link)
-        return cf + 3 * small, cb + tp_allreduce(prof, m, mbs, t, self.tp_link)
-
-    def extra(self, mbs: int, vocab: Sequence[int], first: bool) -> tuple[float, float]:
-        """(fwd, bwd) seconds the stage adds per micro-batch: the embedding's measured compute
-        (first stage) and the runtime's measured per-micro-batch overhead."""
-        ef = eb = over = 0.0
-        for v, pd in zip(vocab, self.measured):
-            if pd is None:
-                continue
-            over = max(over, pd.profile.per_microbatch_s * pd.slowdown)
-            if first and pd.profile.embedding is not None:
-                share = v / self.m.vocab_size
-                ef = max(ef, pd.profile.embedding("fwd_s", share, mbs) * pd.slowdown)
-                eb = max(eb, pd.profile.embedding("bwd_s", share, mbs) * pd.slowdown)
-        return ef + over, eb
-
-
-def tp_allreduce(
-    prof: DeviceProfile, m: ModelSpec, mbs: int, t: int, tp_link: Sequence[float]
-) -> float:
-    """Seconds of one TP all-reduce of an activation [s, b, h]: half a layer's in-situ forward
-    comm (two all-reduces) where measured for this group, else the all-reduce curve / fit."""
-    if t <= 1:
-        return 0.0
-    if prof.in_situ_tp(m, t, tuple(tp_link)):
-        return prof.tp_comm("fwd_s", mbs) / 2
-    return prof.allreduce(m.seq_length * mbs * m.hidden_size * prof.act_bytes, t, tuple(tp_link))
-
-
-def step_overhead(device: Device) -> float:
-    """Seconds per iteration the runtime adds on a profiled device (beyond per-parameter Adam)."""
-    pd = device.profile
-    if pd is None:
-        return 0.0
-    return (pd.profile.per_step_s + pd.profile.opt_fixed_s) * pd.slowdown
-
-
-# ------------------------------------------------------------------------------- reporting
-
-
-def cost_sources(topo: Topology, model: ModelSpec) -> dict[str, str]:
-    """{node group: one line saying which figures the cost model used for that device}."""
-    out: dict[str, str] = {}
-    for node, dev in zip(topo.nodes, topo.devices):
-        if node.group in out:
-            continue
-        if dev.profile is not None:
-            pd = dev.profile
-            if pd.profile.matches(model):
-                parts = ["measured per-layer/head/embedding times"]
-                if pd.profile.curves["allreduce"]:
-                    parts.append(
-                        f"measured {pd.profile.comm_procs}-process comm curves inside the node"
-                    )
-                if pd.profile.tp_mbs:
-                    parts.append(f"in-situ {pd.profile.tp_procs}-way TP layer comm")
-                if pd.slowdown != 1.0:
-                    parts.append(
-                        f"contention x{pd.slowdown:.2f} for {node.gpus_per_node} processes"
-                    )
-                out[node.group] = f"{dev.name}: profile {pd.profile.path} ({', '.join(parts)})"
-            else:
-                out[node.group] = (
-                    f"{dev.name}: profile {pd.profile.path} measured for another "
-                    f"model: matmul_tflops only ({dev.flops / 1e12:.4g} TFLOP/s)"
-                )
-        elif dev.source.startswith("profile"):
-            out[node.group] = f"{dev.name}: {dev.source} (matmul_tflops {dev.flops / 1e12:.4g})"
-        else:
-            out[node.group] = f"{dev.name}: {dev.source} (no profile)"
-    return out
