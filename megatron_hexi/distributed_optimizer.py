@@ -44,7 +44,8 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer, MixedPrecisionO
 from megatron_hexi.adam import adamw
 from megatron_hexi.grad_sync import Pending, clip_by_norm_, global_norm
 from megatron_hexi.process_groups import group_order
-from planner.layout import optimizer_weight, weighted_split
+from planner.layout import optimizer_weight
+from planner.splits import weighted_split
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import OptimizerConfig

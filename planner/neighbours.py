@@ -41,7 +41,7 @@ C = TypeVar("C", bound=LaidOut)
 
 
 class SearchState(Protocol[C]):
-    """What this module uses of the search (planner.search.Searcher): its inputs, its layout of
+    """What this module uses of the search (planner.searcher.Searcher): its inputs, its layout of
     a partition in a context, and its cheap ranking of candidates."""
 
     @property
@@ -75,7 +75,7 @@ class SearchState(Protocol[C]):
     def context(self, mbs: int, rc: bool, K: int) -> Context: ...
 
 
-# On big chunk graphs (planner.search.SMALL_CHUNK_GRAPH) a neighbour's context starts with cold
+# On big chunk graphs (planner.searcher.SMALL_CHUNK_GRAPH) a neighbour's context starts with cold
 # layout caches: only the requested setting's best few candidates are laid out there, the best
 # of them polished one way, to keep the search's time within a fifth of what it was.
 BIG_POOL = 6

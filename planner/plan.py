@@ -23,9 +23,9 @@ from planner.inputs import (
     is_int,
     read_json,
 )
-from planner.layout import even_split
 from planner.models import ModelSpec, model_from_dict
 from planner.plan_validation import FORMAT_VERSION, validate_plan_dict
+from planner.splits import even_split
 from planner.transformer_impl import PLAN_DEFAULT_IMPL
 
 

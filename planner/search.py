@@ -25,54 +25,16 @@ every plan validates, and the plan records the setting.
 from __future__ import annotations
 
 import gc
-import math
-import sys
-import time
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from planner.attention import ATTENTION_BACKENDS, PLAN_DEFAULT_BACKEND, keeps_scores
-from planner.cli_args import PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER
+from planner.attention import PLAN_DEFAULT_BACKEND
 from planner.cuda_graphs import PLAN_DEFAULT_GRAPH_IMPL
 from planner.errors import SpecError
-from planner.host import EAGER_LOCAL, LayerImpl, layer_impl
-from planner.layout import total_params
-from planner.memory import (
-    FRAMEWORK_RESERVE_BYTES,
-    GRAD_BYTES_PER_PARAM,
-    OPTIMIZER_BYTES_PER_PARAM,
-    WEIGHT_BYTES_PER_PARAM,
-    layer_activation_bytes,
-)
-from planner.neighbours import NeighbourContexts
+from planner.host import layer_impl
 from planner.plan import build_plan
-from planner.schedule import last_backward_ends
 from planner.search_baselines import exhaustive, uniform
-from planner.search_candidates import FINALISTS, Candidate, Solution, allocate, rebalance
-from planner.search_order import best_pipeline
-from planner.search_partition import (
-    Evaluation,
-    greedy_partition,
-    make_chunks,
-    metis_partition,
-    refine,
-    striped_partition,
-)
-from planner.search_pipeline import (
-    Context,
-    Fits,
-    MachineChunk,
-    PipelineDraft,
-    build_pipeline,
-)
-from planner.simulator import SimulationCache, simulate, simulate_layout
-from planner.sync_model import (
-    collectives,
-    overlapped_sync_time,
-    rank_sets,
-    stage_timings,
-    sync_time,
-)
+from planner.searcher import Searcher
+from planner.simulator import simulate
 from planner.topology import Topology
 from planner.transformer_impl import PLAN_DEFAULT_IMPL, TRANSFORMER_IMPLS
 
@@ -82,457 +44,63 @@ if TYPE_CHECKING:
     from planner.plan import Plan
 
 STRATEGIES = ("hexi", "uniform", "exhaustive")
-MICRO_BATCH_CANDIDATES = (1, 2, 4)  # searched when --micro-batch-size is not given
-# Then these, in turn, while each beats the size before it: a fast GPU running small GEMMs or
-# waiting for its host (planner.kernels, planner.host) gains from fewer, larger micro-batches,
-# until memory or the pipeline's fill and drain say stop.
-LARGER_MICRO_BATCHES = (8, 16, 32, 64)
-SMALL_CHUNK_GRAPH = 64  # below this, every K and partition seed is tried
 
 
-class _Progress:
-    """Progress lines on stderr, only once a search has run for a while."""
-
-    def __init__(self, enabled: bool):
-        self.enabled, self.start, self.last = enabled, time.time(), time.time()
-
-    def __call__(self, msg: str) -> None:
-        now = time.time()
-        if self.enabled and now - self.start > 2 and now - self.last > 1:
-            print(f"hexi-plan: {now - self.start:.0f} s: {msg}", file=sys.stderr, flush=True)
-            self.last = now
-
-
-def _k_grid(n: int, cap: int) -> list[int]:
-    """Numbers of pipelines to try: all up to 16 (up to 4 on big graphs), then x1.5 steps."""
-    small = 16 if n <= SMALL_CHUNK_GRAPH else 4
-    ks = set(range(1, min(n, cap, small) + 1))
-    x = small
-    while x < min(n, cap):
-        x = int(math.ceil(x * 1.5))
-        ks.add(min(x, n, cap))
-    ks.update(k for k in (n, cap) if k <= min(n, cap))
-    return sorted(ks)
-
-
-class Searcher:
-    """One search: inputs, caches, and the candidates it found."""
-
-    def __init__(
-        self,
-        cluster: ClusterSpec,
-        model: ModelSpec,
-        global_batch_size: int,
-        micro_batch_size: int | None = None,
-        recompute: str = "auto",
-        seed: int = 0,
-        use_distributed_optimizer: bool = False,
-        progress: bool = False,
-        overlap_grad_reduce: bool = False,
-        overlap_param_gather: bool = False,
-        attention_backend: str = PLAN_DEFAULT_BACKEND,
-        sequence_parallel: bool = False,
-        layer_impl: LayerImpl = EAGER_LOCAL,
-        cuda_graph_impl: str = PLAN_DEFAULT_GRAPH_IMPL,
-        cuda_graph_scope: tuple[str, ...] = (),
+def run_strategy(searcher: Searcher, strategy: str) -> Plan:
+    """The plan `strategy` finds with this search's inputs and caches: hexi keeps the uniform
+    layout as a seed, so it never returns a worse plan; SpecError (one line) if none fits."""
+    if strategy not in STRATEGIES:
+        raise SpecError(f"--strategy: must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    uni = uniform(searcher) if strategy in ("uniform", "hexi") else None
+    fitting_uni = uni if uni is not None and not uni.key[0] else None
+    cand = {"hexi": searcher.hexi, "exhaustive": lambda: exhaustive(searcher)}.get(
+        strategy, lambda: None
+    )()
+    if (
+        cand is not None
+        and not searcher.score(cand)[0]
+        and (fitting_uni is None or searcher.score(cand)[1] <= fitting_uni.key[1])
     ):
-        if recompute not in ("auto", "on", "off"):
-            raise SpecError(f"--recompute: must be auto, on or off, got {recompute!r}")
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise SpecError(
-                f"--attention-backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                f"got {attention_backend!r}"
-            )
-        self.attention_backend = attention_backend
-        self.sequence_parallel = sequence_parallel
-        self.layer_impl = layer_impl
-        # recorded in the plan; `layer_impl` says what they cost (planner.host.layer_impl)
-        self.cuda_graph_impl = cuda_graph_impl
-        self.cuda_graph_scope = cuda_graph_scope
-        if overlap_param_gather and not use_distributed_optimizer:
-            raise SpecError(PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER)
-        self.overlap_grad_reduce = overlap_grad_reduce
-        self.overlap_param_gather = overlap_param_gather
-        if global_batch_size < 1:
-            raise SpecError("--global-batch-size: must be a positive integer")
-        self.cluster, self.model, self.gbs = cluster, model, global_batch_size
-        self.seed, self.dist_opt = seed, use_distributed_optimizer
-        self.topo = Topology(cluster)
-        self.progress = _Progress(progress)
-        if micro_batch_size is not None:
-            if micro_batch_size < 1 or global_batch_size % micro_batch_size:
-                raise SpecError(
-                    f"--micro-batch-size: {micro_batch_size} must be positive and "
-                    f"divide --global-batch-size {global_batch_size}"
-                )
-            self.mbs_list = [micro_batch_size]
-        else:
-            self.mbs_list = [b for b in MICRO_BATCH_CANDIDATES if global_batch_size % b == 0]
-        # hexi: tried after mbs_list while each improves (`_micro_batches`)
-        free = micro_batch_size is None
-        self.larger_mbs = [b for b in LARGER_MICRO_BATCHES if free and global_batch_size % b == 0]
-        self.rc_list = {"auto": [False, True], "on": [True], "off": [False]}[recompute]
-        self.by_name = self.topo._by_name_override
-        self.max_chunks = max(n.gpus_per_node for n in self.topo.nodes)
-        # caches of this search
-        self._contexts: dict[tuple[int, bool, float], Context] = {}
-        self._fits: Fits = {}  # schedule fits by stage times
-        self.simulations = SimulationCache()
-        self.neighbours = NeighbourContexts(self, FINALISTS)
-
-    # -------------------------------------------------------------------------------- helpers
-    def context(self, mbs: int, rc: bool, K: int) -> Context:
-        """Shared per (micro-batch, recompute, optimizer share) so caches carry across K."""
-        fraction = 1 / K if self.dist_opt else 1.0
-        key = (mbs, rc, fraction)
-        if key not in self._contexts:
-            self._contexts[key] = Context(
-                self.model,
-                self.topo,
-                mbs,
-                rc,
-                fraction,
-                self._fits,
-                self.attention_backend,
-                self.sequence_parallel,
-                self.layer_impl,
-            )
-        return self._contexts[key]
-
-    def chunk_levels(self) -> list[int]:
-        out, c = [], 1
-        while c <= self.max_chunks:
-            out.append(c)
-            c *= 2
-        return out
-
-    def _pipeline(
-        self,
-        ctx: Context,
-        part: Sequence[MachineChunk],
-        m_est: int,
-        exhaustive: bool,
-        cache: dict[tuple[Any, ...], Solution | None],
-        polish: bool = False,
-        tune_orders: bool = False,
-    ) -> PipelineDraft | None:
-        """Best draft for a part; solved once per interchangeable signature, then re-mapped."""
-        if len(part) > self.model.num_layers:  # every chunk hosts at least one stage
-            return None
-        key = (tuple(sorted(ch.key for ch in part)), m_est, exhaustive, polish, tune_orders)
-        if key in cache:
-            sol = cache[key]
-            if sol is None:
-                return None
-            pool: dict[tuple[str, int], list[MachineChunk]] = {}
-            for ch in sorted(part, key=lambda ch: ch.ranks):
-                pool.setdefault(ch.key, []).append(ch)
-            chunks = [pool[k].pop(0) for k in sol.chunk_keys]
-            draft = build_pipeline(ctx, chunks, sol.ks, m_est)
-            assert draft is not None  # laid out for another part of the same kinds
-            return draft.fit(ctx.fits)
-        d = best_pipeline(ctx, part, m_est, exhaustive, polish, tune_orders)
-        cache[key] = None if d is None else Solution(tuple(ch.key for ch in d.chunks), d.ks)
-        return d
-
-    def evaluate(
-        self,
-        ctx: Context,
-        parts: list[list[MachineChunk]],
-        mbs: int,
-        exhaustive: bool,
-        cache: dict[tuple[Any, ...], Solution | None],
-        polish: bool = False,
-        tune_orders: bool = False,
-    ) -> Candidate | None:
-        """Candidate for a partition (pipelines laid out, micro-batches allocated) or None."""
-        U = self.gbs // mbs
-        K = len(parts)
-        if U < K:
-            return None
-        flops = [sum(self.topo.devices[ch.node].flops * len(ch.ranks) for ch in p) for p in parts]
-        tot = sum(flops)
-        drafts = []
-        for p, f in zip(parts, flops):
-            m_est = 2 ** round(math.log2(max(1.0, U * f / tot)))
-            d = self._pipeline(ctx, p, m_est, exhaustive, cache, polish, tune_orders)
-            if d is None:
-                return None
-            drafts.append(d)
-        ms = allocate(drafts, U)
-        if ms is None:
-            return None
-        return Candidate(
-            drafts,
-            ms,
-            mbs,
-            ctx.recompute,
-            max(d.fixed + d.rate * m for d, m in zip(drafts, ms)),
-            ctx,
-            parts,
-            cache,
+        plan = build_plan(
+            searcher.cluster,
+            searcher.model,
+            searcher.gbs,
+            cand.pipelines(searcher.model),
+            recompute=cand.recompute,
+            use_distributed_optimizer=searcher.dist_opt,
+            overlap_grad_reduce=searcher.overlap_grad_reduce,
+            overlap_param_gather=searcher.overlap_param_gather,
+            attention_backend=searcher.attention_backend,
+            sequence_parallel=searcher.sequence_parallel,
+            transformer_impl=searcher.layer_impl.transformer_impl,
+            cuda_graph_impl=searcher.cuda_graph_impl,
+            cuda_graph_scope=searcher.cuda_graph_scope,
         )
-
-    def proxy(self, cand: Candidate) -> float:
-        """Pipelines' time + exposed gradient sync: ranks candidates before the exact score."""
-        if cand.sync is None and (self.overlap_grad_reduce or self.overlap_param_gather):
-            layouts = cand.layouts(self.model)
-            ends, fwd, bwd = [], [], []
-            for d, m in zip(cand.drafts, cand.ms):
-                f, b = d.fwd_bwd()
-                e = last_backward_ends(f, b, d.xf, d.xb, m)
-                shift = d.fixed + d.rate * m - e[0]  # end where the draft's fit ends it
-                ends.append([x + shift for x in e])
-                fwd.append(f)
-                bwd.append(b)
-            cand.sync = overlapped_sync_time(
-                collectives(self.model, layouts, self.dist_opt),
-                self.topo,
-                self.dist_opt,
-                stage_timings(layouts, ends, fwd, bwd),
-                cand.pipe_time,
-                self.overlap_grad_reduce,
-                self.overlap_param_gather,
-            ).exposed
-        if cand.sync is None:
-            cand.sync = sync_time(
-                rank_sets(self.model, cand.layouts(self.model), self.dist_opt),
-                self.topo,
-                self.dist_opt,
-            )[0]
-        return cand.pipe_time + cand.sync
-
-    def score(self, cand: Candidate) -> tuple[bool, float]:
-        """(does not fit, iteration seconds) from the simulator, after exact rebalancing."""
-        if cand.estimate is None:
-            cand.ms, _ = rebalance(cand.drafts, cand.ms)
-            cand.estimate = simulate_layout(
-                self.model,
-                self.cluster,
-                cand.layouts(self.model),
-                [(cand.mbs, m) for m in cand.ms],
-                cand.recompute,
-                self.dist_opt,
-                "even",
-                self.topo,
-                self.simulations,
-                self.overlap_grad_reduce,
-                self.overlap_param_gather,
-                attention_backend=self.attention_backend,
-                sequence_parallel=self.sequence_parallel,
-                layer_impl=self.layer_impl,
-            )
-        e = cand.estimate
-        return (not e.fits_memory, e.iteration_time_s)
-
-    # ----------------------------------------------------------------------------- strategies
-    def hexi(self) -> Candidate | None:
-        best = None
-        for rc in self.rc_list:
-            best_at: list[Candidate | None] = []
-            for mbs in self._micro_batches(best_at):
-                cands = []
-                for c in self.chunk_levels():
-                    chunks = make_chunks(self.topo, c, self.by_name)
-                    n = len(chunks)
-                    U = self.gbs // mbs
-                    for K in _k_grid(n, U):
-                        if c > 1 and n > SMALL_CHUNK_GRAPH and K != c:
-                            continue
-                        if K * self.model.num_layers < n:  # a pipeline would get > L chunks
-                            continue
-                        ctx = self.context(mbs, rc, K)
-                        cache = ctx.pipelines
-                        seeds = [striped_partition(chunks, K)] if K == c and c > 1 else []
-                        seeds.append(greedy_partition(self.topo, chunks, K))
-                        if 2 * K <= n:  # METIS needs room to balance; greedy covers the rest
-                            seeds.append(metis_partition(self.topo, chunks, K, self.seed))
-                        seen = set()
-                        for parts in seeds:
-                            if parts is None:
-                                continue
-                            sig = tuple(sorted(tuple(sorted(ch.ranks for ch in p)) for p in parts))
-                            if sig in seen:
-                                continue
-                            seen.add(sig)
-                            cand = self.evaluate(ctx, parts, mbs, False, cache)
-                            if cand is not None:
-                                cands.append(cand)
-                        self.progress(
-                            f"recompute={rc} micro-batch {mbs}: {n} chunks, K={K}, "
-                            f"{len(cands)} candidates"
-                        )
-                # cheap first cut per K (pipelines only), then rank with the gradient sync
-                per_k: dict[int, list[Candidate]] = {}
-                for cand in sorted(cands, key=lambda c: c.pipe_time):
-                    per_k.setdefault(len(cand.drafts), []).append(cand)
-                big = bool(cands) and sum(len(ch) for ch in cands[0].parts) > SMALL_CHUNK_GRAPH
-                keep = 3 if big else None
-                cands = sorted((c for v in per_k.values() for c in v[:keep]), key=self.proxy)
-                finals = cands[:FINALISTS]
-                for cand in finals[:2]:  # refine the two best with the cost model
-                    refined = self._refine(cand)
-                    if refined is not None:
-                        finals.append(refined)
-                for cand in list(finals):  # polish the finalists' pipelines, two ways
-                    for tune_orders in (False, True):
-                        polished = self.evaluate(
-                            cand.ctx, cand.parts, mbs, False, cand.cache, True, tune_orders
-                        )
-                        if polished is not None:
-                            finals.append(polished)
-                finals += self.neighbours.candidates(cands, mbs, rc, big)
-                here = min(finals, key=self.score, default=None)
-                best_at.append(here)
-                if here is not None and (best is None or self.score(here) < self.score(best)):
-                    best = here
-        return best
-
-    def _micro_batches(self, best_at: list[Candidate | None]) -> Iterator[int]:
-        """The micro-batch sizes hexi searches: mbs_list, then each of `larger_mbs` while the
-        size before it beat the one before that (`best_at`: the best candidate found per size
-        so far, filled in by the caller between steps)."""
-        yield from self.mbs_list
-        for mbs in self.larger_mbs:
-            if len(best_at) < 2 or best_at[-1] is None:
-                return
-            last, before = best_at[-1], best_at[-2]
-            if before is not None and self.score(last) >= self.score(before):
-                return
-            yield mbs
-
-    def _refine(self, cand: Candidate) -> Candidate | None:
-        ctx, mbs, cache = cand.ctx, cand.mbs, cand.cache
-
-        def evaluate(parts: list[list[MachineChunk]]) -> Evaluation | None:
-            got = self.evaluate(ctx, parts, mbs, False, cache)
-            if got is None:
-                return None
-            times = [d.fixed + d.rate * m for d, m in zip(got.drafts, got.ms)]
-            flops = [
-                sum(self.topo.devices[ch.node].flops * len(ch.ranks) for ch in p) for p in parts
-            ]
-            order = sorted(range(len(parts)), key=lambda i: -times[i] * flops[i] / got.ms[i])
-            return self.proxy(got), order, got
-
-        big = sum(len(p) for p in cand.parts) > SMALL_CHUNK_GRAPH
-        parts, res = refine(
-            cand.parts, evaluate, max_rounds=2 if big else 4, max_trials=16 if big else 64
+    elif fitting_uni is not None:
+        # hexi keeps the uniform layout as one of its seeds: it never does worse
+        plan = build_plan(
+            searcher.cluster,
+            searcher.model,
+            searcher.gbs,
+            fitting_uni.pipelines,
+            recompute=fitting_uni.recompute,
+            use_distributed_optimizer=searcher.dist_opt,
+            overlap_grad_reduce=searcher.overlap_grad_reduce,
+            overlap_param_gather=searcher.overlap_param_gather,
+            attention_backend=searcher.attention_backend,
+            sequence_parallel=searcher.sequence_parallel,
+            transformer_impl=searcher.layer_impl.transformer_impl,
+            cuda_graph_impl=searcher.cuda_graph_impl,
+            cuda_graph_scope=searcher.cuda_graph_scope,
         )
-        if res is None or parts is cand.parts:
-            return None
-        return res[2]  # the Candidate of `evaluate` above
-
-    # ---------------------------------------------------------------------------------- entry
-    def run(self, strategy: str) -> Plan:
-        if strategy not in STRATEGIES:
-            raise SpecError(f"--strategy: must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-        uni = uniform(self) if strategy in ("uniform", "hexi") else None
-        fitting_uni = uni if uni is not None and not uni.key[0] else None
-        cand = {"hexi": self.hexi, "exhaustive": lambda: exhaustive(self)}.get(
-            strategy, lambda: None
-        )()
-        if (
-            cand is not None
-            and not self.score(cand)[0]
-            and (fitting_uni is None or self.score(cand)[1] <= fitting_uni.key[1])
-        ):
-            plan = build_plan(
-                self.cluster,
-                self.model,
-                self.gbs,
-                cand.pipelines(self.model),
-                recompute=cand.recompute,
-                use_distributed_optimizer=self.dist_opt,
-                overlap_grad_reduce=self.overlap_grad_reduce,
-                overlap_param_gather=self.overlap_param_gather,
-                attention_backend=self.attention_backend,
-                sequence_parallel=self.sequence_parallel,
-                transformer_impl=self.layer_impl.transformer_impl,
-                cuda_graph_impl=self.cuda_graph_impl,
-                cuda_graph_scope=self.cuda_graph_scope,
-            )
-        elif fitting_uni is not None:
-            # hexi keeps the uniform layout as one of its seeds: it never does worse
-            plan = build_plan(
-                self.cluster,
-                self.model,
-                self.gbs,
-                fitting_uni.pipelines,
-                recompute=fitting_uni.recompute,
-                use_distributed_optimizer=self.dist_opt,
-                overlap_grad_reduce=self.overlap_grad_reduce,
-                overlap_param_gather=self.overlap_param_gather,
-                attention_backend=self.attention_backend,
-                sequence_parallel=self.sequence_parallel,
-                transformer_impl=self.layer_impl.transformer_impl,
-                cuda_graph_impl=self.cuda_graph_impl,
-                cuda_graph_scope=self.cuda_graph_scope,
-            )
-        else:
-            raise SpecError(self.explain_infeasible(strategy))
-        est = simulate(plan, self.topo, self.simulations)
-        if not est.fits_memory:  # the search scores with the same model: a bug if reached
-            raise SpecError(f"internal: the {strategy} plan does not fit: {est.bottleneck}")
-        plan.estimate = est.to_dict()
-        plan.estimate["strategy"] = strategy
-        return plan
-
-    def explain_infeasible(self, strategy: str) -> str:
-        """One line: which memory term does not fit, by how much, and what would."""
-        m, topo = self.model, self.topo
-        P = total_params(m)
-        N = topo.cluster.num_gpus
-        devs = [topo.device_of(r) for r in range(N)]
-        room = sum(d.memory_bytes - FRAMEWORK_RESERVE_BYTES for d in devs)
-        K_max = N if self.dist_opt else 1
-        state = P * (
-            WEIGHT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM / K_max
-        )
-        name = m.name or "the model"
-        if state > room:
-            hints = []
-            if not self.dist_opt:
-                ds = P * (WEIGHT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM)
-                if ds < room:
-                    hints.append(
-                        "--use-distributed-optimizer (shards the 12 B/param fp32 master "
-                        "and Adam state over pipelines)"
-                    )
-            big = max(devs, key=lambda d: d.memory_bytes)
-            more = math.ceil((state - room) / (big.memory_bytes - FRAMEWORK_RESERVE_BYTES))
-            hints.append(f"about {more} more {big.name} GPUs")
-            return (
-                f"no plan fits: {name} ({P / 1e9:.2f} B parameters) needs {state / 1e9:.1f} GB "
-                f"for weights, grads and optimizer state, but the {N} GPUs offer "
-                f"{room / 1e9:.1f} GB after a {FRAMEWORK_RESERVE_BYTES / 1e9:g} GB reserve "
-                f"each ({(state - room) / 1e9:.1f} GB missing); would fit with: "
-                + " or ".join(hints)
-            )
-        mbs = min(self.mbs_list)
-        rc = max(self.rc_list)
-        act = layer_activation_bytes(
-            m, mbs, m.num_query_groups, m.ffn_hidden_size, rc, self.attention_backend
-        )
-        hints = []
-        if not rc:
-            hints.append("--recompute on")
-        if mbs > 1:
-            hints.append("--micro-batch-size 1")
-        if keeps_scores(self.attention_backend):
-            hints.append("--attention-backend auto (keeps no s x s scores)")
-        if not self.sequence_parallel:
-            hints.append("--sequence-parallel (cuts a TP stage's norm and dropout activations)")
-        hints.append("more GPUs")
-        if not self.dist_opt:
-            hints.append("--use-distributed-optimizer")
-        return (
-            f"no {strategy} plan fits: model state needs {state / 1e9:.1f} GB of "
-            f"{room / 1e9:.1f} GB, and activations of the in-flight micro-batches "
-            f"({act / 1e9:.2f} GB per layer per micro-batch of {mbs}"
-            f"{' with recompute' if rc else ''}) or a stage's embedding / LM head do not fit "
-            f"in what is left on the GPUs; try " + ", ".join(hints)
-        )
+    else:
+        raise SpecError(searcher.explain_infeasible(strategy))
+    est = simulate(plan, searcher.topo, searcher.simulations)
+    if not est.fits_memory:  # the search scores with the same model: a bug if reached
+        raise SpecError(f"internal: the {strategy} plan does not fit: {est.bottleneck}")
+    plan.estimate = est.to_dict()
+    plan.estimate["strategy"] = strategy
+    return plan
 
 
 def runs_on_gpus(cluster: ClusterSpec) -> bool:
@@ -605,7 +173,7 @@ def search_plan(
     enabled = gc.isenabled()
     gc.disable()
     try:
-        plan = s.run(strategy)
+        plan = run_strategy(s, strategy)
     finally:
         if enabled:
             gc.enable()
@@ -616,6 +184,6 @@ __all__ = [
     "search_plan",
     "overlap_by_default",
     "runs_on_gpus",
-    "Searcher",
+    "run_strategy",
     "STRATEGIES",
 ]

@@ -13,15 +13,15 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from planner.errors import SpecError
-from planner.layout import even_split
 from planner.search_candidates import FINALISTS, Candidate, Solution
 from planner.search_partition import make_chunks
 from planner.search_pipeline import MachineChunk, chunk_stage_options
 from planner.simulator import simulate_layout
+from planner.splits import even_split
 from planner.sync_model import StageLayout
 
 if TYPE_CHECKING:
-    from planner.search import Searcher
+    from planner.searcher import Searcher
 
 _T = TypeVar("_T")
 

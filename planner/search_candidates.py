@@ -98,8 +98,8 @@ class Candidate:
     ctx: Context  # the context, partition and pipeline cache it came from,
     parts: list[list[MachineChunk]]  # so that it can be refined and polished
     cache: dict[tuple[Any, ...], Solution | None]
-    sync: float | None = None  # exposed gradient sync seconds (planner.search.Searcher.proxy)
-    estimate: Estimate | None = None  # the simulator's Estimate (planner.search.Searcher.score)
+    sync: float | None = None  # exposed gradient sync seconds (planner.searcher.Searcher.proxy)
+    estimate: Estimate | None = None  # the simulator's Estimate (planner.searcher.Searcher.score)
 
     def layouts(self, model: ModelSpec) -> list[list[StageLayout]]:
         out = []

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import pymetis
 
-from planner.layout import even_split
 from planner.search_pipeline import MachineChunk
+from planner.splits import even_split
 
 if TYPE_CHECKING:
     from planner.topology import Topology

@@ -21,9 +21,9 @@ from planner.attention import PLAN_DEFAULT_BACKEND
 from planner.costmodel import group_costs
 from planner.devices import Device
 from planner.host import EAGER_LOCAL, LayerImpl
-from planner.layout import proportional_split
 from planner.memory import BF16_BYTES, RankShape, layers_that_fit, sequence_split
 from planner.schedule import linear_fit, pipeline_time, window_period
+from planner.splits import proportional_split
 from planner.topology import BoundaryTimes, Signature, Topology, boundary_times
 
 if TYPE_CHECKING:

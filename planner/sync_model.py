@@ -49,8 +49,9 @@ from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
-from planner.layout import unit_params, unit_tensors, weighted_split
+from planner.layout import unit_params, unit_tensors
 from planner.memory import BF16_BYTES, GRAD_BYTES_PER_PARAM
+from planner.splits import weighted_split
 from planner.topology import ring_allgather_time, ring_allreduce_time, ring_reduce_scatter_time
 
 if TYPE_CHECKING:
@@ -216,7 +217,7 @@ def fast_optimizer_elements(
 
     A fast mirror of planner.layout.optimizer_elements for a layout (pinned by
     tests/planner/test_sync_model_layout.py): the same segments, each tensor's rows cut among
-    the segment's holders by layout.weighted_split with weights `weight_of(rank)`.
+    the segment's holders by splits.weighted_split with weights `weight_of(rank)`.
     """
     tensors = unit_tensors(model)
     # rank set -> {(axis, units): segments}

@@ -7,9 +7,9 @@ import pytest
 
 from planner import PlanError, RankView, build_plan, load_plan, plan_from_dict, save_plan
 from planner.cluster import load_cluster
-from planner.layout import even_split
 from planner.models import load_model, model_from_dict
 from planner.plan_validation import validate_plan_dict
+from planner.splits import even_split
 
 
 def _manual(hexi_plan, examples_dir, out, cluster, model, gbs, pipelines):

@@ -6,7 +6,7 @@ import json
 import pytest
 from host_zero import zero_host_time
 
-from planner import flops, layout
+from planner import flops, layout, splits
 from planner.cluster import load_cluster_dict
 from planner.costmodel import AnalyticCosts, group_costs
 from planner.devices import device_for, optimizer_step_time
@@ -107,9 +107,9 @@ def test_slowest_pair():
 
 
 def test_proportional_split():
-    assert layout.proportional_split(52, [1] * 8) == [7, 7, 7, 7, 6, 6, 6, 6]
-    assert layout.proportional_split(10, [2, 1, 1]) == [4, 3, 3]
-    assert sum(layout.proportional_split(11008, [165, 71, 71])) == 11008
+    assert splits.proportional_split(52, [1] * 8) == [7, 7, 7, 7, 6, 6, 6, 6]
+    assert splits.proportional_split(10, [2, 1, 1]) == [4, 3, 3]
+    assert sum(splits.proportional_split(11008, [165, 71, 71])) == 11008
 
 
 def test_uneven_tp_shards_cost_in_proportion(monkeypatch):

@@ -21,7 +21,7 @@ import random
 
 import pytest
 
-from planner import layout
+from planner import layout, splits
 from planner.cluster import load_cluster_dict
 from planner.memory import RankShape, layers_that_fit, rank_memory
 from planner.models import load_model
@@ -208,7 +208,7 @@ def runtime_optimizer_elements(plan):
             weights = [layout.optimizer_weight(plan.ranks[r].gpu, mode) for r in ranks]
             me = ranks.index(rank)
             for seg in slots:
-                owned += layout.weighted_split(seg.end - seg.start, weights)[me] * per_row[seg.name]
+                owned += splits.weighted_split(seg.end - seg.start, weights)[me] * per_row[seg.name]
         out[rank] = owned
     return out
 
@@ -289,7 +289,7 @@ def test_memory_shares_follow_gpu_memory():
             assert min(a100) >= max(rtx3090) and sum(rows.values()) == seg.end - seg.start
             cuts += min(a100) > max(rtx3090)
     assert cuts > 0
-    assert layout.weighted_split(10, [24.0, 80.0, 24.0]) == [2, 6, 2]
+    assert splits.weighted_split(10, [24.0, 80.0, 24.0]) == [2, 6, 2]
     assert layout.optimizer_weight("RTX-3090", "memory") == 24.0
     assert layout.optimizer_weight("RTX-3090", "even") == 1.0
 
@@ -323,29 +323,29 @@ def test_layers_that_fit_is_rank_memorys_limit():
 
 
 def test_splits():
-    assert layout.even_split(10, 3) == [4, 3, 3]
+    assert splits.even_split(10, 3) == [4, 3, 3]
     # largest remainders; ties go to the lower index
-    assert layout.weighted_split(10, [1, 1, 2]) == [3, 2, 5]
-    assert layout.weighted_split(3, [2.0, 2.0, 1.0]) == [1, 1, 1]
-    assert layout.weighted_split(0, [3, 1]) == [0, 0]
-    assert layout.weighted_split(1, [1, 9, 1]) == [0, 1, 0]  # parts may be empty
-    assert layout.weighted_split(7, [5.0, 5.0]) == layout.even_split(7, 2)
+    assert splits.weighted_split(10, [1, 1, 2]) == [3, 2, 5]
+    assert splits.weighted_split(3, [2.0, 2.0, 1.0]) == [1, 1, 1]
+    assert splits.weighted_split(0, [3, 1]) == [0, 0]
+    assert splits.weighted_split(1, [1, 9, 1]) == [0, 1, 0]  # parts may be empty
+    assert splits.weighted_split(7, [5.0, 5.0]) == splits.even_split(7, 2)
     # proportional: every part >= 1, the rest by the weighted split
-    assert layout.proportional_split(3, [1, 100, 1]) == [1, 1, 1]
-    assert layout.proportional_split(52, [1] * 8) == layout.even_split(52, 8)
+    assert splits.proportional_split(3, [1, 100, 1]) == [1, 1, 1]
+    assert splits.proportional_split(52, [1] * 8) == splits.even_split(52, 8)
     rng = random.Random(3)
     for _ in range(2000):
         w = [rng.choice([1, 2, 24.0, 80.0, rng.uniform(0.1, 9)]) for _ in range(rng.randint(1, 9))]
         total = rng.randint(len(w), 5000)
-        got = layout.proportional_split(total, w)
-        assert got == [1 + x for x in layout.weighted_split(total - len(w), w)]
+        got = splits.proportional_split(total, w)
+        assert got == [1 + x for x in splits.weighted_split(total - len(w), w)]
         assert sum(got) == total and min(got) >= 1
-        cut = layout.weighted_split(total, w)
+        cut = splits.weighted_split(total, w)
         assert sum(cut) == total
         exact = [total * x / sum(w) for x in w]
         assert all(abs(c - e) < 1 for c, e in zip(cut, exact))
     with pytest.raises(Exception, match="non-empty"):
-        layout.proportional_split(2, [1, 1, 1])
+        splits.proportional_split(2, [1, 1, 1])
 
 
 # ------------------------------------------------------------------------------- imports

@@ -8,7 +8,8 @@ from test_host_time import GPU_CHECK_MODEL, _one
 from planner import flops, kernels
 from planner.devices import device_for
 from planner.models import load_model, model_from_dict
-from planner.search import Searcher, search_plan
+from planner.search import search_plan
+from planner.searcher import Searcher
 
 A100 = device_for("A100-SXM-80GB")
 K = A100.kernels
