@@ -11,13 +11,22 @@ contexts (sequence parallelism toggled, distributed optimizer toggled), and the 
 the finalists; the simulator scores every one under the requested setting. Layouts that the
 requested setting forbids (with sequence parallelism, a TP degree that does not divide
 seq_length) are dropped.
+
+Link speeds are neighbours too: the pipeline orders and stage counts the search lays out depend
+on what the links between machines cost, and a layout laid out for slower or faster links can
+win at the requested speed (paper-hetero-b, llama-30b at 4,096 tokens: the plan searched at
+25 Gbit/s, re-costed at 10, made 11,403 tokens/s against the 10 Gbit/s plan's own 11,395). The
+finalists' partitions are also laid out on the same cluster with every link between machines
+LINK_SCALES times as fast, and the simulator scores them on the real links.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
+from planner.cluster import ClusterSpec
 from planner.host import LayerImpl
 from planner.models import ModelSpec
 from planner.search_pipeline import Context, Fits, MachineChunk, PipelineDraft
@@ -82,19 +91,40 @@ BIG_POOL = 6
 BIG_FINALISTS = 2
 
 
+# The link speeds a search also lays out for, as factors of every link between machines: half
+# and twice as fast (stated choice: the next speeds of common NICs are 2-2.5x apart, 10 / 25 /
+# 40-50 / 100 Gbit/s).
+LINK_SCALES = (0.5, 2.0)
+
+
 class Neighbour(NamedTuple):
-    """A setting next to the requested one that changes how stages are laid out."""
+    """A setting next to the requested one that changes how stages are laid out: sequence
+    parallelism, the distributed optimizer, or the links between machines `link_scale` times
+    as fast."""
 
     sequence_parallel: bool
     distributed_optimizer: bool
+    link_scale: float = 1.0
 
 
 def neighbours(sequence_parallel: bool, distributed_optimizer: bool) -> list[Neighbour]:
-    """The settings one toggle away: sequence parallelism off/on, distributed optimizer off/on."""
+    """The settings one step away: sequence parallelism off/on, distributed optimizer off/on,
+    the links between machines at each of LINK_SCALES."""
     return [
         Neighbour(not sequence_parallel, distributed_optimizer),
         Neighbour(sequence_parallel, not distributed_optimizer),
+        *(Neighbour(sequence_parallel, distributed_optimizer, f) for f in LINK_SCALES),
     ]
+
+
+def scaled_links(cluster: ClusterSpec, factor: float) -> ClusterSpec:
+    """The same cluster with every link between machines `factor` times as fast (NICs and
+    per-pair links; the links inside a machine as they are)."""
+    return dataclasses.replace(
+        cluster,
+        groups=[dataclasses.replace(g, nic_bw=g.nic_bw * factor) for g in cluster.groups],
+        links=[dataclasses.replace(lk, bandwidth=lk.bandwidth * factor) for lk in cluster.links],
+    )
 
 
 class NeighbourContexts(Generic[C]):
@@ -104,6 +134,17 @@ class NeighbourContexts(Generic[C]):
         self.s = searcher
         self.finalists = finalists  # how many of a setting's candidates the search polishes
         self._contexts: dict[tuple[int, bool, float, Neighbour], Context] = {}
+        self._topologies: dict[float, Topology] = {}
+
+    def topology(self, link_scale: float) -> Topology:
+        """The search's topology, or the one of its cluster with links `link_scale` as fast."""
+        if link_scale == 1.0:
+            return self.s.topo
+        got = self._topologies.get(link_scale)
+        if got is None:
+            got = Topology(scaled_links(self.s.topo.cluster, link_scale))
+            self._topologies[link_scale] = got
+        return got
 
     def context(self, n: Neighbour, mbs: int, rc: bool, K: int) -> Context:
         fraction = 1 / K if n.distributed_optimizer else 1.0
@@ -113,10 +154,10 @@ class NeighbourContexts(Generic[C]):
             s = self.s
             # the distributed optimizer flipped alone changes only memory limits: the requested
             # setting's stage and boundary times are reused
-            same_times = n.sequence_parallel == s.sequence_parallel
+            same_times = n.sequence_parallel == s.sequence_parallel and n.link_scale == 1.0
             got = self._contexts[key] = Context(
                 s.model,
-                s.topo,
+                self.topology(n.link_scale),
                 mbs,
                 rc,
                 fraction,
@@ -143,16 +184,19 @@ class NeighbourContexts(Generic[C]):
 
         out: list[C] = []
         for n in neighbours(s.sequence_parallel, s.dist_opt):
+            # a link speed's layouts start from cold caches: the few best partitions only,
+            # polished one way (as on big graphs)
+            few = big or n.link_scale != 1.0
             laid: list[C] = []
-            for cand in cands[:BIG_POOL] if big else cands:
+            for cand in cands[:BIG_POOL] if few else cands:
                 ctx = self.context(n, mbs, rc, len(cand.parts))
                 got = s.evaluate(ctx, cand.parts, mbs, False, ctx.pipelines)
                 if got is not None and allowed(got):
                     laid.append(got)
             laid.sort(key=s.proxy)
-            for cand in laid[: BIG_FINALISTS if big else self.finalists]:
+            for cand in laid[: BIG_FINALISTS if few else self.finalists]:
                 out.append(cand)
-                for tune_orders in (False,) if big else (False, True):
+                for tune_orders in (False,) if few else (False, True):
                     got = s.evaluate(
                         cand.ctx, cand.parts, mbs, False, cand.cache, True, tune_orders
                     )
@@ -161,4 +205,12 @@ class NeighbourContexts(Generic[C]):
         return out
 
 
-__all__ = ["LaidOut", "Neighbour", "NeighbourContexts", "SearchState", "neighbours"]
+__all__ = [
+    "LINK_SCALES",
+    "LaidOut",
+    "Neighbour",
+    "NeighbourContexts",
+    "SearchState",
+    "neighbours",
+    "scaled_links",
+]
