@@ -132,6 +132,13 @@ def _model(p: argparse.ArgumentParser) -> None:
         help="must be 1.0: the plan's models rotate the whole head (default: 1.0)",
     )
     m.add_argument(
+        "--use-rotary-position-embeddings",
+        action="store_true",
+        default=None,
+        help="Megatron-LM's older name of --position-embedding-type rope: the plan's model must "
+        "have rotary positions (default: the plan's)",
+    )
+    m.add_argument(
         "--no-position-embedding",
         action="store_true",
         default=None,
@@ -490,6 +497,13 @@ def _data(p: argparse.ArgumentParser) -> None:
         "--data-cache-path",
         default=None,
         help="where megatron-core caches sample indices (default: next to the data)",
+    )
+    d.add_argument(
+        "--no-mmap-bin-files",
+        action="store_false",
+        dest="mmap_bin_files",
+        help="read each .bin's samples with file reads, not a memory map (the same tokens; "
+        "megatron-core's IndexedDataset) (default: memory-mapped)",
     )
     d.add_argument(
         "--tokenizer-type",

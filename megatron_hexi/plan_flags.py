@@ -183,6 +183,11 @@ def plan_flag_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
             f"--rotary-percent {args.rotary_percent:g}: the plan's model rotates the whole head "
             f"(1.0); drop the flag"
         )
+    if args.use_rotary_position_embeddings and m.position_embedding_type != "rope":
+        problems.append(
+            f"--use-rotary-position-embeddings contradicts the plan's model "
+            f"({m.position_embedding_type} positions)"
+        )
     if args.no_position_embedding and m.position_embedding_type == "learned_absolute":
         problems.append(
             "--no-position-embedding contradicts the plan's model (learned_absolute positions)"

@@ -156,6 +156,7 @@ def llama2_script(tokenizer_model, data_path, ckpt, train_iters):
         *("--num-attention-heads", "8", "--seq-length", "32", "--max-position-embeddings", "32"),
         "--untie-embeddings-and-output-weights",
         *("--position-embedding-type", "rope", "--no-position-embedding"),
+        "--use-rotary-position-embeddings",
         *("--swiglu", "--disable-bias-linear", "--init-method-std", "0.02"),
         *("--attention-dropout", "0.0", "--hidden-dropout", "0.0"),
         *("--normalization", "RMSNorm", "--norm-epsilon", "1e-5"),
@@ -408,3 +409,37 @@ def test_docs_show_the_tested_script(repo_root):
     text = (repo_root / "docs" / "megatron-scripts.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     assert GPT3_SCRIPT in blocks, "docs/megatron-scripts.md: the example is not GPT3_SCRIPT"
+
+
+def test_no_mmap_bin_files_reads_the_same_samples(files, tmp_path):
+    """--no-mmap-bin-files (Megatron-LM's Llama scripts give it): megatron-core reads the .bin
+    with file reads instead of a memory map, and every training sample is the same."""
+    import numpy as np
+
+    from megatron_hexi.arguments import parse_args, run_config
+    from megatron_hexi.data import build_train_dataset
+    from megatron_hexi.tokenizer import build_tokenizer
+    from planner.plan import load_plan
+
+    plan = write_plan(tmp_path, "one", "tiny-gqa", 1, one_rank(2))
+    data = ["--data-path", str(files["llama2"]), "--split", "90,8,2"]
+    data += ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", str(files["model"])]
+    samples = {}
+    for mmap in (True, False):
+        flags = ["--hetero-plan-path", str(plan), "--train-iters", "4", "--lr", "1e-4", *data]
+        flags += ["--data-cache-path", str(tmp_path / f"cache-{mmap}")]
+        config = run_config(parse_args(flags + ([] if mmap else ["--no-mmap-bin-files"])))
+        assert config.data.mmap_bin_files is mmap
+        dataset = build_train_dataset(
+            config.data, load_plan(plan), train_iters=4, seed=1234,
+            tokenizer=build_tokenizer(config.data),
+        )  # fmt: skip
+        bins = {d.dataset.bin_reader.__class__.__name__ for d in _gpt_datasets(dataset)}
+        assert bins == {"_MMapBinReader" if mmap else "_FileBinReader"}, bins
+        samples[mmap] = np.stack([dataset[i]["tokens"].numpy() for i in range(len(dataset))])
+    assert len(samples[True]) >= 32 and np.array_equal(samples[True], samples[False])
+
+
+def _gpt_datasets(dataset):
+    """The GPTDatasets under a (possibly blended) megatron-core dataset."""
+    return getattr(dataset, "datasets", None) or [dataset]
