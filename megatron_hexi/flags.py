@@ -435,6 +435,11 @@ def _optimizer(p: argparse.ArgumentParser) -> None:
         help="accepted: gradients are always accumulated and reduced in fp32",
     )
     o.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="accepted: the loss is always weighed per token over the global batch",
+    )
+    o.add_argument(
         "--attention-softmax-in-fp32",
         action="store_true",
         help="accepted: the fused attention computes its softmax in fp32; megatron-core's "

@@ -160,6 +160,7 @@ def test_docs_table_is_the_parsers():
         "--no-create-attention-mask-in-dataloader": "accepted, no effect",
         "--use-rope-scaling": "checked against the plan",
         "--use-mcore-models": "accepted, no effect",
+        "--calculate-per-token-loss": "accepted, no effect",
         "--timing-log-level": "accepted, no effect",
         "--log-timers-to-tensorboard": "accepted, no effect",
         "--log-validation-ppl-to-tensorboard": "accepted, no effect",
