@@ -157,6 +157,8 @@ class DataConfig:
     """Train, validation and test weights; the test split is not read."""
     data_cache_path: str | None = None
     """Where megatron-core caches its sample indices."""
+    mmap_bin_files: bool = True
+    """Memory-map the .bin files (False: --no-mmap-bin-files, read them with file reads)."""
     tokenizer_type: str | None = None
     """Megatron-LM's tokenizer name (megatron_hexi.tokenizer.TOKENIZER_TYPES; with `data_path`)."""
     tokenizer_model: str | None = None

@@ -264,6 +264,7 @@ def _build_real_dataset(
             eod_mask_loss=False,
             create_attention_mask=False,
             path_to_cache=data.data_cache_path,
+            mmap_bin_files=data.mmap_bin_files,
         )
     except (AssertionError, ValueError) as e:
         raise SpecError(f"--split {data.split}: {e or 'malformed'}") from None

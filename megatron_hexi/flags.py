@@ -132,6 +132,13 @@ def _model(p: argparse.ArgumentParser) -> None:
         help="must be 1.0: the plan's models rotate the whole head (default: 1.0)",
     )
     m.add_argument(
+        "--use-rotary-position-embeddings",
+        action="store_true",
+        default=None,
+        help="Megatron-LM's older name of --position-embedding-type rope: the plan's model must "
+        "have rotary positions (default: the plan's)",
+    )
+    m.add_argument(
         "--no-position-embedding",
         action="store_true",
         default=None,
@@ -428,6 +435,11 @@ def _optimizer(p: argparse.ArgumentParser) -> None:
         help="accepted: gradients are always accumulated and reduced in fp32",
     )
     o.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="accepted: the loss is always weighed per token over the global batch",
+    )
+    o.add_argument(
         "--attention-softmax-in-fp32",
         action="store_true",
         help="accepted: the fused attention computes its softmax in fp32; megatron-core's "
@@ -490,6 +502,13 @@ def _data(p: argparse.ArgumentParser) -> None:
         "--data-cache-path",
         default=None,
         help="where megatron-core caches sample indices (default: next to the data)",
+    )
+    d.add_argument(
+        "--no-mmap-bin-files",
+        action="store_false",
+        dest="mmap_bin_files",
+        help="read each .bin's samples with file reads, not a memory map (the same tokens; "
+        "megatron-core's IndexedDataset) (default: memory-mapped)",
     )
     d.add_argument(
         "--tokenizer-type",

@@ -27,6 +27,9 @@ ACCEPTED = {
     "log_memory_to_tensorboard": "peak-memory-gb per rank is always written",
     "log_batch_size_to_tensorboard": "batch-size is always written",
     "accumulate_allreduce_grads_in_fp32": "gradients are always accumulated and reduced in fp32",
+    "calculate_per_token_loss": "the loss and its gradient are always the sum over the global "
+    "batch's loss-masked tokens divided by their count, as this flag makes Megatron-LM's (plans "
+    "with different micro-batch sizes then weigh every token alike)",
     "attention_softmax_in_fp32": "the fused attention's softmax is fp32; the unfused one is "
     "megatron-core's default",
     "no_persist_layer_norm": "Apex's persistent layer norm does not run here",
@@ -184,6 +187,11 @@ def plan_flag_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
         problems.append(
             f"--rotary-percent {args.rotary_percent:g}: the plan's model rotates the whole head "
             f"(1.0); drop the flag"
+        )
+    if args.use_rotary_position_embeddings and m.position_embedding_type != "rope":
+        problems.append(
+            f"--use-rotary-position-embeddings contradicts the plan's model "
+            f"({m.position_embedding_type} positions)"
         )
     if args.no_position_embedding and m.position_embedding_type == "learned_absolute":
         problems.append(

@@ -26,6 +26,13 @@ REFUSED = (
         "hexi-plan and continue under the next plan with --load",
     ),
     Refused(
+        "--step-batch-size-schedule",
+        1,
+        "a plan fixes the global batch size for the whole run (this is Megatron-LM's newer "
+        "--rampup-batch-size); plan each batch size with hexi-plan and continue under the next "
+        "plan with --load",
+    ),
+    Refused(
         "--ckpt-format",
         1,
         "checkpoints are this runtime's own per-rank format, whatever the value; drop the flag "

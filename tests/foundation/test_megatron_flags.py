@@ -153,12 +153,14 @@ def test_docs_table_is_the_parsers():
         "--exit-on-missing-checkpoint": "honoured",
         "--log-params-norm": "honoured",
         "--no-position-embedding": "checked against the plan",
+        "--use-rotary-position-embeddings": "checked against the plan",
         "--log-num-zeros-in-grad": "refused",
         "--qk-layernorm": "refused",
         "--use-cpu-initialization": "accepted, no effect",
         "--no-create-attention-mask-in-dataloader": "accepted, no effect",
         "--use-rope-scaling": "checked against the plan",
         "--use-mcore-models": "accepted, no effect",
+        "--calculate-per-token-loss": "accepted, no effect",
         "--timing-log-level": "accepted, no effect",
         "--log-timers-to-tensorboard": "accepted, no effect",
         "--log-validation-ppl-to-tensorboard": "accepted, no effect",
@@ -312,6 +314,13 @@ def test_honoured_flags_reach_the_run_config(plans):
         ("mqa", ["--group-query-attention"], None),
         ("one", ["--max-position-embeddings", "4096"], None),  # rope: no effect
         ("one", ["--no-position-embedding"], None),
+        ("one", ["--use-rotary-position-embeddings"], None),
+        (
+            "learned",
+            ["--use-rotary-position-embeddings"],
+            "--use-rotary-position-embeddings contradicts the plan's model (learned_absolute "
+            "positions)",
+        ),
         ("one", ["--rotary-percent", "1.0", "--rope-scaling-factor", "8"], None),
         (
             "one",
