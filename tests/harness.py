@@ -417,7 +417,8 @@ def run_distributed(
 
 class ScriptProcess:
     """A `python SCRIPT` forked from the forkserver (`start_script`), read like a Popen: its pid,
-    poll() (the exit code, None while it runs; -N after signal N), wait() and kill()."""
+    poll() (the exit code, None while it runs; -N after signal N), wait(), kill() and
+    send_signal()."""
 
     def __init__(self, process):
         self.process, self.pid = process, process.pid
@@ -431,6 +432,9 @@ class ScriptProcess:
 
     def kill(self):
         self.process.kill()
+
+    def send_signal(self, signum):
+        os.kill(self.pid, signum)
 
 
 def start_script(argv, environ, cwd, stdout_path, stderr_path, new_session=False):
