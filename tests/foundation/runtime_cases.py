@@ -362,15 +362,25 @@ def run_corpus(cases: list[Case], tmp: Path, name: str, pythonpath: Path = REPO)
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "HEXI_PLAN_NODE"):
         env.pop(key, None)
     out = tmp / f"{name}-results.json"
-    r = subprocess.run(
-        [sys.executable, str(HERE / "runtime_corpus_runner.py"), str(spec), str(out)],
-        cwd=tmp,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    # forked from the harness's forkserver when the runtime is this checkout's (its imports
+    # are done there), else a fresh interpreter
+    if Path(pythonpath).resolve() == REPO.resolve():
+        from harness import run_script_with_environ
+
+        code, _, err = run_script_with_environ(
+            [HERE / "runtime_corpus_runner.py", spec, out], env, timeout=3600, cwd=tmp
+        )
+    else:
+        r = subprocess.run(
+            [sys.executable, str(HERE / "runtime_corpus_runner.py"), str(spec), str(out)],
+            cwd=tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
+        code, err = r.returncode, r.stderr
+    assert code == 0, err[-3000:]
     return json.loads(out.read_text())
 
 
