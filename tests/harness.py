@@ -417,7 +417,8 @@ def run_distributed(
 
 class ScriptProcess:
     """A `python SCRIPT` forked from the forkserver (`start_script`), read like a Popen: its pid,
-    poll() (the exit code, None while it runs; -N after signal N), wait() and kill()."""
+    poll() (the exit code, None while it runs; -N after signal N), wait(), kill() and
+    send_signal()."""
 
     def __init__(self, process):
         self.process, self.pid = process, process.pid
@@ -432,21 +433,29 @@ class ScriptProcess:
     def kill(self):
         self.process.kill()
 
+    def send_signal(self, signum):
+        os.kill(self.pid, signum)
+
 
 def start_script(argv, environ, cwd, stdout_path, stderr_path, new_session=False):
     """`python ARGV...` (ARGV[0] a script) forked from the forkserver, with exactly the
     environment `environ`, in the folder `cwd`, its output written to the two files; returns a
-    ScriptProcess at once. `new_session`: see forkserver.run_script."""
+    ScriptProcess at once. Its `sys.path` is a fresh interpreter's: the script's folder, then
+    the folders of environ's PYTHONPATH, then site-packages. `new_session`: see
+    forkserver.run_script."""
     argv = [str(a) for a in argv]
     cwd = os.path.abspath(cwd or os.getcwd())
     script = os.path.join(cwd, argv[0])
+    extra = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys_path = [os.path.dirname(script), *extra]
+    sys_path += [p for p in forkserver.fresh_sys_path() if p not in sys_path]
     p = forkserver.context().Process(
         target=forkserver.run_script,
         args=(
             [script, *argv[1:]],
             environ,
             cwd,
-            [os.path.dirname(script), *forkserver.fresh_sys_path()],
+            sys_path,
             stdout_path,
             stderr_path,
             new_session,
@@ -515,6 +524,15 @@ def run_script(argv, timeout=180, env=None, cwd=None):
     env = {**CPU_ONLY_ENV, **THREADS_ENV, **(env or {})}
     procs, files, folder = _start_scripts([argv], [env], cwd)
     return _finish_scripts([argv], procs, files, folder, timeout)[0]
+
+
+def run_script_with_environ(argv, environ, timeout=180, cwd=None):
+    """run_script with exactly the environment `environ` (nothing added or kept from this
+    process's): (exit code, stdout, stderr)."""
+    folder = tempfile.TemporaryDirectory(prefix="harness-script-")
+    files = (os.path.join(folder.name, "0.out"), os.path.join(folder.name, "0.err"))
+    p = start_script(argv, environ, cwd, *files)
+    return _finish_scripts([argv], [p.process], [files], folder, timeout)[0]
 
 
 def run_ranks(argv, world, timeout=240, env=None, cwd=None):

@@ -4,22 +4,19 @@ they must compute the same losses, step after step; the ratio line is what the b
 and run_all.py read. No timing is checked (speed figures live in the benchmark itself)."""
 
 import re
-import subprocess
-import sys
+import types
 
 from conftest import REPO
+from harness import run_script
 
 SCRIPT = REPO / "tools" / "bench" / "host_overhead.py"
 
 
 def _run(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *map(str, args)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """`python SCRIPT ARGS...` forked from the harness's forkserver (torch and megatron-core
+    already imported): what subprocess.run would return."""
+    code, out, err = run_script([SCRIPT, *args], timeout=timeout, cwd=REPO)
+    return types.SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
 def test_both_variants_compute_the_same_losses_and_the_ratio_line_comes_last():

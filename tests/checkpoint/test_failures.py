@@ -21,7 +21,7 @@ import pytest
 
 from checkpoint.launching import TWO_STAGES, launch, wait_all
 from conftest import REPO
-from harness import _kill_tree, run_torchrun
+from harness import _kill_tree, run_script, run_torchrun
 from megatron_hexi.checkpoint import TRACKER, Checkpoint
 from planner.layout import canonical_shards
 from planner.models import load_model
@@ -147,9 +147,10 @@ def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
     assert all(len(v) == 1 for v in seen.values()), {i: v for i, v in seen.items() if len(v) > 1}
     print(f"iterations computed twice, identical: {sorted(set(repeated))}")
 
-    # A checkpoint loaded with another model is one clear error naming the fields.
+    # A checkpoint loaded with another model is one clear error naming the fields (one process,
+    # no launcher: what is checked is the rank's own error and exit code).
     other = write_plan(tmp_path, "gqa", "tiny-gqa", 1, REFERENCE)
-    code, out, err = run_torchrun(
+    code, out, err = run_script(
         [
             REPO / "pretrain_gpt.py",
             "--hetero-plan-path",
@@ -162,10 +163,9 @@ def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
             "--load",
             ckpt,
         ],
-        1,
         timeout=120,
     )
-    assert code != 0, err[-3000:]  # the rank exits 2; torchrun reports 1
+    assert code == 2, err[-3000:]
     assert re.search(
         r"pretrain_gpt.py: error: .*holds a different model \(ffn_hidden_size: "
         r"checkpoint 256, this run 192; num_attention_heads",
@@ -175,8 +175,9 @@ def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
 
 def test_hung_rank_fails_the_others_within_the_timeout(tmp_path):
     """A rank that stops answering (SIGSTOP: no connection is closed) fails its peers when the
-    collective timeout (--distributed-timeout-minutes, fractions allowed) runs out."""
-    timeout_min = 0.2
+    collective timeout (--distributed-timeout-minutes, fractions allowed) runs out. 6 s: a
+    step's collectives of the tiny model take milliseconds, a thousand times less."""
+    timeout_min = 0.1
     plan = write_plan(tmp_path, "two_stages", "tiny", 2, TWO_STAGES)
     argv = [
         "--hetero-plan-path",

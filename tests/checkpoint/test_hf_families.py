@@ -146,15 +146,36 @@ def test_export_is_identical_and_of_the_same_family(imported, family, tmp_path):
     assert type(back).__name__ == ARCHITECTURES[family]
 
 
-def test_verify_passes_a_good_conversion_and_catches_an_altered_one(imported, tmp_path, capsys):
+def test_verify_passes_a_good_conversion_and_catches_an_altered_one(
+    imported, tmp_path, capsys, monkeypatch
+):
     """`hexi-convert verify` under the plan: the import passes; the same HF folder with layer
-    0's k and v projections swapped (a converter's typical slip) fails with exit 1."""
+    0's k and v projections swapped (a converter's typical slip) fails with exit 1.
+
+    Both calls load the same checkpoint under the same plan on the same tokens, so the plan's
+    ranks are launched once: the second call's runtime logits are the first's, handed back
+    only for the very same arguments (the plan file's content, checkpoint, device, tokens)."""
     import shutil
 
     from safetensors.torch import save_file
 
+    from megatron_hexi.convert import verify
     from megatron_hexi.convert.cli import main
 
+    launched = []
+    launch = verify.runtime_logits
+
+    def launch_once(plan_path, load, device, tokens, world, timeout_s):
+        key = (open(plan_path).read(), load, device, world)
+        if not launched:
+            launched.append(
+                (key, tokens, launch(plan_path, load, device, tokens, world, timeout_s))
+            )
+        ((first, first_tokens, logits),) = launched
+        assert key == first and torch.equal(tokens, first_tokens)
+        return logits.clone()
+
+    monkeypatch.setattr(verify, "runtime_logits", launch_once)
     _, ckpt, plan, _ = imported["qwen2"]
     source = ckpt.parent / "hf"
     argv = ["verify", "--load", str(ckpt), "--hetero-plan-path", str(plan), "--seq-length", "16"]
@@ -176,3 +197,4 @@ def test_verify_passes_a_good_conversion_and_catches_an_altered_one(imported, tm
     print(f"verify: good conversion {error:.2e}, altered one {wrong:.2e}")
     assert wrong > 1e-2
     assert captured.err.startswith("hexi-convert: error: above 1e-05"), captured.err
+    assert len(launched) == 1

@@ -1,10 +1,8 @@
 """Session data for tests/data: tokenizers trained on the bundled corpus, and corpora "a" and "b"
 as JSONL and as indexed datasets (a through the preprocess_data.py command line with 2 workers,
 b through its main() in this process); and corpus "a" preprocessed with one tokenizer of each
---tokenizer-type kind (`kinds`)."""
+--tokenizer-type kind (`kinds`). The commands fork from the harness's forkserver."""
 
-import subprocess
-import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from data.corpus import (
     train_tokenizer,
     write_jsonl,
 )
+from harness import _finish_scripts, _start_scripts, run_script
 
 
 @pytest.fixture(scope="session")
@@ -42,25 +41,22 @@ def corpus(tmp_path_factory, repo_root):
         str(c.tokenizer),
         "--append-eod",
     ]
-    r = subprocess.run(
+    code, out, err = run_script(
         [
-            sys.executable,
-            str(repo_root / "tools/preprocess_data.py"),
+            repo_root / "tools/preprocess_data.py",
             "--input",
-            str(c.jsonl["a"]),
+            c.jsonl["a"],
             "--output-prefix",
-            str(d / "a"),
+            d / "a",
             "--workers",
             "2",
             *common,
         ],
-        capture_output=True,
-        text=True,
         timeout=120,
         cwd=repo_root,
     )
-    assert r.returncode == 0, r.stderr
-    assert f"wrote {d / 'a'}_text_document.bin/.idx: {len(c.docs['a'])} documents" in r.stdout
+    assert code == 0, err
+    assert f"wrote {d / 'a'}_text_document.bin/.idx: {len(c.docs['a'])} documents" in out
     assert (
         preprocess_main(["--input", str(c.jsonl["b"]), "--output-prefix", str(d / "b"), *common])
         == 0
@@ -125,37 +121,31 @@ def kinds(corpus, tmp_path_factory, repo_root):
             len(hf),
         ),
     }
-    running = {}
-    for name, kind in found.items():
+    # The three preprocess_data.py commands at once, forked from the harness's forkserver (torch
+    # and megatron-core already imported there).
+    names = list(found)
+    argvs = []
+    for name in names:
+        kind = found[name]
         kind.prefix = str(d / f"{name}_text_document")
-        running[name] = subprocess.Popen(
+        argvs.append(
             [
-                sys.executable,
-                str(repo_root / "tools/preprocess_data.py"),
+                repo_root / "tools/preprocess_data.py",
                 "--input",
-                str(corpus.jsonl["a"]),
+                corpus.jsonl["a"],
                 "--output-prefix",
-                str(d / name),
+                d / name,
                 "--tokenizer-type",
                 name,
                 *kind.flags,
                 "--append-eod",
                 "--workers",
                 "2" if name == "SentencePieceTokenizer" else "1",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=repo_root,
+            ]
         )
-    try:
-        for name, proc in running.items():
-            out, err = proc.communicate(timeout=180)
-            assert proc.returncode == 0, f"{name}: {err}"
-            assert f"wrote {found[name].prefix}.bin/.idx: {len(corpus.docs['a'])} documents" in out
-    finally:
-        for proc in running.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    procs, files, folder = _start_scripts(argvs, [{}] * len(argvs), repo_root)
+    results = _finish_scripts(argvs, procs, files, folder, timeout=180)
+    for name, (code, out, err) in zip(names, results):
+        assert code == 0, f"{name}: {err}"
+        assert f"wrote {found[name].prefix}.bin/.idx: {len(corpus.docs['a'])} documents" in out
     return found

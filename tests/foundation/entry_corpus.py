@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -67,7 +66,7 @@ def fingerprint(path) -> str | None:
 
 
 def run_corpus(cases: list[Case], tmp: Path, preload=()) -> dict:
-    """Run every case once, in one subprocess; returns {id: result} with "category" added."""
+    """Run every case once, in one runner process; returns {id: result} with "category" added."""
     kept = {c.id: {str(p): fingerprint(p) for p in c.keep} for c in cases}
     spec = {
         "preload": list(preload),
@@ -86,20 +85,17 @@ def run_corpus(cases: list[Case], tmp: Path, preload=()) -> dict:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "entry_corpus_runner.py"),
-            str(tmp / "cases.json"),
-            str(tmp / "results.json"),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
+    # forked from the harness's forkserver (torch and megatron-core imported there); imported
+    # here: the runner loads this module too, without the test helpers on its path
+    from harness import run_script_with_environ
+
+    code, _, err = run_script_with_environ(
+        [HERE / "entry_corpus_runner.py", tmp / "cases.json", tmp / "results.json"],
+        env,
         timeout=1800,
+        cwd=REPO,
     )
-    assert r.returncode == 0, r.stderr
+    assert code == 0, err
     results = json.loads((tmp / "results.json").read_text())
     for c in cases:
         got = results[c.id]

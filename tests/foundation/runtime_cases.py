@@ -20,6 +20,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from planner.cluster import load_cluster_dict
 from planner.models import load_model
@@ -361,15 +362,25 @@ def run_corpus(cases: list[Case], tmp: Path, name: str, pythonpath: Path = REPO)
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "HEXI_PLAN_NODE"):
         env.pop(key, None)
     out = tmp / f"{name}-results.json"
-    r = subprocess.run(
-        [sys.executable, str(HERE / "runtime_corpus_runner.py"), str(spec), str(out)],
-        cwd=tmp,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    # forked from the harness's forkserver when the runtime is this checkout's (its imports
+    # are done there), else a fresh interpreter
+    if Path(pythonpath).resolve() == REPO.resolve():
+        from harness import run_script_with_environ
+
+        code, _, err = run_script_with_environ(
+            [HERE / "runtime_corpus_runner.py", spec, out], env, timeout=3600, cwd=tmp
+        )
+    else:
+        r = subprocess.run(
+            [sys.executable, str(HERE / "runtime_corpus_runner.py"), str(spec), str(out)],
+            cwd=tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
+        code, err = r.returncode, r.stderr
+    assert code == 0, err[-3000:]
     return json.loads(out.read_text())
 
 
@@ -439,18 +450,21 @@ def collect(
 
 class Launch:
     """`pretrain_gpt.py ARGS` as `world` plain processes with torchrun's environment (as
-    harness.run_ranks, which waits for the end): each rank's stdout is read line by line as it
-    comes, so a test can act at a point of the run (`wait_for`), then signal ranks."""
+    harness.run_ranks, which waits for the end), forked from the harness's forkserver (they
+    start in milliseconds): each rank's output goes to files read as they grow, so a test can
+    act at a point of the run (`wait_for`), then signal ranks (`procs[i].send_signal`)."""
 
     def __init__(
         self, args: list[object], world: int, cwd: Path, env: dict[str, str] | None = None
     ):
-        import threading
+        import tempfile
 
-        from harness import CPU_ONLY_ENV, free_port
+        from harness import CPU_ONLY_ENV, free_port, start_script
 
         port = str(free_port())
-        self.procs, self.out, self.err, self._threads = [], [], [], []
+        self._folder = tempfile.TemporaryDirectory(prefix="hexi-launch-")
+        self.procs: list[Any] = []
+        self.files: list[tuple[Path, Path]] = []
         for rank in range(world):
             e = {
                 **os.environ,
@@ -465,62 +479,54 @@ class Launch:
                 **(env or {}),
             }
             e.pop("HEXI_PLAN_NODE", None)
-            p = subprocess.Popen(
-                [sys.executable, str(REPO / "pretrain_gpt.py"), *map(str, args)],
-                env=e,
-                cwd=cwd,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-            lines: list[str] = []
-            errors: list[str] = []
-            for stream, sink in ((p.stdout, lines), (p.stderr, errors)):
-                t = threading.Thread(
-                    target=lambda stream=stream, sink=sink: sink.extend(stream), daemon=True
-                )
-                t.start()
-                self._threads.append(t)
-            self.procs.append(p)
-            self.out.append(lines)
-            self.err.append(errors)
+            out, err = (Path(self._folder.name) / f"{rank}.{s}" for s in ("out", "err"))
+            self.files.append((out, err))
+            self.procs.append(start_script([REPO / "pretrain_gpt.py", *args], e, cwd, out, err))
+
+    def _read(self, path: Path) -> str:
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def wait_for(self, rank: int, text: str, timeout: float) -> None:
-        """Until a line of `rank`'s stdout holds `text` (AssertionError after `timeout` s or if
-        the rank ended without it)."""
+        """Until `rank`'s stdout holds `text` (AssertionError after `timeout` s or if the rank
+        ended without it)."""
         import time
 
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if any(text in line for line in list(self.out[rank])):
+            if text in self._read(self.files[rank][0]):
                 return
             if self.procs[rank].poll() is not None:
+                if text in self._read(self.files[rank][0]):
+                    return
                 break
             time.sleep(0.1)
         self.kill()
         raise AssertionError(
-            f"rank {rank} never printed {text!r}: {''.join(self.out[rank])[-2000:]}"
+            f"rank {rank} never printed {text!r}: {self._read(self.files[rank][0])[-2000:]}"
         )
 
     def finish(self, timeout: float) -> list[tuple[int, str, str]]:
         """[(exit code, stdout, stderr)] per rank, once every rank has ended (AssertionError,
-        every rank killed, past `timeout` s)."""
+        every rank killed, past `timeout` s). A rank that exits with SIGABRT fails the test (the
+        harness's rule for every launch)."""
+        from harness import check_no_abort
+
         try:
             for rank, p in enumerate(self.procs):
-                try:
-                    p.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
+                if p.wait(timeout) is None:
                     raise AssertionError(f"rank {rank} still running after {timeout} s")
-            for t in self._threads:
-                t.join(timeout=10)
+            codes = [p.poll() for p in self.procs]
+            check_no_abort(codes, "pretrain_gpt.py")
+            return [
+                (code, self._read(out), self._read(err))
+                for code, (out, err) in zip(codes, self.files)
+            ]
         finally:
             self.kill()
-        return [
-            (p.returncode, "".join(out), "".join(err))
-            for p, out, err in zip(self.procs, self.out, self.err)
-        ]
+            self._folder.cleanup()
 
     def kill(self) -> None:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()

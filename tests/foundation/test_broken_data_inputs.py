@@ -14,6 +14,7 @@ import struct
 import numpy
 import pytest
 
+from conftest import REPO
 from data.corpus import documents, preprocess_main, train_gpt2_files, train_tokenizer, write_jsonl
 from foundation.entry_corpus import (
     DATA_STARTUP,
@@ -298,9 +299,10 @@ def test_a_new_run_replaces_the_output_and_leaves_no_temporary_file(tmp_path):
 
 
 def test_an_empty_training_split_stops_every_rank_of_a_real_run(tmp_path):
-    """pretrain_gpt.py under torchrun, two ranks: the split leaving training without a token is
-    the same one line on each rank, and the run ends (before: an endless epoch count)."""
-    from harness import run_torchrun
+    """pretrain_gpt.py on two ranks (forked with torchrun's environment): the split leaving
+    training without a token is the same one line on each rank, and the run ends (before: an
+    endless epoch count)."""
+    from harness import run_ranks
     from runtime.plans import TWO_STAGES
 
     tokenizer = train_tokenizer(tmp_path / "tokenizer.json", 120)
@@ -308,7 +310,7 @@ def test_an_empty_training_split_stops_every_rank_of_a_real_run(tmp_path):
     jsonl = write_jsonl(tmp_path / "c.jsonl", documents())
     assert preprocess_main(["--input", jsonl, "--output-prefix", tmp_path / "c", *tok]) == 0
     plan = write_plan(tmp_path, "two", "tiny", 2, TWO_STAGES)
-    code, _, err = run_torchrun(
+    ranks = run_ranks(
         [
             "pretrain_gpt.py",
             "--hetero-plan-path",
@@ -323,9 +325,12 @@ def test_an_empty_training_split_stops_every_rank_of_a_real_run(tmp_path):
             "1,100000,0",
             *tok,
         ],
-        nproc=2,
+        2,
         timeout=180,
+        cwd=REPO,
     )
-    assert code != 0
-    assert err.count("pretrain_gpt.py: error: --split 1,100000,0: the training part of") == 2, err
-    assert "megatron_hexi/" not in err, err
+    for code, _, err in ranks:
+        assert code == 2, err
+        line = "pretrain_gpt.py: error: --split 1,100000,0: the training part of"
+        assert err.count(line) == 1, err
+        assert "megatron_hexi/" not in err and "Traceback" not in err, err

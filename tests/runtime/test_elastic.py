@@ -21,11 +21,20 @@ import time
 
 import pytest
 
-from harness import CPU_ONLY_ENV, THREADS_ENV, _descendants, _kill_tree, free_port
+from harness import (
+    CPU_ONLY_ENV,
+    THREADS_ENV,
+    _descendants,
+    _kill_tree,
+    check_no_abort,
+    free_port,
+    run_script,
+    start_script,
+)
 from runtime.plans import EXACT_FLAGS
 
 NODES = ("n-0", "n-1", "n-2")
-TRAIN_ITERS = 60
+TRAIN_ITERS = 30
 SAVE_INTERVAL = 10
 CLUSTER = """\
 name: three-cpu-nodes
@@ -190,22 +199,20 @@ def one_rank_losses(repo_root, tmp_path_factory):
         "name: one\nnodes:\n  - {name: n-0, gpu: CPU, gpus_per_node: 1, intra_node: host, "
         'nic: "10 Gbit/s"}\n'
     )
-    out = subprocess.run(
+    code, _, err = run_script(
         [
-            sys.executable,
-            str(repo_root / "pretrain_gpt.py"),
+            repo_root / "pretrain_gpt.py",
             "--hetero-cluster",
-            str(tmp / "cluster.yaml"),
+            tmp / "cluster.yaml",
             *TRAINING,
             "--hetero-metrics-path",
-            str(tmp / "m.jsonl"),
+            tmp / "m.jsonl",
         ],
-        env={**os.environ, **CPU_ONLY_ENV, **THREADS_ENV, "HEXI_PLAN_NODE": "n-0"},
-        capture_output=True,
-        text=True,
+        env={"HEXI_PLAN_NODE": "n-0"},
+        cwd=repo_root,
         timeout=180,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert code == 0, err[-3000:]
     rows = metrics(tmp / "m.jsonl")
     assert [r["world_size"] for r in rows] == [1] * TRAIN_ITERS
     return {r["iteration"]: r["lm_loss"] for r in rows}
@@ -298,20 +305,48 @@ def test_node_lost_and_back(repo_root, tmp_path, one_rank_losses):
     assert worst < 1e-5, worst
 
 
-def _pretrain(repo_root, args, node):
-    """One process, no launcher (WORLD_SIZE defaults to 1), on node `node` (None: unset)."""
-    return subprocess.Popen(
-        [sys.executable, str(repo_root / "pretrain_gpt.py"), *map(str, args)],
-        env={
+class _Pretrain:
+    """pretrain_gpt.py as one process, no launcher (WORLD_SIZE defaults to 1), on node `node`
+    (None: unset), forked from the harness's forkserver (it starts in milliseconds); read like
+    a Popen."""
+
+    count = 0
+
+    def __init__(self, repo_root, args, node, folder):
+        environ = {
             **{k: v for k, v in os.environ.items() if k != "HEXI_PLAN_NODE"},
             **CPU_ONLY_ENV,
             **THREADS_ENV,
             **({"HEXI_PLAN_NODE": node} if node else {}),
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+        }
+        _Pretrain.count += 1
+        self.out, self.err = (folder / f"pretrain-{_Pretrain.count}.{s}" for s in ("out", "err"))
+        self.proc = start_script(
+            [repo_root / "pretrain_gpt.py", *args], environ, repo_root, self.out, self.err
+        )
+
+    @property
+    def returncode(self):
+        return self.proc.poll()
+
+    def poll(self):
+        return self.proc.poll()
+
+    def send_signal(self, signum):
+        os.kill(self.proc.pid, signum)
+
+    def communicate(self, timeout):
+        """(stdout, stderr) once it has ended; past `timeout` s it is killed and fails the test."""
+        if self.proc.wait(timeout) is None:
+            self.proc.kill()
+            self.proc.wait()
+            raise subprocess.TimeoutExpired("pretrain_gpt.py", timeout)
+        check_no_abort([self.proc.poll()], "pretrain_gpt.py")
+        return self.out.read_text(), self.err.read_text()
+
+
+def _pretrain(repo_root, args, node, folder):
+    return _Pretrain(repo_root, [str(a) for a in args], node, folder)
 
 
 def test_sigterm_saves_the_step_and_resumes_exactly(repo_root, tmp_path, one_rank_losses):
@@ -335,10 +370,10 @@ def test_sigterm_saves_the_step_and_resumes_exactly(repo_root, tmp_path, one_ran
         "--hetero-metrics-path",
         path,
     ]
-    proc = _pretrain(repo_root, args, "n-0")
+    proc = _pretrain(repo_root, args, "n-0", tmp_path)
     deadline = time.monotonic() + 120
     while len(metrics(path)) < 3:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(60)
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -348,7 +383,7 @@ def test_sigterm_saves_the_step_and_resumes_exactly(repo_root, tmp_path, one_ran
     assert f"received signal SIGTERM at iteration {stopped}: saving and exiting" in out
     assert saved_iteration(save) == stopped
 
-    proc = _pretrain(repo_root, args, "n-0")
+    proc = _pretrain(repo_root, args, "n-0", tmp_path)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-3000:]
     rows = metrics(path)
@@ -370,7 +405,7 @@ def test_start_up_planning_errors(repo_root, tmp_path):
     base += ["--lr", "1e-3", "--global-batch-size", "8"]
     # the three start at once (each is mostly imports)
     unknown, unlisted, too_small = [
-        _pretrain(repo_root, [*base, "--hetero-model", model], node)
+        _pretrain(repo_root, [*base, "--hetero-model", model], node, tmp_path)
         for model, node in (("tiny", "elsewhere"), ("tiny", None), ("llama2-7b", "n-0"))
     ]
     _, err = unknown.communicate(timeout=120)

@@ -174,11 +174,19 @@ def _cross_entropy_both_ways():
     """Per-token loss and logits gradient of one TP rank's uneven vocabulary shard (30 and 20
     of 50 rows), unfused and through the fused arithmetic. megatron-core's `jit_fuser` is turned
     into a no-op first (torch.compile of it is what CUDA runs; this checks the arithmetic and
-    the shard offsets around it)."""
+    the shard offsets around it). The rank forks from a process that imported megatron-core's
+    models, which import `fused_cross_entropy` with torch.compile as its decorator: it is
+    imported again under the no-op (else each rank compiles it with inductor, seconds on CPU)."""
+    import importlib
+
     import megatron.core.jit as jit
     import torch.distributed as dist
 
     jit.disable_jit_fuser()
+    from megatron.core.fusions import fused_cross_entropy
+
+    importlib.reload(fused_cross_entropy)
+    assert not hasattr(fused_cross_entropy.calculate_logits_max, "_torchdynamo_orig_callable")
     from megatron_hexi.loss import sharded_cross_entropy
 
     rank = dist.get_rank()

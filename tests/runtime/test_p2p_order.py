@@ -21,8 +21,9 @@ from planner.plan import build_plan, save_plan
 from runtime.plans import cpu_cluster
 from runtime.workers import train
 
-# Small layers and short sequences keep the compute low; many sequences per micro-batch make each
-# boundary tensor (seq x micro-batch x hidden fp32) 16.8 MB.
+# Small layers, short sequences and the cheapest layer parts (GELU, learned positions) keep the
+# compute low; many sequences per micro-batch make each boundary tensor (seq x micro-batch x
+# hidden fp32) 10.5 MB.
 MODEL = {
     "name": "wide-batch",
     "num_layers": 2,
@@ -31,9 +32,11 @@ MODEL = {
     "num_attention_heads": 2,
     "num_query_groups": 2,
     "vocab_size": 64,
-    "seq_length": 64,
+    "seq_length": 32,
+    "swiglu": False,
+    "position_embedding_type": "learned_absolute",
 }
-MICRO_BATCH = 2048
+MICRO_BATCH = 2560
 MICRO_BATCHES = 4
 PLANS = {
     "two_stages": (2, [{"ranks": [0], "layers": [0, 1]}, {"ranks": [1], "layers": [1, 2]}]),
@@ -52,7 +55,7 @@ COMMUNICATOR_HANG_TIMEOUT = 30
 # Communicator alone: plan rank -> launch rank (permuted), stages' plan ranks, micro-batches.
 LAUNCH_OF = {0: 3, 1: 0, 2: 5, 3: 1, 4: 4, 5: 2}
 STAGES = [[0, 1], [2, 3, 4], [5]]
-SHAPE = (64, 1024, 64)  # 16.8 MB fp32 per boundary tensor
+SHAPE = (64, 640, 64)  # 10.5 MB fp32 per boundary tensor
 
 
 def _sends_first(self, sends, recvs):

@@ -2,7 +2,8 @@
 over --log-interval with elapsed time and ETA, validation lines, the metrics JSONL, TensorBoard
 and wandb (offline, read back from its run file) with the same scalars.
 
-One pretrain_gpt.py launch (two ranks, two pipelines) checks all of it.
+One pretrain_gpt.py launch (two ranks, two pipelines, forked with torchrun's environment)
+checks all of it.
 """
 
 import json
@@ -11,7 +12,7 @@ import struct
 
 import pytest
 
-from harness import run_torchrun
+from harness import run_ranks
 from planner.errors import SpecError
 from planner.layout import rank_params, total_params
 from planner.plan import load_plan
@@ -72,7 +73,7 @@ def wandb_history(records):
 def reported(tmp_path_factory, repo_root):
     d = tmp_path_factory.mktemp("report")
     plan = write_plan(d, "two", "tiny", 2, TWO_PIPELINES)
-    code, out, err = run_torchrun(
+    ranks = run_ranks(
         [
             repo_root / "pretrain_gpt.py",
             "--hetero-plan-path",
@@ -100,11 +101,12 @@ def reported(tmp_path_factory, repo_root):
             "--wandb-save-dir",
             d / "wb",
         ],
-        nproc=2,
+        2,
         timeout=240,
         env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"},
     )
-    assert code == 0, err[-3000:]
+    assert [code for code, _, _ in ranks] == [0, 0], [err[-3000:] for _, _, err in ranks]
+    out = "".join(out for _, out, _ in ranks)  # what a launcher shows, rank by rank
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     return d, load_plan(plan), out, rows
 

@@ -37,7 +37,7 @@ nodes:
 """
 PARTS = ["--partition", "A100-SXM-80GB=a100", "--partition", "RTX-4090=rtx4090"]
 LOST = "a100-1"  # plan node; not the first node, whose agent hosts the rendezvous
-TRAIN_ITERS = 60
+TRAIN_ITERS = 30
 SAVE_INTERVAL = 10
 # Seconds: a dead agent is dropped after keep_alive_interval x keep_alive_max_attempt without a
 # heartbeat; a round closes last_call_timeout after its minimum of nodes have joined.
