@@ -61,12 +61,17 @@ if TYPE_CHECKING:
     from planner.cluster import ClusterSpec
     from planner.models import ModelSpec
 
-MICRO_BATCH_CANDIDATES = (1, 2, 4)  # searched when --micro-batch-size is not given
-# Then these, in turn, while each beats the size before it: a fast GPU running small GEMMs or
-# waiting for its host (planner.kernels, planner.host) gains from fewer, larger micro-batches,
-# until memory or the pipeline's fill and drain say stop.
+# Searched when --micro-batch-size is not given, in turn: the first two always, each next one
+# while the size before it beat the one before that. A fast GPU running small GEMMs or waiting
+# for its host (planner.kernels, planner.host) gains from fewer, larger micro-batches, until
+# memory or the pipeline's fill and drain say stop; a large model's GEMMs are big at 1 already.
+MICRO_BATCH_CANDIDATES = (1, 2, 4)  # the sizes the uniform baseline searches too
 LARGER_MICRO_BATCHES = (8, 16, 32, 64)
 SMALL_CHUNK_GRAPH = 64  # below this, every K and partition seed is tried
+# The neighbouring settings (planner.neighbours) are laid out for the recompute and micro-batch
+# knobs whose best plan is within this factor of the search's best (stated choice: a neighbour's
+# layout has won by up to a few per cent; a knob 10 % behind is not worth its layouts' time).
+NEIGHBOUR_MARGIN = 1.10
 
 
 class _Progress:
@@ -147,7 +152,7 @@ class Searcher:
             self.mbs_list = [micro_batch_size]
         else:
             self.mbs_list = [b for b in MICRO_BATCH_CANDIDATES if global_batch_size % b == 0]
-        # hexi: tried after mbs_list while each improves (`_micro_batches`)
+        # hexi: after mbs_list, in the same turn (`_micro_batches`)
         free = micro_batch_size is None
         self.larger_mbs = [b for b in LARGER_MICRO_BATCHES if free and global_batch_size % b == 0]
         self.rc_list = {"auto": [False, True], "on": [True], "off": [False]}[recompute]
@@ -307,6 +312,10 @@ class Searcher:
     # ----------------------------------------------------------------------------- strategies
     def hexi(self) -> Candidate | None:
         best = None
+        # per (recompute, micro-batch) searched: its ranked candidates, whether the chunk graph
+        # is big, and its best; the neighbouring settings are laid out afterwards, for the
+        # knobs whose best came near the overall best only
+        pools: list[tuple[bool, int, list[Candidate], bool, Candidate]] = []
         for rc in self.rc_list:
             best_at: list[Candidate | None] = []
             for mbs in self._micro_batches(best_at):
@@ -360,19 +369,31 @@ class Searcher:
                         )
                         if polished is not None:
                             finals.append(polished)
-                finals += self.neighbours.candidates(cands, mbs, rc, big)
                 here = min(finals, key=self.score, default=None)
                 best_at.append(here)
-                if here is not None and (best is None or self.score(here) < self.score(best)):
-                    best = here
+                if here is not None:
+                    pools.append((rc, mbs, cands, big, here))
+                    if best is None or self.score(here) < self.score(best):
+                        best = here
+        if best is None:
+            return None
+        best_misfit, best_time = self.score(best)
+        for rc, mbs, cands, big, here in pools:
+            misfit, time_s = self.score(here)
+            if misfit > best_misfit or time_s > NEIGHBOUR_MARGIN * best_time:
+                continue
+            for cand in self.neighbours.candidates(cands, mbs, rc, big):
+                if self.score(cand) < self.score(best):
+                    best = cand
         return best
 
     def _micro_batches(self, best_at: list[Candidate | None]) -> Iterator[int]:
-        """The micro-batch sizes hexi searches: mbs_list, then each of `larger_mbs` while the
-        size before it beat the one before that (`best_at`: the best candidate found per size
-        so far, filled in by the caller between steps)."""
-        yield from self.mbs_list
-        for mbs in self.larger_mbs:
+        """The micro-batch sizes hexi searches: the first two of mbs_list and `larger_mbs`, then
+        each next one while the size before it beat the one before that (`best_at`: the best
+        candidate found per size so far, filled in by the caller between steps)."""
+        sizes = [*self.mbs_list, *self.larger_mbs]
+        yield from sizes[:2]
+        for mbs in sizes[2:]:
             if len(best_at) < 2 or best_at[-1] is None:
                 return
             last, before = best_at[-1], best_at[-2]
