@@ -61,40 +61,27 @@ def run_strategy(searcher: Searcher, strategy: str) -> Plan:
         and not searcher.score(cand)[0]
         and (fitting_uni is None or searcher.score(cand)[1] <= fitting_uni.key[1])
     ):
-        plan = build_plan(
-            searcher.cluster,
-            searcher.model,
-            searcher.gbs,
-            cand.pipelines(searcher.model),
-            recompute=cand.recompute,
-            use_distributed_optimizer=searcher.dist_opt,
-            overlap_grad_reduce=searcher.overlap_grad_reduce,
-            overlap_param_gather=searcher.overlap_param_gather,
-            attention_backend=searcher.attention_backend,
-            sequence_parallel=searcher.sequence_parallel,
-            transformer_impl=searcher.layer_impl.transformer_impl,
-            cuda_graph_impl=searcher.cuda_graph_impl,
-            cuda_graph_scope=searcher.cuda_graph_scope,
-        )
+        pipelines, recompute = cand.pipelines(searcher.model), cand.recompute
     elif fitting_uni is not None:
         # hexi keeps the uniform layout as one of its seeds: it never does worse
-        plan = build_plan(
-            searcher.cluster,
-            searcher.model,
-            searcher.gbs,
-            fitting_uni.pipelines,
-            recompute=fitting_uni.recompute,
-            use_distributed_optimizer=searcher.dist_opt,
-            overlap_grad_reduce=searcher.overlap_grad_reduce,
-            overlap_param_gather=searcher.overlap_param_gather,
-            attention_backend=searcher.attention_backend,
-            sequence_parallel=searcher.sequence_parallel,
-            transformer_impl=searcher.layer_impl.transformer_impl,
-            cuda_graph_impl=searcher.cuda_graph_impl,
-            cuda_graph_scope=searcher.cuda_graph_scope,
-        )
+        pipelines, recompute = fitting_uni.pipelines, fitting_uni.recompute
     else:
         raise SpecError(searcher.explain_infeasible(strategy))
+    plan = build_plan(
+        searcher.cluster,
+        searcher.model,
+        searcher.gbs,
+        pipelines,
+        recompute=recompute,
+        use_distributed_optimizer=searcher.dist_opt,
+        overlap_grad_reduce=searcher.overlap_grad_reduce,
+        overlap_param_gather=searcher.overlap_param_gather,
+        attention_backend=searcher.attention_backend,
+        sequence_parallel=searcher.sequence_parallel,
+        transformer_impl=searcher.layer_impl.transformer_impl,
+        cuda_graph_impl=searcher.cuda_graph_impl,
+        cuda_graph_scope=searcher.cuda_graph_scope,
+    )
     est = simulate(plan, searcher.topo, searcher.simulations)
     if not est.fits_memory:  # the search scores with the same model: a bug if reached
         raise SpecError(f"internal: the {strategy} plan does not fit: {est.bottleneck}")
