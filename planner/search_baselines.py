@@ -16,7 +16,6 @@ from planner.errors import SpecError
 from planner.search_candidates import FINALISTS, Candidate, Solution
 from planner.search_partition import make_chunks
 from planner.search_pipeline import MachineChunk, chunk_stage_options
-from planner.simulator import simulate_layout
 from planner.splits import even_split
 from planner.sync_model import StageLayout
 
@@ -87,22 +86,7 @@ def uniform(searcher: Searcher) -> UniformLayout | None:
                         ]
                         for pp_ in pipes
                     ]
-                    e = simulate_layout(
-                        m,
-                        searcher.cluster,
-                        lay,
-                        [(mbs, per // mbs)] * d,
-                        rc,
-                        searcher.dist_opt,
-                        "even",
-                        searcher.topo,
-                        searcher.simulations,
-                        searcher.overlap_grad_reduce,
-                        searcher.overlap_param_gather,
-                        attention_backend=searcher.attention_backend,
-                        sequence_parallel=searcher.sequence_parallel,
-                        layer_impl=searcher.layer_impl,
-                    )
+                    e = searcher.simulate(lay, [(mbs, per // mbs)] * d, rc)
                     key = (not e.fits_memory, e.iteration_time_s)
                     if best is None or key < best.key:
                         best = UniformLayout(key, pipes, rc)

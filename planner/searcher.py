@@ -47,8 +47,9 @@ from planner.search_pipeline import (
     PipelineDraft,
     build_pipeline,
 )
-from planner.simulator import SimulationCache, simulate_layout
+from planner.simulator import Estimate, SimulationCache, simulate_layout
 from planner.sync_model import (
+    StageLayout,
     collectives,
     overlapped_sync_time,
     rank_sets,
@@ -290,24 +291,33 @@ class Searcher:
         """(does not fit, iteration seconds) from the simulator, after exact rebalancing."""
         if cand.estimate is None:
             cand.ms, _ = rebalance(cand.drafts, cand.ms)
-            cand.estimate = simulate_layout(
-                self.model,
-                self.cluster,
-                cand.layouts(self.model),
-                [(cand.mbs, m) for m in cand.ms],
-                cand.recompute,
-                self.dist_opt,
-                "even",
-                self.topo,
-                self.simulations,
-                self.overlap_grad_reduce,
-                self.overlap_param_gather,
-                attention_backend=self.attention_backend,
-                sequence_parallel=self.sequence_parallel,
-                layer_impl=self.layer_impl,
+            cand.estimate = self.simulate(
+                cand.layouts(self.model), [(cand.mbs, m) for m in cand.ms], cand.recompute
             )
         e = cand.estimate
         return (not e.fits_memory, e.iteration_time_s)
+
+    def simulate(
+        self, layouts: list[list[StageLayout]], batches: list[tuple[int, int]], recompute: bool
+    ) -> Estimate:
+        """The simulator's estimate of pipelines laid out as `layouts`, with (micro-batch size,
+        micro-batches) per pipeline, under this search's settings and caches."""
+        return simulate_layout(
+            self.model,
+            self.cluster,
+            layouts,
+            batches,
+            recompute,
+            self.dist_opt,
+            "even",
+            self.topo,
+            self.simulations,
+            self.overlap_grad_reduce,
+            self.overlap_param_gather,
+            attention_backend=self.attention_backend,
+            sequence_parallel=self.sequence_parallel,
+            layer_impl=self.layer_impl,
+        )
 
     # ----------------------------------------------------------------------------- strategies
     def hexi(self) -> Candidate | None:

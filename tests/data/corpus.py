@@ -142,3 +142,33 @@ def save_hf_directory(directory, vocab_size=110):
         pad_token="<unk>",
     ).save_pretrained(str(directory))
     return AutoTokenizer.from_pretrained(str(directory))
+
+
+def check_samples_read(name, result, docs, encode, eod, bos=None):
+    """What a rank read in training (`result["read"]`: {index: (tokens, labels)}, 8 x 32) is
+    made of the reference ids: labels are the next tokens, every piece of 8 or more tokens
+    between end-of-document tokens is part of one document's `encode`, each document after the
+    first in a row starts with `bos` when given, and some row holds an end of document."""
+    import torch
+
+    references = ["," + ",".join(map(str, encode(d))) + "," for d in docs]
+    eods = 0
+    for tokens, labels in result["read"].values():
+        assert tokens.shape == (8, 32), name
+        assert torch.equal(labels[:, :-1], tokens[:, 1:]), name  # labels: the next tokens
+        for row in tokens.tolist():
+            pieces, cur = [], []
+            for t in row:
+                if t == eod:
+                    pieces.append(cur)
+                    cur, eods = [], eods + 1
+                else:
+                    cur.append(t)
+            pieces.append(cur)
+            for i, piece in enumerate(pieces):
+                if len(piece) >= 8:
+                    needle = "," + ",".join(map(str, piece)) + ","
+                    assert any(needle in r for r in references), (name, piece)
+                if bos is not None and 0 < i and piece:
+                    assert piece[0] == bos, (name, row)  # each document starts with bos
+    assert eods > 0, f"{name}: no end-of-document token in 16 samples"

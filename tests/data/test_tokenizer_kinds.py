@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from data.corpus import EOD, documents, preprocess_main
+from data.corpus import EOD, check_samples_read, documents, preprocess_main
 from data.workers import train_each
 from harness import run_distributed
 from runtime.plans import TWO_STAGES, write_plan
@@ -131,7 +131,6 @@ def test_training_on_each_kind(kinds, tmp_path):
         ]
         for name, kind in kinds.items()
     }
-    import torch
 
     results = run_distributed(train_each, 2, plan, runs, timeout=300)[0]
     docs = documents()
@@ -140,28 +139,8 @@ def test_training_on_each_kind(kinds, tmp_path):
         assert len(result["losses"]) == 2 and all(map(math.isfinite, result["losses"])), name
         first = result["ranks"][0]
         assert first["embedding"] and sorted(first["read"]) == [0, 1], name
-        references = ["," + ",".join(map(str, kind.encode(d))) + "," for d in docs]
-        eods = 0
-        for tokens, labels in first["read"].values():
-            assert tokens.shape == (8, 32), name
-            assert torch.equal(labels[:, :-1], tokens[:, 1:]), name  # labels: the next tokens
-            for row in tokens.tolist():
-                pieces, cur = [], []
-                for t in row:
-                    if t == kind.eod:
-                        pieces.append(cur)
-                        cur = []
-                        eods += 1
-                    else:
-                        cur.append(t)
-                pieces.append(cur)
-                for i, piece in enumerate(pieces):
-                    if len(piece) >= 8:
-                        needle = "," + ",".join(map(str, piece)) + ","
-                        assert any(needle in r for r in references), (name, piece)
-                    if name == "HuggingFaceTokenizer" and 0 < i and piece:
-                        assert piece[0] == kind.bos, (name, row)  # each document starts <s>
-        assert eods > 0, f"{name}: no end-of-document token in 16 samples"
+        bos = kind.bos if name == "HuggingFaceTokenizer" else None
+        check_samples_read(name, first, docs, kind.encode, kind.eod, bos)
 
 
 def _errors(d, tmp):
