@@ -23,6 +23,7 @@ from planner.inputs import (
     is_int,
     read_json,
 )
+from planner.islands import OuterSettings, island_of_pipeline, outer_from_dict
 from planner.models import ModelSpec, model_from_dict
 from planner.plan_validation import FORMAT_VERSION, validate_plan_dict
 from planner.splits import even_split
@@ -97,6 +98,8 @@ class Training:
     # before); the scope empty or absent: whole layers
     cuda_graph_impl: str = PLAN_DEFAULT_GRAPH_IMPL
     cuda_graph_scope: tuple[str, ...] = ()
+    # planner.islands: how islands meet every `interval` steps; absent in a plan: never
+    outer: Optional[OuterSettings] = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -120,6 +123,8 @@ class Training:
             d["cuda_graph_impl"] = self.cuda_graph_impl
         if self.cuda_graph_scope:
             d["cuda_graph_scope"] = list(self.cuda_graph_scope)
+        if self.outer is not None:
+            d["outer"] = self.outer.to_dict()
         return d
 
 
@@ -151,6 +156,7 @@ class RankView:
     # training.sequence_parallel in a stage with TP > 1: activations between the stage's
     # layers (and at its boundaries) are cut evenly along the sequence over its TP ranks
     sequence_parallel: bool = False
+    island: int = 0  # the island holding this rank's pipeline (planner.islands)
 
     @property
     def tp_size(self) -> int:
@@ -168,6 +174,8 @@ class Plan:
     format_version: int = FORMAT_VERSION
     # unknown-but-allowed top-level keys (comment)
     extra: dict[str, Any] = field(default_factory=dict)
+    # pipeline indices of each island (planner.islands); empty: one island of all pipelines
+    islands: tuple[tuple[int, ...], ...] = ()
     # (id and length of the pipelines list, sample_range's prefix sums over it)
     _starts: Optional[tuple[tuple[int, int], list[int]]] = field(
         default=None, init=False, repr=False, compare=False
@@ -193,6 +201,8 @@ class Plan:
                 for r in self.ranks
             ],
         }
+        if self.islands:
+            d["islands"] = [{"pipelines": list(pipes)} for pipes in self.islands]
         if self.estimate is not None:
             d["estimate"] = self.estimate
         d.update(self.extra)
@@ -214,6 +224,14 @@ class Plan:
             "vocab": self.model.vocab_size,
         }[kind]
         return even_split(total, stage.tp_size)
+
+    def island_of(self) -> list[int]:
+        """Island index of every pipeline (all 0 without `islands`)."""
+        return island_of_pipeline(self.islands, len(self.pipelines))
+
+    def island_pipelines(self) -> list[tuple[int, ...]]:
+        """Pipeline indices of each island, in island order (one island without `islands`)."""
+        return list(self.islands) or [tuple(range(len(self.pipelines)))]
 
     def locate(self, rank: int) -> tuple[int, int]:
         """(pipeline index, stage index) holding `rank`."""
@@ -273,6 +291,7 @@ class Plan:
             num_microbatches=pipe.num_microbatches,
             samples=self.sample_range(p),
             sequence_parallel=self.training.sequence_parallel and len(stage.ranks) > 1,
+            island=self.island_of()[p],
         )
 
 
@@ -296,6 +315,7 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         t.get("transformer_impl", PLAN_DEFAULT_IMPL),
         t.get("cuda_graph_impl", PLAN_DEFAULT_GRAPH_IMPL),
         tuple(t.get("cuda_graph_scope", ())),
+        outer_from_dict(t["outer"]) if "outer" in t else None,
     )
     pipelines = [
         Pipeline(
@@ -314,7 +334,17 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     ]
     ranks = [RankEntry(r["rank"], r["node"], r["local_rank"], r["gpu"]) for r in data["ranks"]]
     extra = {k: data[k] for k in ("comment",) if k in data}
-    return Plan(model, training, cluster, pipelines, ranks, data.get("estimate"), extra=extra)
+    islands = tuple(tuple(i["pipelines"]) for i in data.get("islands", ()))
+    return Plan(
+        model,
+        training,
+        cluster,
+        pipelines,
+        ranks,
+        data.get("estimate"),
+        extra=extra,
+        islands=islands,
+    )
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
@@ -351,6 +381,8 @@ def build_plan(
     transformer_impl: str = PLAN_DEFAULT_IMPL,
     cuda_graph_impl: str = PLAN_DEFAULT_GRAPH_IMPL,
     cuda_graph_scope: Sequence[str] = (),
+    islands: Sequence[Sequence[int]] = (),
+    outer: OuterSettings | None = None,
 ) -> Plan:
     """A complete plan from a `pipelines` array (the plan's own shape, as dicts).
 
@@ -390,6 +422,7 @@ def build_plan(
             transformer_impl,
             cuda_graph_impl,
             tuple(cuda_graph_scope),
+            outer,
         ).to_dict(),
         "cluster": cluster.to_dict(),
         "pipelines": pipelines,
@@ -398,6 +431,8 @@ def build_plan(
             for i, (n, lr, g) in enumerate(slots[:world])
         ],
     }
+    if islands:
+        data["islands"] = [{"pipelines": list(pipes)} for pipes in islands]
     if estimate is not None:
         data["estimate"] = estimate
     return plan_from_dict(data, "plan")

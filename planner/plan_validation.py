@@ -21,6 +21,7 @@ from planner.inputs import (
     name_problem,
     short,
 )
+from planner.islands import islands_problems, outer_problems
 from planner.limits import MAX_BATCH, MAX_GPUS
 from planner.models import ModelSpec, model_from_dict
 from planner.transformer_impl import PLAN_DEFAULT_IMPL, TRANSFORMER_IMPLS
@@ -36,6 +37,7 @@ _TOP_KEYS = {
     "ranks",
     "estimate",
     "comment",
+    "islands",
 }
 _TRAINING_KEYS = {
     "global_batch_size",
@@ -49,6 +51,7 @@ _TRAINING_KEYS = {
     "transformer_impl",
     "cuda_graph_impl",
     "cuda_graph_scope",
+    "outer",
 }
 _PIPELINE_KEYS = {"micro_batch_size", "num_microbatches", "stages"}
 _STAGE_KEYS = {"ranks", "layers", "shards"}
@@ -245,6 +248,8 @@ def validate_plan_dict(data: object) -> list[str]:
                 f"got {short(impl)}"
             )
         problems.extend(graph_problems(training))
+        if "outer" in training:
+            problems.extend(outer_problems(training["outer"], model.num_layers))
 
     sequence_parallel = isinstance(training, dict) and training.get("sequence_parallel") is True
     pipelines = data["pipelines"]
@@ -378,6 +383,8 @@ def validate_plan_dict(data: object) -> list[str]:
     for r in range(world):
         if r not in owner and pipelines and ranks_known:
             problems.append(f"ranks[{r}]: rank {r} is in no stage of any pipeline")
+    if "islands" in data and pipelines:
+        problems.extend(islands_problems(data["islands"], len(pipelines)))
     if "estimate" in data:
         problems.extend(_estimate_problems(data["estimate"]))
     return problems

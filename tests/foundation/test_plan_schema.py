@@ -11,6 +11,7 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 
 from planner import cluster as cluster_mod  # noqa: E402
+from planner import islands as islands_mod  # noqa: E402
 from planner import plan_validation as plan_mod  # noqa: E402
 from planner.models import ModelSpec  # noqa: E402
 
@@ -142,7 +143,7 @@ def _props(schema, name):
 def test_schema_keys_match_the_code(schema):
     """The schema lists exactly the fields the validator accepts, so the two cannot drift."""
     assert set(schema["properties"]) == plan_mod._TOP_KEYS
-    assert set(schema["required"]) == plan_mod._TOP_KEYS - {"estimate", "comment"}
+    assert set(schema["required"]) == plan_mod._TOP_KEYS - {"estimate", "comment", "islands"}
     assert _props(schema, "training") == plan_mod._TRAINING_KEYS
     assert _props(schema, "pipeline") == plan_mod._PIPELINE_KEYS
     assert _props(schema, "stage") == plan_mod._STAGE_KEYS
@@ -157,6 +158,8 @@ def test_schema_keys_match_the_code(schema):
     assert _props(schema, "cluster") == cluster_mod._TOP_KEYS
     assert _props(schema, "node_group") == cluster_mod._GROUP_KEYS
     assert _props(schema, "link") == cluster_mod._LINK_KEYS
+    assert _props(schema, "outer") == islands_mod._OUTER_KEYS
+    assert _props(schema, "island") == {"pipelines"}
 
 
 def test_schema_does_not_mutate(validator, examples_dir):
