@@ -27,6 +27,12 @@ from planner.cli_args import (
     with_examples,
     with_seq_length,
 )
+from planner.cli_islands import (
+    add_outer_flags,
+    describe_islands,
+    describe_outer_estimate,
+    manual_islands,
+)
 from planner.cluster import load_cluster
 from planner.cuda_graphs import describe as describe_graphs
 from planner.errors import SpecError
@@ -62,6 +68,8 @@ def cmd_manual(args: argparse.Namespace) -> None:
     pipelines = read_json(args.pipelines, "pipelines file")
     if isinstance(pipelines, dict) and "pipelines" in pipelines:
         pipelines = pipelines["pipelines"]
+    count = len(pipelines) if isinstance(pipelines, list) else 0
+    islands, outer = manual_islands(args, count, model.num_layers)
     plan = build_plan(
         cluster,
         model,
@@ -77,6 +85,8 @@ def cmd_manual(args: argparse.Namespace) -> None:
         transformer_impl=resolve_transformer_impl(args, runs_on_gpus(cluster)),
         cuda_graph_impl=impl,
         cuda_graph_scope=scope,
+        islands=islands,
+        outer=outer,
     )
     save_plan(plan, args.output)
     print(f"wrote {args.output}: {plan.world_size} ranks, {len(plan.pipelines)} pipelines")
@@ -127,6 +137,7 @@ def format_plan_table(plan: Plan) -> str:
         f"{plan.model.hidden_size}), global batch {plan.global_batch_size}"
         f"{', recompute' if plan.training.recompute else ''}",
         f"training: {training_settings(plan)}",
+        *describe_islands(plan),
     ]
     header = (
         f"  {'stage':<6}{'ranks':<16}{'gpus':<34}{'layers':<10}{'query_groups':<16}"
@@ -162,6 +173,8 @@ def format_plan_table(plan: Plan) -> str:
             f"{e.get('tokens_per_s', 0):.4g} tokens/s, MFU {percent(e.get('mfu', 0))}, "
             f"bottleneck: {e.get('bottleneck', '?')}"
         )
+        if outer_line := describe_outer_estimate(e):
+            lines.append(f"islands: {outer_line}")
     return "\n".join(lines)
 
 
@@ -245,6 +258,13 @@ def build_parser() -> ArgumentParser:
     add_sequence_parallel_flag(p, default=False)
     add_transformer_impl_flag(p)
     add_cuda_graph_flags(p)
+    p.add_argument(
+        "--islands",
+        default=None,
+        help="JSON file: a list of pipeline-index lists, one per island (pipelines that sync "
+        "every step; islands meet every --outer-interval steps); default: one island",
+    )
+    add_outer_flags(p, "inner steps between outer steps (H); needed with --islands")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_manual)
 

@@ -18,6 +18,7 @@ from planner.catalog import get_gpu
 from planner.errors import ClusterError, SpecError
 from planner.inputs import document_problems, int_problem, name_problem, read_yaml, short
 from planner.limits import MAX_GPUS, MAX_GPUS_PER_NODE, MAX_LINKS, MAX_NODES
+from planner.sites import SiteLink, SiteLinks, parse_sites
 from planner.units import format_bandwidth, format_latency, parse_bandwidth, parse_latency
 
 # Stated assumptions, used when a cluster file gives no measured latency:
@@ -38,8 +39,9 @@ _GROUP_KEYS = {
     "nic_latency",
     "profile",
     "partition",
+    "site",
 }
-_TOP_KEYS = {"name", "nodes", "links", "description"}
+_TOP_KEYS = {"name", "nodes", "links", "description", "sites"}
 _LINK_KEYS = {"between", "bandwidth", "latency"}
 
 
@@ -59,6 +61,7 @@ class NodeGroup:
     partition: Optional[str] = None
     intra_node_text: str = ""
     nic_text: str = ""
+    site: Optional[str] = None  # the site (building, region) its machines stand in
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class Node:
     nic_bw: float
     nic_latency: float
     hostname: Optional[str]
+    site: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class ClusterSpec:
     groups: list[NodeGroup]
     links: list[LinkOverride] = field(default_factory=list)
     description: str = ""
+    sites: Optional[SiteLinks] = None  # planner.sites: links between the groups' sites
     _index: Optional[
         tuple[tuple[int, int], dict[str, Node], dict[frozenset[str], tuple[int, LinkOverride]]]
     ] = field(default=None, init=False, repr=False, compare=False)
@@ -120,6 +125,7 @@ class ClusterSpec:
                         g.nic_bw,
                         g.nic_latency,
                         host,
+                        g.site,
                     )
                 )
         return out
@@ -139,10 +145,23 @@ class ClusterSpec:
         return [(n.name, lr, n.gpu) for n in self.nodes for lr in range(n.gpus_per_node)]
 
     def link(self, node_a: str, node_b: str) -> tuple[float, float]:
-        """(bandwidth bytes/s, latency s) between two GPUs on the named nodes."""
+        """(bandwidth bytes/s, latency s) between two GPUs on the named nodes; on different
+        sites the slower of that and the site link (planner.sites)."""
         a, b = self.node(node_a), self.node(node_b)
         if a.name == b.name:
             return a.intra_node_bw, DEFAULT_INTRA_NODE_LATENCY_S
+        bw, lat = self._node_link(a, b)
+        if self.sites is not None and a.site != b.site:
+            return self.sites.cap(a.site, b.site, bw, lat)
+        return bw, lat
+
+    def site_link(self, site_a: Optional[str], site_b: Optional[str]) -> Optional[SiteLink]:
+        """The link between two sites (None: the same site, or a cluster without sites)."""
+        if self.sites is None or site_a == site_b:
+            return None
+        return self.sites.between(site_a, site_b)
+
+    def _node_link(self, a: Node, b: Node) -> tuple[float, float]:
         by_pair = self._lookup()[1]
         candidates = [
             by_pair.get(frozenset(pair))
@@ -172,6 +191,8 @@ class ClusterSpec:
                 d["profile"] = g.profile
             if g.partition:
                 d["partition"] = g.partition
+            if g.site is not None:
+                d["site"] = g.site
             nodes.append(d)
         out: dict[str, Any] = {"name": self.name, "nodes": nodes}
         if self.links:
@@ -183,6 +204,8 @@ class ClusterSpec:
                 }
                 for lk in self.links
             ]
+        if self.sites is not None:
+            out["sites"] = self.sites.to_dict()
         return out
 
 
@@ -275,6 +298,9 @@ def _parse_group(raw: object, i: int, problems: list[str]) -> NodeGroup | None:
         bad_partition := name_problem(partition, f"{label}.partition", "partition name")
     ):
         problems.append(bad_partition)
+    site = raw.get("site")
+    if site is not None and (bad_site := name_problem(site, f"{label}.site", "site name")):
+        problems.append(bad_site)
     if len(problems) > start:
         return None
     return NodeGroup(
@@ -290,6 +316,7 @@ def _parse_group(raw: object, i: int, problems: list[str]) -> NodeGroup | None:
         partition,
         str(raw["intra_node"]),
         str(raw["nic"]),
+        site,
     )
 
 
@@ -382,6 +409,8 @@ def load_cluster_dict(data: object, source: str = "cluster") -> ClusterSpec:
             spec.links.append(LinkOverride(tuple(between), bw, lat))
         except SpecError as e:
             problems.extend(e.problems)
+    if not problems:
+        spec.sites = parse_sites(data.get("sites"), [(g.name, g.site) for g in groups], problems)
     if problems:
         raise ClusterError(problems)
     return spec

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from planner.plan import Plan, Stage
+    from planner.simulator import Estimate
 
 BOX_BOTTOM, BOX_HEIGHT = 0.05, 0.72  # a stage's box inside its pipeline's row (row height 1)
 STRIP_BOTTOM = BOX_BOTTOM + BOX_HEIGHT  # the stage labels sit between the box and the next row
@@ -173,6 +174,20 @@ def _check_path(path: str | os.PathLike[str]) -> None:
         raise SpecError(f"{name}: cannot write the picture: folder {folder} is not writable")
 
 
+def _islands_line(plan: Plan, est: Estimate) -> str:
+    """The title's line on islands (I<i> before a pipeline's label is its island), or ''."""
+    o = plan.training.outer
+    if o is None or est.inner_step_time_s is None:
+        return ""
+    k = len(plan.island_pipelines())
+    return (
+        f"\n{plural(k, 'island')}, outer step every {o.interval} steps ({o.optimizer}, "
+        f"{o.compression}, {plural(o.fragments, 'fragment')}): inner step "
+        f"{est.inner_step_time_s:.3g} s + outer sync {est.outer_sync_time_s or 0:.3g} s/step, "
+        f"{(est.cross_site_bytes_per_step or 0) / 1e6:,.3g} MB across sites/step"
+    )
+
+
 def draw_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
     """Write the plan's picture to `path` as PNG; a path that cannot be written is a SpecError
     naming it, which the CLI prints as one line."""
@@ -241,13 +256,15 @@ def plan_figure(plan: Plan) -> Figure:
     top.set_xlabel("layer (a stage's box covers its layers [first, last))")
     step = math.ceil(P / 40)  # at most 40 pipeline labels
     long_labels = row_in >= 0.4  # room for two lines
+    island = plan.island_of()
+    tag = [f"I{island[p]} " if plan.islands else "" for p in range(P)]
     top.set_yticks(
         [P - 1 - p + BOX_BOTTOM + BOX_HEIGHT / 2 for p in range(0, P, step)],
         [
-            f"P{p}\n{plural(pipe.num_microbatches, 'micro-batch', 'micro-batches')}"
+            f"{tag[p]}P{p}\n{plural(pipe.num_microbatches, 'micro-batch', 'micro-batches')}"
             f" of {plural(pipe.micro_batch_size, 'sample')}"
             if long_labels
-            else f"P{p}"
+            else f"{tag[p]}P{p}"
             for p, pipe in list(enumerate(plan.pipelines))[::step]
         ],
         fontsize=8 if row_in >= 0.25 else 6,
@@ -281,7 +298,7 @@ def plan_figure(plan: Plan) -> Figure:
     top.set_title(
         f"{plan.model.name or 'model'} on {plan.cluster.name}: {plural(P, 'pipeline')}, "
         f"{plural(n, 'GPU')}, global batch {plan.global_batch_size}"
-        f"{''.join(', ' + f for f in flags)}\n"
+        f"{''.join(', ' + f for f in flags)}{_islands_line(plan, est)}\n"
         f"{est.iteration_time_s:.3g} s/iteration, {est.tokens_per_s:,.0f} tokens/s, "
         f"MFU {percent(est.mfu)}",
         fontsize=10,

@@ -63,6 +63,9 @@ _ESTIMATE_NUMBERS = (
     "mfu",
     "grad_sync_time_s",
     "optimizer_step_time_s",
+    "inner_step_time_s",
+    "outer_sync_time_s",
+    "cross_site_bytes_per_step",
 )
 _ESTIMATE_LISTS = ("peak_memory_gb", "memory_capacity_gb", "pipeline_time_s")
 _ESTIMATE_STRINGS = ("bottleneck", "strategy")

@@ -20,6 +20,7 @@ from planner.cli_args import (
     resolve_transformer_impl,
     with_examples,
 )
+from planner.cli_islands import describe_outer_estimate
 from planner.cluster import load_cluster
 from planner.errors import SpecError
 from planner.limits import MAX_BATCH, MAX_SEED, MAX_SEQ_LENGTH
@@ -42,15 +43,21 @@ def format_estimate(plan: Plan, est: Estimate) -> str:
     sync = f"gradient sync {est.grad_sync_time_s:.4g} s"
     if est.overlapped:
         sync += f" exposed of {est.grad_sync_serial_s:.4g} s overlapped"
+    parts = (
+        f"slowest pipeline {max(est.pipeline_time_s):.4g} s + {sync} + "
+        f"optimizer step {est.optimizer_step_time_s:.4g} s"
+    )
+    if est.inner_step_time_s is not None:  # the slowest island's parts, then the outer sync
+        parts = f"slowest island: {parts}; + outer sync {est.outer_sync_time_s:.4g} s per step"
     lines = [
-        f"iteration time   {est.iteration_time_s:.4g} s  (slowest pipeline "
-        f"{max(est.pipeline_time_s):.4g} s + {sync} + "
-        f"optimizer step {est.optimizer_step_time_s:.4g} s)",
+        f"iteration time   {est.iteration_time_s:.4g} s  ({parts})",
         f"throughput       {est.tokens_per_s:.4g} tokens/s",
         f"MFU              {percent(est.mfu)}  (model FLOPs without recompute / sum of used peaks)",
         "pipelines        " + ", ".join(f"{t:.4g} s" for t in est.pipeline_time_s),
-        "memory per rank  (GB used / capacity)",
     ]
+    if outer_line := describe_outer_estimate(est.to_dict()):
+        lines.append(f"islands          {outer_line}")
+    lines.append("memory per rank  (GB used / capacity)")
     for r, (used, cap) in enumerate(zip(est.peak_memory_gb, est.memory_capacity_gb)):
         flag = "  OVER" if used > cap else ""
         lines.append(f"  rank {r:<5} {plan.ranks[r].gpu:<16} {used:7.2f} / {cap:6.1f}{flag}")

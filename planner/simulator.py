@@ -40,6 +40,7 @@ from planner.memory import (
     rank_memory,
     sequence_split,
 )
+from planner.outer_sync import OUTER_BYTES_PER_PARAM, outer_sync
 from planner.schedule import last_backward_ends, pipeline_time
 from planner.sync_model import (
     BUCKET_ELEMENTS,
@@ -112,6 +113,11 @@ class Estimate:
     # all gradient collectives one after another (= grad_sync_time_s when nothing overlaps)
     grad_sync_serial_s: float = 0.0
     overlapped: bool = False  # whether the sync was modelled as overlapped
+    # islands (planner.islands): the slowest island's step, the outer sync's exposed seconds
+    # amortised per step, and the bytes crossing sites per step (amortised); None without
+    inner_step_time_s: float | None = None
+    outer_sync_time_s: float | None = None
+    cross_site_bytes_per_step: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The plan's `estimate` object (JSON keys are a contract)."""
@@ -133,6 +139,16 @@ class Estimate:
                     "grad_sync_serial_s": self.grad_sync_serial_s,
                 }
                 if self.overlapped
+                else {}
+            ),
+            # written only for plans with islands or outer steps
+            **(
+                {
+                    "inner_step_time_s": self.inner_step_time_s,
+                    "outer_sync_time_s": self.outer_sync_time_s,
+                    "cross_site_bytes_per_step": self.cross_site_bytes_per_step,
+                }
+                if self.inner_step_time_s is not None
                 else {}
             ),
         }
@@ -164,12 +180,28 @@ def simulate(
     bucket_elements: int = BUCKET_ELEMENTS,
 ) -> Estimate:
     """Estimate of a validated Plan; `bucket_elements`: the runtime's --ddp-bucket-size (its
-    default is BUCKET_ELEMENTS), which bounds the overlapped buckets."""
+    default is BUCKET_ELEMENTS), which bounds the overlapped buckets. A plan with islands or
+    outer steps: `_simulate_islands`."""
+    if plan.islands or plan.training.outer is not None:
+        return _simulate_islands(plan, topo or Topology(plan.cluster), cache, bucket_elements)
+    return _simulate_pipelines(plan, range(len(plan.pipelines)), topo, cache, bucket_elements)
+
+
+def _simulate_pipelines(
+    plan: Plan,
+    pipes: Sequence[int],
+    topo: Topology | None,
+    cache: SimulationCache | None,
+    bucket_elements: int,
+    outer_state: bool = False,
+) -> Estimate:
+    """Estimate of the pipelines `pipes` of `plan` synchronised every step among themselves."""
+    layouts = layouts_of(plan)
     return simulate_layout(
         plan.model,
         plan.cluster,
-        layouts_of(plan),
-        [(p.micro_batch_size, p.num_microbatches) for p in plan.pipelines],
+        [layouts[p] for p in pipes],
+        [(plan.pipelines[p].micro_batch_size, plan.pipelines[p].num_microbatches) for p in pipes],
         plan.training.recompute,
         plan.training.use_distributed_optimizer,
         plan.training.optimizer_shard,
@@ -181,6 +213,68 @@ def simulate(
         plan.training.attention_backend,
         plan.training.sequence_parallel,
         plan_layer_impl(plan),
+        outer_state,
+    )
+
+
+def _simulate_islands(
+    plan: Plan, topo: Topology, cache: SimulationCache | None, bucket_elements: int
+) -> Estimate:
+    """Islands (planner.islands): each island's step is its own pipelines' step with the sync
+    inside the island; the iteration is the slowest island's step plus the outer sync's exposed
+    seconds amortised over H steps (planner.outer_sync). Every rank keeps the fp32 outer
+    parameters and momentum of the elements whose optimizer state it keeps."""
+    islands = plan.island_pipelines()
+    ests = [_simulate_pipelines(plan, p, topo, cache, bucket_elements, True) for p in islands]
+    inner = max(e.iteration_time_s for e in ests)
+    slow = max(range(len(ests)), key=lambda i: ests[i].iteration_time_s)
+    windows = [max(e.pipeline_time_s) + inner - e.iteration_time_s for e in ests]
+    osync = outer_sync(plan, topo, windows)
+    iteration = inner + osync.time_per_step
+    per_rank: dict[int, tuple[float, float, dict[str, float]]] = {}
+    ptimes = [0.0] * len(plan.pipelines)
+    reports: list[StageReport] = []
+    for pipes, e in zip(islands, ests):
+        ranks = sorted(r for p in pipes for r in plan.pipelines[p].ranks)
+        per_rank.update(zip(ranks, zip(e.peak_memory_gb, e.memory_capacity_gb, e.memory_terms_gb)))
+        for p, t in zip(pipes, e.pipeline_time_s):
+            ptimes[p] = t
+        reports += [replace(st, pipeline=pipes[st.pipeline]) for st in e.stages]
+    reports.sort(key=lambda st: (st.pipeline, st.stage))
+    rows = [per_rank[r] for r in sorted(per_rank)]
+    samples = plan.global_batch_size
+    peak = sum(topo.device_of(r).peak_flops for r in per_rank)
+    fits = all(e.fits_memory for e in ests)
+    worst = ests[slow] if fits else next(e for e in ests if not e.fits_memory)
+    label = "" if len(ests) == 1 else f"island {ests.index(worst)} of {len(ests)}: "
+    outer = plan.training.outer
+    if fits and osync.time_per_step > 0.5 * iteration:
+        assert outer is not None
+        why = (
+            f"communication-bound: outer sync {osync.time_per_step:.3g} s per step exposed of "
+            f"{iteration:.3g} s (H={outer.interval}, {outer.fragments} fragment(s), "
+            f"{outer.compression}); slowest island {slow}: {worst.bottleneck}"
+        )
+    else:
+        why = f"{label}{worst.bottleneck}; outer sync {osync.time_per_step:.3g} s per step"
+    return Estimate(
+        iteration,
+        samples * plan.model.seq_length / iteration,
+        samples * model_flops_per_sample(plan.model) / (iteration * peak),
+        [r[0] for r in rows],
+        [r[1] for r in rows],
+        [r[2] for r in rows],
+        ptimes,
+        ests[slow].grad_sync_time_s,
+        ests[slow].optimizer_step_time_s,
+        why,
+        fits,
+        reports,
+        ests[slow].grad_sync_serial_s,
+        ests[slow].overlapped,
+        inner,
+        osync.time_per_step,
+        osync.bytes_per_step,
     )
 
 
@@ -213,6 +307,7 @@ def simulate_layout(
     attention_backend: str = PLAN_DEFAULT_BACKEND,
     sequence_parallel: bool = False,
     layer_impl: LayerImpl = EAGER_LOCAL,
+    outer_state: bool = False,
 ) -> Estimate:
     """Estimate of a layout: `layouts` as from layouts_of, `batches` [(mbs, num_microbatches)].
 
@@ -220,7 +315,8 @@ def simulate_layout(
     `overlap_grad_reduce`, `overlap_param_gather`, `attention_backend`, `sequence_parallel`: the
     plan's training settings of those names (the parameter gather counts only with the
     distributed optimizer; sequence parallelism acts in stages of TP degree > 1). `layer_impl`:
-    how the layers run (planner.host: the host time of a layer pass)."""
+    how the layers run (planner.host: the host time of a layer pass). `outer_state`: every rank
+    also keeps fp32 outer parameters and momentum for its optimizer elements (islands)."""
     m = model
     topo = topo or Topology(cluster)
     cache = cache if cache is not None else SimulationCache()
@@ -303,6 +399,9 @@ def simulate_layout(
             step = optimizer_step_time(state, dev.mem_bw) + step_overhead(dev)
             t = {k: v / 1e9 for k, v in base.terms().items()}
             t["optimizer"] = opt / 1e9
+            if outer_state:
+                t["outer"] = state * OUTER_BYTES_PER_PARAM / 1e9
+                total += state * OUTER_BYTES_PER_PARAM
             got = seen[key] = (total, step, t, dev.memory_bytes, dev.peak_flops)
         total, step, t, capacity, pk = got
         if step > opt_time:
