@@ -8,6 +8,7 @@ bad value is one line naming its flag.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,17 @@ def add_outer_flags(p: argparse.ArgumentParser, interval_help: str) -> None:
         help="layers cut into this many fragments, each synced at its own step and overlapped "
         f"with the next step's forward and backward (default: {_D.fragments})",
     )
+
+
+def comm_share(text: str) -> float:
+    """An argparse type for --outer-max-comm-share: a fraction in (0, 1)."""
+    try:
+        value = float(text) if len(text) <= 40 else math.nan
+    except ValueError:
+        value = math.nan
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text[:40]!r}")
+    return value
 
 
 def _number(text: str, flag: str, integer: bool) -> Any:

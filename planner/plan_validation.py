@@ -67,7 +67,12 @@ _ESTIMATE_NUMBERS = (
     "outer_sync_time_s",
     "cross_site_bytes_per_step",
 )
-_ESTIMATE_LISTS = ("peak_memory_gb", "memory_capacity_gb", "pipeline_time_s")
+_ESTIMATE_LISTS = (
+    "peak_memory_gb",
+    "memory_capacity_gb",
+    "pipeline_time_s",
+    "island_step_time_s",
+)
 _ESTIMATE_STRINGS = ("bottleneck", "strategy")
 
 

@@ -22,14 +22,16 @@ mirror planner.sync_model.fast_optimizer_elements).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from planner.attention import PLAN_DEFAULT_BACKEND
 from planner.costmodel import stage_cost
 from planner.devices import Device, optimizer_step_time
+from planner.estimate import Estimate, StageReport
 from planner.flops import model_flops_per_sample
 from planner.host import EAGER_LOCAL, LayerImpl, layer_impl
+from planner.island_estimate import simulate_islands
 from planner.layout import optimizer_weight
 from planner.measured_costs import step_overhead
 from planner.memory import (
@@ -40,7 +42,7 @@ from planner.memory import (
     rank_memory,
     sequence_split,
 )
-from planner.outer_sync import OUTER_BYTES_PER_PARAM, outer_sync
+from planner.outer_sync import OUTER_BYTES_PER_PARAM
 from planner.schedule import last_backward_ends, pipeline_time
 from planner.sync_model import (
     BUCKET_ELEMENTS,
@@ -83,77 +85,6 @@ class SimulationCache:
         self.optimizer: dict[tuple[Any, ...], dict[int, int]] = {}
 
 
-@dataclass
-class StageReport:
-    pipeline: int
-    stage: int
-    ranks: tuple[int, ...]
-    fwd: float  # per micro-batch, incl. the all-gather of received activations
-    bwd: float
-    compute: float
-    tp_comm: float
-    p2p_in: float  # transfer + gather, fwd + bwd, of the boundary before this stage
-    host_wait: float = 0.0  # the part of `compute` spent waiting for the host (planner.host)
-
-
-@dataclass
-class Estimate:
-    iteration_time_s: float
-    tokens_per_s: float
-    mfu: float
-    peak_memory_gb: list[float]
-    memory_capacity_gb: list[float]
-    memory_terms_gb: list[dict[str, float]]  # per rank {term: GB}
-    pipeline_time_s: list[float]
-    grad_sync_time_s: float  # exposed: what the gradient sync adds to the iteration
-    optimizer_step_time_s: float
-    bottleneck: str
-    fits_memory: bool
-    stages: list[StageReport] = field(default_factory=list)
-    # all gradient collectives one after another (= grad_sync_time_s when nothing overlaps)
-    grad_sync_serial_s: float = 0.0
-    overlapped: bool = False  # whether the sync was modelled as overlapped
-    # islands (planner.islands): the slowest island's step, the outer sync's exposed seconds
-    # amortised per step, and the bytes crossing sites per step (amortised); None without
-    inner_step_time_s: float | None = None
-    outer_sync_time_s: float | None = None
-    cross_site_bytes_per_step: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The plan's `estimate` object (JSON keys are a contract)."""
-        return {
-            "iteration_time_s": self.iteration_time_s,
-            "tokens_per_s": self.tokens_per_s,
-            "mfu": self.mfu,
-            "peak_memory_gb": self.peak_memory_gb,
-            "memory_capacity_gb": self.memory_capacity_gb,
-            "fits_memory": self.fits_memory,
-            "pipeline_time_s": self.pipeline_time_s,
-            "grad_sync_time_s": self.grad_sync_time_s,
-            "optimizer_step_time_s": self.optimizer_step_time_s,
-            "bottleneck": self.bottleneck,
-            # written only for an overlapped sync, so that serial plans' estimates keep their keys
-            **(
-                {
-                    "grad_sync_exposed_s": self.grad_sync_time_s,
-                    "grad_sync_serial_s": self.grad_sync_serial_s,
-                }
-                if self.overlapped
-                else {}
-            ),
-            # written only for plans with islands or outer steps
-            **(
-                {
-                    "inner_step_time_s": self.inner_step_time_s,
-                    "outer_sync_time_s": self.outer_sync_time_s,
-                    "cross_site_bytes_per_step": self.cross_site_bytes_per_step,
-                }
-                if self.inner_step_time_s is not None
-                else {}
-            ),
-        }
-
-
 def layouts_of(plan: Plan) -> list[list[StageLayout]]:
     """Plan -> list (pipelines) of lists (stages) of StageLayout, shards resolved."""
     out = []
@@ -181,9 +112,14 @@ def simulate(
 ) -> Estimate:
     """Estimate of a validated Plan; `bucket_elements`: the runtime's --ddp-bucket-size (its
     default is BUCKET_ELEMENTS), which bounds the overlapped buckets. A plan with islands or
-    outer steps: `_simulate_islands`."""
+    outer steps: planner.island_estimate."""
     if plan.islands or plan.training.outer is not None:
-        return _simulate_islands(plan, topo or Topology(plan.cluster), cache, bucket_elements)
+        topo = topo or Topology(plan.cluster)
+        return simulate_islands(
+            plan,
+            topo,
+            lambda pipes: _simulate_pipelines(plan, pipes, topo, cache, bucket_elements, True),
+        )
     return _simulate_pipelines(plan, range(len(plan.pipelines)), topo, cache, bucket_elements)
 
 
@@ -214,67 +150,6 @@ def _simulate_pipelines(
         plan.training.sequence_parallel,
         plan_layer_impl(plan),
         outer_state,
-    )
-
-
-def _simulate_islands(
-    plan: Plan, topo: Topology, cache: SimulationCache | None, bucket_elements: int
-) -> Estimate:
-    """Islands (planner.islands): each island's step is its own pipelines' step with the sync
-    inside the island; the iteration is the slowest island's step plus the outer sync's exposed
-    seconds amortised over H steps (planner.outer_sync). Every rank keeps the fp32 outer
-    parameters and momentum of the elements whose optimizer state it keeps."""
-    islands = plan.island_pipelines()
-    ests = [_simulate_pipelines(plan, p, topo, cache, bucket_elements, True) for p in islands]
-    inner = max(e.iteration_time_s for e in ests)
-    slow = max(range(len(ests)), key=lambda i: ests[i].iteration_time_s)
-    windows = [max(e.pipeline_time_s) + inner - e.iteration_time_s for e in ests]
-    osync = outer_sync(plan, topo, windows)
-    iteration = inner + osync.time_per_step
-    per_rank: dict[int, tuple[float, float, dict[str, float]]] = {}
-    ptimes = [0.0] * len(plan.pipelines)
-    reports: list[StageReport] = []
-    for pipes, e in zip(islands, ests):
-        ranks = sorted(r for p in pipes for r in plan.pipelines[p].ranks)
-        per_rank.update(zip(ranks, zip(e.peak_memory_gb, e.memory_capacity_gb, e.memory_terms_gb)))
-        for p, t in zip(pipes, e.pipeline_time_s):
-            ptimes[p] = t
-        reports += [replace(st, pipeline=pipes[st.pipeline]) for st in e.stages]
-    reports.sort(key=lambda st: (st.pipeline, st.stage))
-    rows = [per_rank[r] for r in sorted(per_rank)]
-    samples = plan.global_batch_size
-    peak = sum(topo.device_of(r).peak_flops for r in per_rank)
-    fits = all(e.fits_memory for e in ests)
-    worst = ests[slow] if fits else next(e for e in ests if not e.fits_memory)
-    label = "" if len(ests) == 1 else f"island {ests.index(worst)} of {len(ests)}: "
-    outer = plan.training.outer
-    if fits and osync.time_per_step > 0.5 * iteration:
-        assert outer is not None
-        why = (
-            f"communication-bound: outer sync {osync.time_per_step:.3g} s per step exposed of "
-            f"{iteration:.3g} s (H={outer.interval}, {outer.fragments} fragment(s), "
-            f"{outer.compression}); slowest island {slow}: {worst.bottleneck}"
-        )
-    else:
-        why = f"{label}{worst.bottleneck}; outer sync {osync.time_per_step:.3g} s per step"
-    return Estimate(
-        iteration,
-        samples * plan.model.seq_length / iteration,
-        samples * model_flops_per_sample(plan.model) / (iteration * peak),
-        [r[0] for r in rows],
-        [r[1] for r in rows],
-        [r[2] for r in rows],
-        ptimes,
-        ests[slow].grad_sync_time_s,
-        ests[slow].optimizer_step_time_s,
-        why,
-        fits,
-        reports,
-        ests[slow].grad_sync_serial_s,
-        ests[slow].overlapped,
-        inner,
-        osync.time_per_step,
-        osync.bytes_per_step,
     )
 
 

@@ -1,6 +1,7 @@
 """The simulator on islands: inner step per island, outer sync by hand, outer memory."""
 
 import math
+import re
 
 import pytest
 
@@ -115,3 +116,12 @@ def test_outer_state_memory(examples_dir):
     total = sum(t["outer"] for t in dist.memory_terms_gb)
     assert total == pytest.approx(2 * 8 * total_params(plan.model) / 1e9)
     assert dist.memory_terms_gb[0]["outer"] < est.memory_terms_gb[0]["outer"]
+
+
+def test_bottleneck_names_the_plans_pipeline(examples_dir):
+    """An island simulated alone numbers its pipelines from 0; the text says the plan's."""
+    plan = _plan(examples_dir, OuterSettings(10), islands=((1,), (0,)))
+    text = simulate(plan).bottleneck
+    m = re.match(r"island (\d) of 2: [a-z-]+: pipeline (\d) stage", text)
+    assert m is not None, text
+    assert plan.islands[int(m[1])] == (int(m[2]),)
