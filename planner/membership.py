@@ -46,6 +46,8 @@ class PlanningOptions:
     # records them)
     cuda_graph_impl: str = PLAN_DEFAULT_GRAPH_IMPL
     cuda_graph_scope: tuple[str, ...] = ()
+    # lay out for ranks that also keep the islands' outer state (planner.search_islands)
+    outer_state: bool = False
 
 
 def plan_for(
@@ -82,6 +84,7 @@ def plan_for(
         transformer_impl=options.transformer_impl,
         cuda_graph_impl=options.cuda_graph_impl,
         cuda_graph_scope=options.cuda_graph_scope,
+        outer_state=options.outer_state,
     )
 
 

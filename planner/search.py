@@ -123,6 +123,7 @@ def search_plan(
     transformer_impl: str = PLAN_DEFAULT_IMPL,
     cuda_graph_impl: str = PLAN_DEFAULT_GRAPH_IMPL,
     cuda_graph_scope: tuple[str, ...] = (),
+    outer_state: bool = False,
 ) -> Plan:
     """The best plan under `strategy`, validated and with `estimate` filled; SpecError if none.
 
@@ -132,7 +133,9 @@ def search_plan(
     caller picks them (`overlap_by_default`, planner.attention.CLI_DEFAULT_BACKEND and sequence
     parallelism on are the CLI's defaults). `transformer_impl`: the layer spec the plan records
     and costs (the host time of a layer pass, planner.host); `cuda_graph_impl` and
-    `cuda_graph_scope` the CUDA graphs it records and costs (planner.cuda_graphs)."""
+    `cuda_graph_scope` the CUDA graphs it records and costs (planner.cuda_graphs).
+    `outer_state`: lay out for ranks that also keep the outer state of islands (the plan of
+    one island, planner.search_islands)."""
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise SpecError(
             f"--transformer-impl: must be one of {', '.join(TRANSFORMER_IMPLS)}, "
@@ -155,6 +158,7 @@ def search_plan(
         cuda_graph_impl,
         cuda_graph_scope,
     )
+    s.outer_state = outer_state
     # The search allocates millions of small tuples and no reference cycles to speak of: the
     # cyclic collector's generation scans would cost up to a fifth of the time on large clusters.
     enabled = gc.isenabled()

@@ -29,6 +29,7 @@ from planner.memory import (
     layer_activation_bytes,
 )
 from planner.neighbours import NeighbourContexts
+from planner.outer_sync import OUTER_BYTES_PER_PARAM
 from planner.schedule import last_backward_ends
 from planner.search_candidates import FINALISTS, Candidate, Solution, allocate, rebalance
 from planner.search_order import best_pipeline
@@ -142,6 +143,8 @@ class Searcher:
             raise SpecError("--global-batch-size: must be a positive integer")
         self.cluster, self.model, self.gbs = cluster, model, global_batch_size
         self.seed, self.dist_opt = seed, use_distributed_optimizer
+        # islands (planner.search_islands): ranks also keep fp32 outer parameters and momentum
+        self.outer_state = False
         self.topo = Topology(cluster)
         self.progress = _Progress(progress)
         if micro_batch_size is not None:
@@ -169,6 +172,8 @@ class Searcher:
     def context(self, mbs: int, rc: bool, K: int) -> Context:
         """Shared per (micro-batch, recompute, optimizer share) so caches carry across K."""
         fraction = 1 / K if self.dist_opt else 1.0
+        if self.outer_state:  # sharded like the optimizer state: a larger state per parameter
+            fraction *= 1 + OUTER_BYTES_PER_PARAM / OPTIMIZER_BYTES_PER_PARAM
         key = (mbs, rc, fraction)
         if key not in self._contexts:
             self._contexts[key] = Context(
@@ -317,6 +322,7 @@ class Searcher:
             attention_backend=self.attention_backend,
             sequence_parallel=self.sequence_parallel,
             layer_impl=self.layer_impl,
+            outer_state=self.outer_state,
         )
 
     # ----------------------------------------------------------------------------- strategies
