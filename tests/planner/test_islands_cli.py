@@ -80,3 +80,31 @@ def test_manual_bad_islands_input_is_one_line(manual, islands, flags, line):
     code, out, err = manual(islands, *flags)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and line in err, err
+
+
+def test_picture_names_islands_and_outer_sync(manual, tmp_path):
+    from planner.picture import plan_figure
+    from planner.simulator import simulate
+
+    assert manual([[0], [1]], "--outer-interval", "10")[0] == 0
+    plan = load_plan(tmp_path / "plan.json")
+    fig = plan_figure(plan)
+    title = fig.axes[0].get_title(loc="left")
+    est = simulate(plan)
+    assert "2 islands, outer step every 10 steps (nesterov, none, 1 fragment)" in title
+    assert f"outer sync {est.outer_sync_time_s:.3g} s/step" in title
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels[0].startswith("I0 P0") and labels[1].startswith("I1 P1")
+
+
+def test_estimate_fields_of_islands_are_checked(manual, tmp_path):
+    from planner.plan_validation import validate_plan_dict
+
+    assert manual([[0], [1]], "--outer-interval", "10")[0] == 0
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["estimate"] = {"outer_sync_time_s": -1.0, "island_step_time_s": ["fast"]}
+    problems = validate_plan_dict(data)
+    assert any(p.startswith("estimate.outer_sync_time_s: must be a number >= 0") for p in problems)
+    assert any(
+        p.startswith("estimate.island_step_time_s: must be a list of numbers") for p in problems
+    )

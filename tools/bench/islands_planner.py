@@ -23,18 +23,20 @@ import os
 import sys
 import time
 
+from planner.attention import CLI_DEFAULT_BACKEND
 from planner.catalog import get_gpu
 from planner.cluster import load_cluster, load_cluster_dict
 from planner.errors import SpecError
 from planner.membership import PlanningOptions, plan_for
 from planner.models import load_model
-from planner.search import overlap_by_default
+from planner.search import overlap_by_default, runs_on_gpus
 from planner.search_islands import (
     IslandRequest,
     balanced_island_plans,
     islands_plan,
     site_link_share,
 )
+from planner.transformer_impl import default_impl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTERS = [
@@ -75,9 +77,14 @@ def two_sites(cluster: dict, bandwidth: str, latency: str) -> dict:
 
 
 def _options(cluster, args) -> PlanningOptions:
-    on = overlap_by_default(cluster)
+    """`hexi-plan plan`'s defaults: overlapped gradient sync on GPUs, fused attention, sequence
+    parallelism, the layer implementation for this machine."""
     return PlanningOptions(
-        args.gbs, overlap_grad_reduce=on, overlap_param_gather=False, sequence_parallel=True
+        args.gbs,
+        overlap_grad_reduce=overlap_by_default(cluster),
+        attention_backend=CLI_DEFAULT_BACKEND,
+        sequence_parallel=True,
+        transformer_impl=default_impl(runs_on_gpus(cluster)),
     )
 
 
