@@ -56,6 +56,7 @@ def cmd_validate(args: argparse.Namespace) -> None:
     print(
         f"{args.plan}: valid plan, {plan.world_size} ranks, {len(plan.pipelines)} pipelines, "
         f"global batch {plan.global_batch_size}; {training_settings(plan)}"
+        + "".join(f"; {line}" for line in describe_islands(plan))
     )
 
 

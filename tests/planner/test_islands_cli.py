@@ -40,6 +40,10 @@ def test_manual_islands_and_outer_flags(manual, tmp_path, hexi_plan):
     plan = load_plan(tmp_path / "plan.json")
     assert plan.islands == ((1,), (0,))
     assert plan.training.outer == OuterSettings(16, "sgd", 1.0, 0.0, "bf16", 2)
+    code, out, err = hexi_plan("validate", tmp_path / "plan.json")
+    assert code == 0 and out.rstrip().endswith(
+        "; outer step: every 16 steps, sgd lr 1 momentum 0, compression bf16, 2 fragment(s)"
+    )
     code, out, err = hexi_plan("show", tmp_path / "plan.json")
     assert code == 0
     assert (
