@@ -108,6 +108,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace | None, list[
         problems.append("--valid-data-path needs --data-path (and its tokenizer)")
     if args.save_interval and not args.save:
         problems.append("--save-interval needs --save DIR")
+    if args.optimizer == "sgd" and (args.save or args.load):
+        problems.append(
+            "--optimizer sgd: checkpoints hold Adam's state only; train SGD without --save/--load"
+        )
     if args.manual_gc_interval and not args.manual_gc:
         problems.append("--manual-gc-interval needs --manual-gc (Python collects on its own)")
     loading = (
@@ -279,6 +283,17 @@ def cuda_graph_problems(args: argparse.Namespace, t: Training) -> list[str]:
     return problems
 
 
+# What islands (planner.islands) do not run with yet, one line each.
+ISLAND_CHECKPOINTS = (
+    "islands / training.outer: checkpoints do not hold each island's parameters and the outer "
+    "state yet; train this plan without --save/--load"
+)
+OUTER_NEEDS_UNSHARDED = (
+    "training.outer with use_distributed_optimizer: the outer step runs on unsharded fp32 main "
+    "parameters only; re-plan without the distributed optimizer"
+)
+
+
 def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
     """Every given flag must agree with the plan; returns nothing, raises SpecError otherwise."""
     problems = plan_problems(args, plan)
@@ -342,6 +357,10 @@ def plan_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
             "--use-distributed-optimizer contradicts the plan (use_distributed_"
             "optimizer: false); re-plan with hexi-plan ... --use-distributed-optimizer"
         )
+    if (len(plan.island_pipelines()) > 1 or t.outer is not None) and (args.save or args.load):
+        problems.append(ISLAND_CHECKPOINTS)
+    if t.outer is not None and t.use_distributed_optimizer:
+        problems.append(OUTER_NEEDS_UNSHARDED)
     shard = args.hetero_optimizer_shard
     if shard is not None and (not t.use_distributed_optimizer or shard != t.optimizer_shard):
         problems.append(
@@ -455,7 +474,6 @@ NOT_IN_RUN_CONFIG = frozenset(
         "transformer_impl",
         "cuda_graph_impl",
         "cuda_graph_scope",
-        "optimizer",  # adam only
         *ACCEPTED,  # accepted with no effect (megatron_hexi.plan_flags.ACCEPTED says why)
         *REFUSED_DESTS,  # refused (megatron_hexi.refused_flags)
     }
@@ -492,6 +510,8 @@ def run_config(args: argparse.Namespace, global_batch_size: int | None = None) -
             adam_beta2=args.adam_beta2,
             adam_eps=args.adam_eps,
             clip_grad=args.clip_grad,
+            optimizer=args.optimizer,
+            sgd_momentum=args.sgd_momentum,
         ),
         lr_schedule=LRScheduleConfig(
             lr_decay_style=args.lr_decay_style,

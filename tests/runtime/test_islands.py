@@ -1,0 +1,163 @@
+"""Islands (planner.islands) and `--optimizer sgd`, against one-process references.
+
+- SGD with momentum under a heterogeneous plan equals the one-rank plan (as the Adam tests).
+- Degenerate islands (H = 1, outer sgd, lr 1, momentum 0, inner SGD, no clipping) are
+  synchronous training: equal to the one-rank plan, on islands of different shapes and shards.
+- DiLoCo (inner AdamW, outer Nesterov) under an island layout with uneven shards equals the
+  one-process reference (tests/runtime/diloco_reference.py), with one fragment and fp32
+  exchange, and with two fragments and int8 exchange; breaking the outer step is caught.
+- Each rank's cross-island bytes equal planner.outer_traffic's prediction.
+Six-rank runs on the CPU: the launches are shared between the checks.
+"""
+
+import pytest
+
+from harness import run_distributed
+from planner.islands import OuterSettings
+from planner.outer_traffic import outer_bytes_per_rank
+from planner.plan import load_plan
+from runtime.diloco_reference import diloco
+from runtime.equivalence import TOLERANCE, compare
+from runtime.island_workers import train_islands
+from runtime.plans import ISLAND_PIPELINES, ISLANDS, PLANS, REFERENCE, write_plan
+from runtime.workers import max_relative_difference, train
+
+SGD_FLAGS = ["--optimizer", "sgd", "--sgd-momentum", "0.9", "--lr", "0.1", "--clip-grad", "0"]
+SGD_FLAGS += ["--train-iters", "4"]
+DILOCO_FLAGS = ["--train-iters", "4"]
+OUTER = {
+    "diloco": OuterSettings(interval=2, optimizer="nesterov", lr=0.7, momentum=0.9),
+    "streaming": OuterSettings(2, "nesterov", 0.7, 0.9, fragments=2),
+    "streaming_int8": OuterSettings(2, "nesterov", 0.7, 0.9, compression="int8", fragments=2),
+}
+
+
+def _params_difference(got, want):
+    assert got.keys() == want.keys()
+    return max(max_relative_difference(got[k], want[k]) for k in want)
+
+
+def _losses_difference(got, want):
+    return max(max_relative_difference(a, b) for a, b in zip(got, want))
+
+
+@pytest.fixture(scope="module")
+def sgd_reference(tmp_path_factory):
+    path = write_plan(tmp_path_factory.mktemp("sgd"), "one-rank", "tiny", 1, REFERENCE)
+    return run_distributed(train, 1, path, extra_flags=SGD_FLAGS, timeout=240)[0]
+
+
+def test_sgd_matches_one_rank(sgd_reference, tmp_path):
+    """--optimizer sgd (momentum 0.9, weight decay): the uneven two-pipeline plan equals the
+    one-rank plan."""
+    model, world, pipelines = PLANS["two_pipelines_uneven_tp2"]
+    path = write_plan(tmp_path, "sgd", model, world, pipelines)
+    result = run_distributed(train, world, path, extra_flags=SGD_FLAGS, timeout=400)[0]
+    loss, norm, param = compare(result, sgd_reference)
+    print(f"sgd: max relative difference loss {loss:.2e}, norm {norm:.2e}, params {param:.2e}")
+    assert loss < TOLERANCE and norm < TOLERANCE and param < TOLERANCE
+    ref = sgd_reference["losses"]
+    assert abs(ref[-1] - ref[0]) > 1e-3  # SGD moved the weights
+
+
+def test_degenerate_islands_are_synchronous(sgd_reference, tmp_path):
+    """H = 1, outer sgd lr 1 momentum 0: every island lands on the token-weighted average of
+    the islands' SGD steps, which (SGD and weight decay being linear) is the synchronous step."""
+    outer = OuterSettings(interval=1, optimizer="sgd", lr=1.0, momentum=0.0)
+    path = write_plan(
+        tmp_path, "degenerate", "tiny", 6, ISLAND_PIPELINES, islands=ISLANDS, outer=outer
+    )
+    result = run_distributed(train_islands, 6, path, extra_flags=SGD_FLAGS, timeout=400)[0]
+    loss = _losses_difference(result["losses"], sgd_reference["losses"])
+    params = [_params_difference(p, sgd_reference["params"]) for p in result["islands"]]
+    print(f"degenerate islands: loss {loss:.2e}, parameters per island {params}")
+    assert result["outer_step"] == [True] * 4
+    assert loss < TOLERANCE and max(params) < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def diloco_runs(tmp_path_factory):
+    """The reference for both outer settings, in one launch: {name: (plan path, result)}."""
+    d = tmp_path_factory.mktemp("diloco")
+    plans = {
+        name: write_plan(d, name, "tiny", 6, ISLAND_PIPELINES, islands=ISLANDS, outer=outer)
+        for name, outer in OUTER.items()
+    }
+    one = write_plan(d, "one-rank", "tiny", 1, REFERENCE)
+    refs = run_distributed(
+        diloco, 1, list(plans.values()), one, extra_flags=DILOCO_FLAGS, timeout=300
+    )[0]
+    return {name: (path, ref) for (name, path), ref in zip(plans.items(), refs)}
+
+
+def _check_against_reference(result, ref):
+    loss = _losses_difference(result["losses"], ref["losses"])
+    params = [_params_difference(g, w) for g, w in zip(result["islands"], ref["islands"])]
+    return loss, params
+
+
+def _rounding_flips(result, ref):
+    """int8: (elements beyond TOLERANCE of their tensor's scale, all elements, the largest
+    absolute difference among them). Quantisation is discontinuous: where a value sits within
+    float noise (~1e-7 of the inner steps' sums in another order) of a rounding midpoint, the
+    two runs round it to neighbouring int8 steps; every other element must match."""
+    off, total, worst = 0, 0, 0.0
+    for got, want in zip(result["islands"], ref["islands"]):
+        for k, w in want.items():
+            diff = (got[k] - w).abs()
+            bad = diff > TOLERANCE * w.abs().max()
+            off += int(bad.sum())
+            total += w.numel()
+            worst = max(worst, float(diff.max()))
+    return off, total, worst
+
+
+@pytest.mark.parametrize("name", list(OUTER))
+def test_islands_match_reference_diloco(name, diloco_runs):
+    """Inner AdamW with clipping per island, outer Nesterov (lr 0.7, momentum 0.9) every 2
+    steps, one fragment or two (staggered), fp32 or int8 exchange: losses and each island's
+    final parameters equal the reference; each rank's bytes sent across islands per outer
+    cycle equal planner.outer_traffic's prediction."""
+    path, ref = diloco_runs[name]
+    plan = load_plan(path)
+    result = run_distributed(train_islands, 6, path, extra_flags=DILOCO_FLAGS, timeout=400)[0]
+    loss, params = _check_against_reference(result, ref)
+    outer = plan.training.outer
+    cycle = [
+        sum(per_rank)
+        for per_rank in zip(*result["outer_sync_bytes"][outer.interval : 2 * outer.interval])
+    ]
+    predicted = outer_bytes_per_rank(plan)
+    print(
+        f"{name}: loss {loss:.2e}, parameters per island {params}; outer steps "
+        f"{result['outer_step']}; bytes per rank per cycle {cycle}, predicted {predicted}"
+    )
+    assert loss < TOLERANCE
+    if outer.compression == "int8":
+        off, total, worst = _rounding_flips(result, ref)
+        print(
+            f"{name}: {off} of {total} elements differ by more than {TOLERANCE:g}, by at most "
+            f"{worst:.2e}; one int8 step moves theta by up to {ref['int8_quantum']:.2e}"
+        )
+        assert off < 1e-3 * total and worst <= 2 * ref["int8_quantum"]
+    else:
+        assert max(params) < TOLERANCE
+    assert cycle == predicted and min(predicted[r] for r in (0, 1, 2, 4, 5)) > 0
+    assert predicted[3] == 0  # pipeline 1 holds nothing it represents: pipeline 0 sends
+    if outer.fragments == 1:
+        assert result["outer_step"] == [False, True, False, True]
+    else:  # fragment 1 after steps 1 and 3, fragment 0 after steps 2 and 4
+        assert result["outer_step"] == [1, 0, 1, 0]
+        # the fragment that landed before step 4's update was then updated per island
+        assert _params_difference(ref["islands"][0], ref["islands"][1]) > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("defect", ["equal_weights", "momentum_dropped"])
+def test_broken_outer_step_is_caught(defect, diloco_runs):
+    path, ref = diloco_runs["diloco"]
+    result = run_distributed(
+        train_islands, 6, path, extra_flags=DILOCO_FLAGS, defect=defect, timeout=400
+    )[0]
+    loss, params = _check_against_reference(result, ref)
+    print(f"{defect}: loss {loss:.2e}, parameters per island {params}")
+    assert max(params) > 100 * TOLERANCE, f"{defect} was not detected"
