@@ -283,11 +283,7 @@ def cuda_graph_problems(args: argparse.Namespace, t: Training) -> list[str]:
     return problems
 
 
-# What islands (planner.islands) do not run with yet, one line each.
-ISLAND_CHECKPOINTS = (
-    "islands / training.outer: checkpoints do not hold each island's parameters and the outer "
-    "state yet; train this plan without --save/--load"
-)
+# What islands (planner.islands) do not run with yet.
 OUTER_NEEDS_UNSHARDED = (
     "training.outer with use_distributed_optimizer: the outer step runs on unsharded fp32 main "
     "parameters only; re-plan without the distributed optimizer"
@@ -357,8 +353,6 @@ def plan_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
             "--use-distributed-optimizer contradicts the plan (use_distributed_"
             "optimizer: false); re-plan with hexi-plan ... --use-distributed-optimizer"
         )
-    if (len(plan.island_pipelines()) > 1 or t.outer is not None) and (args.save or args.load):
-        problems.append(ISLAND_CHECKPOINTS)
     if t.outer is not None and t.use_distributed_optimizer:
         problems.append(OUTER_NEEDS_UNSHARDED)
     shard = args.hetero_optimizer_shard

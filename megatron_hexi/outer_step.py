@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -136,7 +136,9 @@ class OuterStep:
         self.world = plan.world_size
         self.island = plan.rank_view(rank).island
         self.weights = island_weights(plan)
-        self.pending: list[_InFlight] = []
+        self.pending: list[_InFlight] = []  # exchanges in flight
+        self.landed: list[int] = []  # fragments whose outer step is taken, not yet written
+        self.held: list[_Held] = []  # the canonical ranges this rank holds
         self.bytes = 0  # sent across islands this iteration
         self.seconds = 0.0  # blocked in the outer step this iteration
         self.fragments_run: list[int] = []  # fragments whose exchange started this iteration
@@ -151,7 +153,7 @@ class OuterStep:
         ranges = outer_ranges(plan)
         by_name = {shard.name: p for shard, p in params}
         main_of = main_params(optimizer)
-        held: list[_Held] = []
+        held = self.held
         for i, r in enumerate(ranges):
             mine = [ls for rk, ls in r.segment.members if rk == rank]
             if mine:  # a tied pair on one stage is one parameter: its first slice
@@ -215,15 +217,73 @@ class OuterStep:
                 self.pending.append(self._launch(f))
                 self.fragments_run.append(f)
         if self.settings.fragments == 1:
-            self._land_pending()
+            self._land()
         self.seconds += time.perf_counter() - began
 
     def land(self) -> None:
-        """Land every exchange in flight (before an optimizer update, and at the end)."""
-        if self.pending:
+        """Write the result of every exchange started after the last step into the parameters
+        (called before the optimizer update; with fragments, their exchange lands here)."""
+        if self.pending or self.landed:
             began = time.perf_counter()
-            self._land_pending()
+            self._land()
             self.seconds += time.perf_counter() - began
+
+    @torch.no_grad()
+    def finish_exchanges(self) -> list[int]:
+        """Wait for every exchange in flight and take its outer step (theta_outer, momentum);
+        its parameters are written at the next `land`. Returns the fragments so waiting: a
+        checkpoint saves them with the outer state, and the resumed run writes them where this
+        one would."""
+        pending, self.pending = self.pending, []
+        for flight in pending:
+            for b, bufs, works in zip(self.cross[flight.fragment], flight.buffers, flight.works):
+                for w in works:
+                    w.wait()
+                self._apply(b, self._average(b, bufs))
+            self.landed.append(flight.fragment)
+        return list(self.landed)
+
+    @torch.no_grad()
+    def _land(self) -> None:
+        self.finish_exchanges()
+        landed, self.landed = self.landed, []
+        for fragment in landed:
+            self._hand_off(fragment)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def saved_ranges(self) -> list[tuple[str, int, int, dict[str, torch.Tensor]]]:
+        """What this rank writes of the outer state: (name, dim, start, {kind: tensor}) of the
+        ranges it represents in island 0 (theta_outer and the momentum are the same in every
+        island, so each range is written once). Call `finish_exchanges` first."""
+        return [
+            (
+                h.range.segment.name,
+                h.range.segment.dim,
+                h.range.segment.start,
+                {"outer_param": self.outer[h.index], "outer_momentum": self.momentum[h.index]},
+            )
+            for h in self.held
+            if h.index in self.outer and self.island == 0
+        ]
+
+    @torch.no_grad()
+    def restore(
+        self, read: Callable[[str, _Held, torch.Tensor], None] | None, landed: list[int]
+    ) -> None:
+        """Fill theta_outer and the momentum of every range this rank represents (`read(kind,
+        held range, out)` reads a canonical range into `out`), and the fragments whose result
+        waits to be written (`finish_exchanges`). `read` None: start afresh from the fp32 main
+        parameters as they are now (loaded weights), momentum zero."""
+        for h in self.held:
+            if h.index in self.outer and read is None:
+                self.outer[h.index].copy_(h.view(h.main))
+                self.momentum[h.index].zero_()
+            elif h.index in self.outer and read is not None:
+                for kind, t in (("outer_param", self.outer), ("outer_momentum", self.momentum)):
+                    value = torch.empty(t[h.index].shape, dtype=torch.float32)
+                    read(kind, h, value)
+                    t[h.index].copy_(value)
+        self.landed = list(landed)
 
     def metrics(self, device: torch.device) -> dict[str, Any]:
         """This iteration's outer-step fields (none without `training.outer`): whether it ran
@@ -267,7 +327,7 @@ class OuterStep:
                 works.append([dist.all_reduce(flat, group=b.group, async_op=True)])
                 continue
             if comp == "bf16":
-                payloads = [flat.to(torch.bfloat16).view(torch.int16)]
+                payloads = [flat.to(torch.bfloat16).view(torch.uint8)]  # gloo: bytes
             else:
                 parts = [quantize_int8(d) for d in deltas]
                 payloads = [torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])]
@@ -279,16 +339,6 @@ class OuterStep:
             buffers.append(got)
             works.append(handles)
         return _InFlight(fragment, buffers, works)
-
-    @torch.no_grad()
-    def _land_pending(self) -> None:
-        pending, self.pending = self.pending, []
-        for flight in pending:
-            for b, bufs, works in zip(self.cross[flight.fragment], flight.buffers, flight.works):
-                for w in works:
-                    w.wait()
-                self._apply(b, self._average(b, bufs))
-            self._hand_off(flight.fragment)
 
     def _average(self, b: _Bucket, bufs: list[torch.Tensor]) -> torch.Tensor:
         """The tokens-weighted Delta of bucket `b`'s ranges, flat fp32."""
@@ -328,6 +378,7 @@ class OuterStep:
             step = d + s.momentum * buf if s.optimizer == "nesterov" else buf
             self.outer[h.index].sub_(s.lr * step)
 
+    @torch.no_grad()
     def _hand_off(self, fragment: int) -> None:
         """The new theta_outer from each range's representative to its island's holders, and
         into every holder's model and main parameters."""

@@ -431,7 +431,7 @@ class Trainer:
         leaves them to the next forward): before anything reads the parameters otherwise."""
         if self.plan.training.overlap_param_gather:
             self.optimizer.finish_param_gather()
-        self.outer.land()
+        self.outer.finish_exchanges()  # waited; their parameters land before the next update
 
     def full_parameters(self) -> dict[str, torch.Tensor] | None:
         """Gather every parameter to its full canonical tensor (for tests and export)."""

@@ -16,6 +16,11 @@ import torch
 
 FORMAT_VERSION = 3  # 2: checksums, save id, iteration in every rank file; 3: per block
 KINDS = ("param", "exp_avg", "exp_avg_sq")
+# Islands (planner.islands): island k > 0 keeps its own weights and Adam state under
+# "island<k>.<kind>" (island 0 under the plain kinds), and the outer step's state, the same in
+# every island, is written once: theta_outer and the outer momentum.
+OUTER_KINDS = ("outer_param", "outer_momentum")
+_ISLAND_KIND = re.compile(r"island[1-9]\d*\.(param|exp_avg|exp_avg_sq)")
 # Model fields that do not change the parameters or the function the model computes.
 NOT_COMPARED = ("name", "seq_length")
 RANK_FILE = re.compile(r"rank_\d{5,}\.safetensors")
@@ -32,6 +37,18 @@ class Entry(NamedTuple):
     start: int
     shape: Sequence[int]
     tensor: torch.Tensor
+
+
+def island_kind(kind: str, island: int) -> str:
+    """The name island `island`'s tensors of `kind` are saved under."""
+    return kind if island == 0 else f"island{island}.{kind}"
+
+
+def is_kind(value: object) -> bool:
+    """Whether an index row's kind is one this format writes."""
+    return isinstance(value, str) and (
+        value in KINDS or value in OUTER_KINDS or bool(_ISLAND_KIND.fullmatch(value))
+    )
 
 
 def iteration_dir_name(iteration: int | None) -> str:

@@ -8,7 +8,8 @@ tensors); its gradient is the mean over its tokens, clipped by its own norm. Eve
 steps (per fragment, at its offset) each canonical range (planner.outer_traffic.outer_ranges:
 the same cuts the plan's holders make) is averaged over the islands by their samples, rounded
 first under bf16 / int8, and the outer sgd or Nesterov step applied; with several fragments the
-result is written before the next step's update (which applies to it), with one at once.
+result is written before the next step's update (which applies to it; after the last step, never),
+with one at once.
 """
 
 import math
@@ -105,7 +106,7 @@ def diloco(island_plan_paths, one_rank_plan_path, extra_flags=()):
             theta[r] = start.narrow(seg.dim, seg.start, seg.end - seg.start).clone()
         buf = {r: torch.zeros_like(t) for r, t in theta.items()}
         landing = []  # (range, value) to write before the next update
-        quantum = 0.0  # int8: the largest change of theta one rounding step makes
+        quantum = 0.0  # bf16 / int8: the largest change of theta one rounding step makes
         losses = []
         for it in range(config.training.train_iters):
             loss_sum, tokens_all, grads = 0.0, 0.0, []
@@ -153,8 +154,9 @@ def diloco(island_plan_paths, one_rank_plan_path, extra_flags=()):
                             seg.dim, seg.start, seg.end - seg.start
                         )
                         d = theta[r] - mine
-                        if outer.compression == "int8":  # one rounding step, as it moves theta
-                            step_size = outer.lr * (1 + outer.momentum) * weights[isl] / 127
+                        if outer.compression != "none":  # one rounding step, as it moves theta
+                            spacing = 1 / 127 if outer.compression == "int8" else 2.0**-7
+                            step_size = outer.lr * (1 + outer.momentum) * weights[isl] * spacing
                             quantum = max(quantum, step_size * d.abs().max().item())
                         term = weights[isl] * (_sent(d, outer.compression) if k > 1 else d)
                         delta = term if delta is None else delta + term
@@ -167,12 +169,12 @@ def diloco(island_plan_paths, one_rank_plan_path, extra_flags=()):
             if outer.fragments == 1:
                 _write(landing, ranges, islands, index)
                 landing = []
-        _write(landing, ranges, islands, index)
+        # an outer step started after the last step lands before a next one's update: never
         results.append(
             {
                 "losses": losses,
                 "islands": [{n: t.clone() for n, t in zip(names, own)} for own in islands],
-                "int8_quantum": quantum,
+                "rounding_quantum": quantum,
             }
         )
     return results
