@@ -284,9 +284,10 @@ def cuda_graph_problems(args: argparse.Namespace, t: Training) -> list[str]:
 
 
 # What islands (planner.islands) do not run with yet.
-OUTER_NEEDS_UNSHARDED = (
-    "training.outer with use_distributed_optimizer: the outer step runs on unsharded fp32 main "
-    "parameters only; re-plan without the distributed optimizer"
+OUTER_SHARDED_NEEDS_RANK_SET_BUCKETS = (
+    "training.outer with use_distributed_optimizer: the outer step shards its state like the "
+    "master weights of one gradient bucket per rank set; drop overlap_grad_reduce (re-plan) and "
+    "--ddp-bucket-size"
 )
 
 
@@ -353,8 +354,8 @@ def plan_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
             "--use-distributed-optimizer contradicts the plan (use_distributed_"
             "optimizer: false); re-plan with hexi-plan ... --use-distributed-optimizer"
         )
-    if t.outer is not None and t.use_distributed_optimizer:
-        problems.append(OUTER_NEEDS_UNSHARDED)
+    if t.outer and t.use_distributed_optimizer and (t.overlap_grad_reduce or args.ddp_bucket_size):
+        problems.append(OUTER_SHARDED_NEEDS_RANK_SET_BUCKETS)
     shard = args.hetero_optimizer_shard
     if shard is not None and (not t.use_distributed_optimizer or shard != t.optimizer_shard):
         problems.append(

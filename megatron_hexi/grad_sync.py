@@ -215,6 +215,7 @@ class GradientSync:
                 self.owned.append(slot)
         if overlap and bucket_size is None:
             bucket_size = BUCKET_ELEMENTS  # Megatron-LM's floor; the planner costs the same
+        self.bucket_size = bucket_size  # None: one bucket per rank set
         self.buckets: list[Bucket] = (  # in global order
             _bounded_buckets(placed, bucket_size, groups)
             if bucket_size is not None

@@ -13,6 +13,13 @@ parameters. With one fragment this runs right after the H-th inner update and bl
 several the exchange starts after step s and lands before step s + 1's optimizer update
 (`land`, called from the gradient finalize), which then applies to the landed parameters.
 
+Under the distributed optimizer the outer state is sharded like the masters: the ranges are also
+cut where any island's master parts end (planner.outer_traffic), each is represented in each
+island by the owner of its master part, which reads Delta from and writes the result into that
+master; the optimizer's all-gather then hands it to the island's other holders (after the step's
+own all-gather with one fragment, at the next step's with several). That needs the masters cut
+from one gradient bucket per rank set, as the planner cuts them (no bucket bound).
+
 Collectives: one group per representatives' rank set and one per island holder set, created at
 start-up on every rank in one order; at an outer step every rank issues the cross-island
 collectives of its buckets (in the global range order), then the hand-offs (same order), so
@@ -27,12 +34,13 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_hexi.arguments import OUTER_NEEDS_UNSHARDED
+from megatron_hexi.arguments import OUTER_SHARDED_NEEDS_RANK_SET_BUCKETS
 from megatron_hexi.process_groups import group_order
 from planner.errors import SpecError
 from planner.islands import INT8_BLOCK, outer_bytes_sent, syncs_after_step
@@ -110,6 +118,12 @@ def main_params(optimizer: Any) -> dict[int, torch.Tensor]:
     return {id(p): p for g in optimizer.param_groups for p in g["params"]}
 
 
+def _regather(optimizer: Any) -> None:
+    """The distributed optimizer's all-gather of the masters, after any still in flight."""
+    optimizer.finish_param_gather()
+    optimizer.all_gather_params()
+
+
 def island_weights(plan: Plan) -> list[float]:
     """tokens_k / tokens of each island: its pipelines' samples over the global batch."""
     return [
@@ -130,7 +144,9 @@ class OuterStep:
         timeout: datetime.timedelta,
     ) -> None:
         """`optimizer`: the run's megatron-core optimizer, built (its fp32 main parameters are
-        where Delta is read and the result written)."""
+        where Delta is read and the result written); under the distributed optimizer, its master
+        parts, which must come from unbounded buckets (one per rank set): then they are cut as
+        planner.outer_traffic cuts them."""
         self.settings = plan.training.outer
         self.rank, self.launch_of = rank, launch_of = groups.plan_rank, groups.launch_of
         self.world = plan.world_size
@@ -139,6 +155,8 @@ class OuterStep:
         self.pending: list[_InFlight] = []  # exchanges in flight
         self.landed: list[int] = []  # fragments whose outer step is taken, not yet written
         self.held: list[_Held] = []  # the canonical ranges this rank holds
+        # the distributed optimizer's all-gather: it hands the masters' new values on
+        self.regather: Callable[[], None] | None = None
         self.bytes = 0  # sent across islands this iteration
         self.seconds = 0.0  # blocked in the outer step this iteration
         self.fragments_run: list[int] = []  # fragments whose exchange started this iteration
@@ -148,17 +166,33 @@ class OuterStep:
         self.hand: list[list[_Bucket]] = []
         if self.settings is None:
             return
-        if plan.training.use_distributed_optimizer:
-            raise SpecError(OUTER_NEEDS_UNSHARDED)
         ranges = outer_ranges(plan)
-        by_name = {shard.name: p for shard, p in params}
-        main_of = main_params(optimizer)
         held = self.held
-        for i, r in enumerate(ranges):
-            mine = [ls for rk, ls in r.segment.members if rk == rank]
-            if mine:  # a tied pair on one stage is one parameter: its first slice
-                p = by_name[r.segment.name]
-                held.append(_Held(i, r, p, main_of[id(p)], mine[0]))
+        if plan.training.use_distributed_optimizer:
+            # the ranges this rank's master parts hold: it represents each in its island
+            if optimizer.grad_sync.bucket_size is not None:
+                raise SpecError(OUTER_SHARDED_NEEDS_RANK_SET_BUCKETS)
+            for i, r in enumerate(ranges):
+                if r.representatives[self.island] != rank:
+                    continue
+                seg = r.segment
+                part = next(
+                    p
+                    for p in optimizer.parts
+                    if p.name == seg.name
+                    and p.global_start <= seg.start
+                    and seg.end <= p.global_start + p.length
+                )
+                held.append(_Held(i, r, part.master, part.master, seg.start - part.global_start))
+            self.regather = partial(_regather, optimizer)
+        else:
+            by_name = {shard.name: p for shard, p in params}
+            main_of = main_params(optimizer)
+            for i, r in enumerate(ranges):
+                mine = [ls for rk, ls in r.segment.members if rk == rank]
+                if mine:  # a tied pair on one stage is one parameter: its first slice
+                    p = by_name[r.segment.name]
+                    held.append(_Held(i, r, p, main_of[id(p)], mine[0]))
         # every rank creates every group, in one order: cross-island sets, then island sets
         cross_keys = dict.fromkeys(r.representatives for r in ranges if len(r.representatives) > 1)
         hand_keys = dict.fromkeys(h for r in ranges for h in r.holders if len(h) > 1)
@@ -216,8 +250,10 @@ class OuterStep:
             if syncs_after_step(step, f, self.settings):
                 self.pending.append(self._launch(f))
                 self.fragments_run.append(f)
-        if self.settings.fragments == 1:
+        if self.settings.fragments == 1 and self.pending:
             self._land()
+            if self.regather is not None:  # the step's own all-gather ran before the outer step
+                self.regather()
         self.seconds += time.perf_counter() - began
 
     def land(self) -> None:

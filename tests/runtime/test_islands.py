@@ -33,6 +33,12 @@ OUTER = {
     "streaming_int8": OuterSettings(2, "nesterov", 0.7, 0.9, compression="int8", fragments=2),
     "diloco_bf16": OuterSettings(2, "nesterov", 0.7, 0.9, compression="bf16"),
 }
+# With the distributed optimizer: the outer state is sharded like the masters (named "*_sharded")
+SHARDED = {
+    "diloco_sharded": "diloco",
+    "streaming_sharded": "streaming",
+    "streaming_int8_sharded": "streaming_int8",
+}
 
 
 # ISLAND_PIPELINES' islands on other pipelines: island 0 reads the same 6 samples per step on
@@ -98,8 +104,17 @@ def diloco_runs(tmp_path_factory):
     """The reference for both outer settings, in one launch: {name: (plan path, result)}."""
     d = tmp_path_factory.mktemp("diloco")
     plans = {
-        name: write_plan(d, name, "tiny", 6, ISLAND_PIPELINES, islands=ISLANDS, outer=outer)
-        for name, outer in OUTER.items()
+        name: write_plan(
+            d,
+            name,
+            "tiny",
+            6,
+            ISLAND_PIPELINES,
+            islands=ISLANDS,
+            outer=OUTER[SHARDED.get(name, name)],
+            use_distributed_optimizer=name in SHARDED,
+        )
+        for name in [*OUTER, *SHARDED]
     }
     one = write_plan(d, "one-rank", "tiny", 1, REFERENCE)
     refs = run_distributed(
@@ -130,7 +145,7 @@ def _rounding_flips(result, ref):
     return off, total, worst
 
 
-@pytest.mark.parametrize("name", list(OUTER))
+@pytest.mark.parametrize("name", [*OUTER, *SHARDED])
 def test_islands_match_reference_diloco(name, diloco_runs):
     """Inner AdamW with clipping per island, outer Nesterov (lr 0.7, momentum 0.9) every 2
     steps, one fragment or two (staggered), fp32, bf16 or int8 exchange: losses and each island's
@@ -161,8 +176,13 @@ def test_islands_match_reference_diloco(name, diloco_runs):
         assert off < 1e-2 * total and worst <= 2 * quantum
     else:
         assert max(params) < TOLERANCE
-    assert cycle == predicted and min(predicted[r] for r in (0, 1, 2, 4, 5)) > 0
-    assert predicted[3] == 0  # pipeline 1 holds nothing it represents: pipeline 0 sends
+    assert cycle == predicted
+    # unsharded, pipeline 1 represents nothing (pipeline 0 sends for island 0); sharded, every
+    # rank sends the ranges of its own master parts
+    if name in SHARDED:
+        assert min(predicted) > 0
+    else:
+        assert predicted[3] == 0 and min(predicted[r] for r in (0, 1, 2, 4, 5)) > 0
     if outer.fragments == 1:
         assert result["outer_step"] == [False, True, False, True]
     else:  # fragment 1 after steps 1 and 3, fragment 0 after steps 2 and 4
@@ -219,7 +239,16 @@ def test_resume_mid_interval_matches_uninterrupted(diloco_runs, tmp_path):
         extra_flags=[*DILOCO_FLAGS, "--load", str(tmp_path / "ckpt")],
         timeout=400,
     )[0]
-    for what, run in (("same plan", resumed), ("resharded", again)):
+    # the same plan with the distributed optimizer: the outer state goes into master parts
+    sharded = run_distributed(
+        train_islands,
+        6,
+        diloco_runs["streaming_sharded"][0],
+        extra_flags=[*DILOCO_FLAGS, "--load", str(tmp_path / "ckpt")],
+        timeout=400,
+    )[0]
+    runs = (("same plan", resumed), ("resharded", again), ("distributed optimizer", sharded))
+    for what, run in runs:
         joined = {"losses": first["losses"] + run["losses"], "islands": run["islands"]}
         loss, params = _check_against_reference(joined, ref)
         print(f"resumed after step 3, {what}: loss {loss:.2e}, parameters per island {params}")
@@ -230,7 +259,7 @@ def test_resume_mid_interval_matches_uninterrupted(diloco_runs, tmp_path):
 def test_refusals_and_log_line(tmp_path):
     """What islands do not run with yet is refused in one line, before any process starts; the
     iteration line says when an outer step ran."""
-    from megatron_hexi.arguments import OUTER_NEEDS_UNSHARDED, check_command_line
+    from megatron_hexi.arguments import OUTER_SHARDED_NEEDS_RANK_SET_BUCKETS, check_command_line
     from megatron_hexi.metrics import IntervalLog
     from planner.errors import SpecError
 
@@ -245,9 +274,10 @@ def test_refusals_and_log_line(tmp_path):
         outer=OUTER["diloco"],
         use_distributed_optimizer=True,
     )
+    check_command_line(["--hetero-plan-path", str(sharded), *base])
     with pytest.raises(SpecError) as e:
-        check_command_line(["--hetero-plan-path", str(sharded), *base])
-    assert e.value.problems == [OUTER_NEEDS_UNSHARDED]
+        check_command_line(["--hetero-plan-path", str(sharded), *base, "--ddp-bucket-size", "512"])
+    assert e.value.problems == [OUTER_SHARDED_NEEDS_RANK_SET_BUCKETS]
     one = write_plan(tmp_path, "one", "tiny", 1, REFERENCE)
     with pytest.raises(SpecError) as e:
         check_command_line(
