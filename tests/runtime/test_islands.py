@@ -71,30 +71,43 @@ def sgd_reference(tmp_path_factory):
     return run_distributed(train, 1, path, extra_flags=SGD_FLAGS, timeout=240)[0]
 
 
-def test_sgd_matches_one_rank(sgd_reference, tmp_path):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_sgd_matches_one_rank(sharded, sgd_reference, tmp_path):
     """--optimizer sgd (momentum 0.9, weight decay): the uneven two-pipeline plan equals the
-    one-rank plan."""
+    one-rank plan, with the optimizer state whole or sharded (distributed optimizer)."""
     model, world, pipelines = PLANS["two_pipelines_uneven_tp2"]
-    path = write_plan(tmp_path, "sgd", model, world, pipelines)
+    path = write_plan(tmp_path, "sgd", model, world, pipelines, use_distributed_optimizer=sharded)
     result = run_distributed(train, world, path, extra_flags=SGD_FLAGS, timeout=400)[0]
     loss, norm, param = compare(result, sgd_reference)
-    print(f"sgd: max relative difference loss {loss:.2e}, norm {norm:.2e}, params {param:.2e}")
+    print(
+        f"sgd (distributed optimizer {sharded}): max relative difference loss {loss:.2e}, "
+        f"norm {norm:.2e}, params {param:.2e}"
+    )
     assert loss < TOLERANCE and norm < TOLERANCE and param < TOLERANCE
     ref = sgd_reference["losses"]
     assert abs(ref[-1] - ref[0]) > 1e-3  # SGD moved the weights
 
 
-def test_degenerate_islands_are_synchronous(sgd_reference, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_degenerate_islands_are_synchronous(overlap, sgd_reference, tmp_path):
     """H = 1, outer sgd lr 1 momentum 0: every island lands on the token-weighted average of
-    the islands' SGD steps, which (SGD and weight decay being linear) is the synchronous step."""
+    the islands' SGD steps, which (SGD and weight decay being linear) is the synchronous step;
+    with the island's gradient sync serial or overlapped with the backward pass."""
     outer = OuterSettings(interval=1, optimizer="sgd", lr=1.0, momentum=0.0)
     path = write_plan(
-        tmp_path, "degenerate", "tiny", 6, ISLAND_PIPELINES, islands=ISLANDS, outer=outer
+        tmp_path,
+        "degenerate",
+        "tiny",
+        6,
+        ISLAND_PIPELINES,
+        islands=ISLANDS,
+        outer=outer,
+        overlap_grad_reduce=overlap,
     )
     result = run_distributed(train_islands, 6, path, extra_flags=SGD_FLAGS, timeout=400)[0]
     loss = _losses_difference(result["losses"], sgd_reference["losses"])
     params = [_params_difference(p, sgd_reference["params"]) for p in result["islands"]]
-    print(f"degenerate islands: loss {loss:.2e}, parameters per island {params}")
+    print(f"degenerate islands (overlap {overlap}): loss {loss:.2e}, parameters {params}")
     assert result["outer_step"] == [True] * 4
     assert loss < TOLERANCE and max(params) < TOLERANCE
 
