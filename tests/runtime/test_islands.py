@@ -88,11 +88,12 @@ def test_sgd_matches_one_rank(sharded, sgd_reference, tmp_path):
     assert abs(ref[-1] - ref[0]) > 1e-3  # SGD moved the weights
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_degenerate_islands_are_synchronous(overlap, sgd_reference, tmp_path):
+@pytest.mark.parametrize("overlap, islands", [(False, ISLANDS), (True, ISLANDS), (False, ())])
+def test_degenerate_islands_are_synchronous(overlap, islands, sgd_reference, tmp_path):
     """H = 1, outer sgd lr 1 momentum 0: every island lands on the token-weighted average of
     the islands' SGD steps, which (SGD and weight decay being linear) is the synchronous step;
-    with the island's gradient sync serial or overlapped with the backward pass."""
+    with the island's gradient sync serial or overlapped with the backward pass, and for a plan
+    of one island (the outer step then hands each range to its holders inside it only)."""
     outer = OuterSettings(interval=1, optimizer="sgd", lr=1.0, momentum=0.0)
     path = write_plan(
         tmp_path,
@@ -100,14 +101,17 @@ def test_degenerate_islands_are_synchronous(overlap, sgd_reference, tmp_path):
         "tiny",
         6,
         ISLAND_PIPELINES,
-        islands=ISLANDS,
+        islands=islands,
         outer=outer,
         overlap_grad_reduce=overlap,
     )
     result = run_distributed(train_islands, 6, path, extra_flags=SGD_FLAGS, timeout=400)[0]
     loss = _losses_difference(result["losses"], sgd_reference["losses"])
     params = [_params_difference(p, sgd_reference["params"]) for p in result["islands"]]
-    print(f"degenerate islands (overlap {overlap}): loss {loss:.2e}, parameters {params}")
+    print(
+        f"degenerate, {len(islands) or 1} island(s), overlap {overlap}: loss {loss:.2e}, "
+        f"parameters {params}"
+    )
     assert result["outer_step"] == [True] * 4
     assert loss < TOLERANCE and max(params) < TOLERANCE
 
