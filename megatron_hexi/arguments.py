@@ -108,10 +108,6 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace | None, list[
         problems.append("--valid-data-path needs --data-path (and its tokenizer)")
     if args.save_interval and not args.save:
         problems.append("--save-interval needs --save DIR")
-    if args.optimizer == "sgd" and (args.save or args.load):
-        problems.append(
-            "--optimizer sgd: checkpoints hold Adam's state only; train SGD without --save/--load"
-        )
     if args.manual_gc_interval and not args.manual_gc:
         problems.append("--manual-gc-interval needs --manual-gc (Python collects on its own)")
     loading = (

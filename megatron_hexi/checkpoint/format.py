@@ -15,12 +15,14 @@ from typing import Any, NamedTuple
 import torch
 
 FORMAT_VERSION = 3  # 2: checksums, save id, iteration in every rank file; 3: per block
-KINDS = ("param", "exp_avg", "exp_avg_sq")
+KINDS = ("param", "exp_avg", "exp_avg_sq", "momentum_buffer")
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+SGD_MOMENTS = ("momentum_buffer",)  # --optimizer sgd: torch.optim.SGD's state
 # Islands (planner.islands): island k > 0 keeps its own weights and Adam state under
 # "island<k>.<kind>" (island 0 under the plain kinds), and the outer step's state, the same in
 # every island, is written once: theta_outer and the outer momentum.
 OUTER_KINDS = ("outer_param", "outer_momentum")
-_ISLAND_KIND = re.compile(r"island[1-9]\d*\.(param|exp_avg|exp_avg_sq)")
+_ISLAND_KIND = re.compile(r"island[1-9]\d*\.(param|exp_avg|exp_avg_sq|momentum_buffer)")
 # Model fields that do not change the parameters or the function the model computes.
 NOT_COMPARED = ("name", "seq_length")
 RANK_FILE = re.compile(r"rank_\d{5,}\.safetensors")
@@ -29,7 +31,8 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 class Entry(NamedTuple):
     """A tensor to write: `tensor` holds [start, start + its length) along `dim` of the kind
-    `kind` ("param", "exp_avg", "exp_avg_sq") of canonical tensor `name` of shape `shape`."""
+    `kind` ("param", "exp_avg", "exp_avg_sq", "momentum_buffer", ...) of canonical tensor
+    `name` of shape `shape`."""
 
     kind: str
     name: str

@@ -84,12 +84,17 @@ def load(trainer: TrainState, config: CheckpointConfig, verify: bool = True) -> 
             with torch.no_grad():
                 for shard, param in trainer.params:
                     param.copy_(ckpt.read_local(shard, param_kind, param.dtype))
-                moments = load_optim and ckpt.has_optimizer_state
-                restore_optimizer(trainer, ckpt, ckpt.meta["adam_step"] if moments else None)
+                # each optimizer its own state: Adam's moments and step, or SGD's momentum
+                if trainer.optimizer.config.optimizer == "sgd":
+                    moments = load_optim and bool(ckpt.meta.get("sgd_momentum_state"))
+                    restore_optimizer(trainer, ckpt, 0 if moments else None, sgd=True)
+                else:
+                    moments = load_optim and ckpt.has_optimizer_state
+                    restore_optimizer(trainer, ckpt, ckpt.meta["adam_step"] if moments else None)
                 if plan.training.outer is not None:
                     notes += _restore_outer(trainer, ckpt, load_optim)
         if load_optim and not moments:
-            notes.append("no optimizer state in the checkpoint: Adam starts fresh")
+            notes.append("no optimizer state for this optimizer in the checkpoint: it starts fresh")
         meta_path = os.path.join(ckpt.dir, METADATA)
         if not finetune and ckpt.meta["scheduler"]:
             try:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from megatron_hexi.adam import step_state
-from megatron_hexi.checkpoint.format import KINDS, island_kind
+from megatron_hexi.checkpoint.format import ADAM_MOMENTS, SGD_MOMENTS, island_kind
 from planner.layout import canonical_shards, island_segments, segment_numel
 
 if TYPE_CHECKING:
@@ -159,8 +159,9 @@ def _state(optimizer: MegatronOptimizer) -> dict[torch.Tensor, dict[str, Any]]:
 def _with_moments(
     tensors: dict[str, torch.Tensor], state: Mapping[str, Any] | None
 ) -> dict[str, torch.Tensor]:
-    if state:
-        tensors.update(exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
+    for kind in (*ADAM_MOMENTS, *SGD_MOMENTS):
+        if state and state.get(kind) is not None:
+            tensors[kind] = state[kind]
     return tensors
 
 
@@ -213,29 +214,37 @@ def _model_ranges(trainer: TrainState) -> list[OwnedRange]:
     return out
 
 
+def holds_sgd_momentum(optimizer: MegatronOptimizer) -> bool:
+    """Whether this rank's optimizer holds SGD momentum buffers (--optimizer sgd, after step 1)."""
+    return any(s.get("momentum_buffer") is not None for s in _state(optimizer).values())
+
+
 def adam_steps(optimizer: MegatronOptimizer) -> set[int]:
     """The set of Adam step counts over this rank's optimizer state (empty before step 1)."""
     return {int(float(s["step"])) for s in _state(optimizer).values() if "step" in s}
 
 
 @torch.no_grad()
-def restore_optimizer(trainer: TrainState, ckpt: Checkpoint, adam_step: int | None) -> None:
+def restore_optimizer(
+    trainer: TrainState, ckpt: Checkpoint, adam_step: int | None, sgd: bool = False
+) -> None:
     """Fill the fp32 master weights from the checkpoint's params and, if adam_step is not None,
-    Adam's moments and step; otherwise the optimizer state stays empty (fresh Adam). Under
-    islands, each rank reads its own island's."""
+    Adam's moments and step (`sgd`: SGD's momentum buffers instead); otherwise the optimizer
+    state stays empty (fresh). Under islands, each rank reads its own island's."""
     opt = trainer.optimizer
     state = _state(opt)
     island = trainer.plan.rank_view(trainer.rank).island
+    kinds = SGD_MOMENTS if sgd else ADAM_MOMENTS
 
     def moments(
         name: str, dim: int, shape: Sequence[int], start: int, like: torch.Tensor, step: int
     ) -> dict[str, torch.Tensor]:
         out = {}
-        for kind in KINDS[1:]:
+        for kind in kinds:
             t = torch.empty(like.shape, dtype=torch.float32)
             ckpt.read_range(island_kind(kind, island), name, dim, start, like.shape[dim], shape, t)
             out[kind] = t.to(like.device, like.dtype)
-        return {"step": step_state(step, like, opt.optimizer), **out}
+        return out if sgd else {"step": step_state(step, like, opt.optimizer), **out}
 
     if _is_sharded(opt):
         shapes = {shard.name: shard.shape for shard, _ in trainer.params}
@@ -264,8 +273,8 @@ def restore_optimizer(trainer: TrainState, ckpt: Checkpoint, adam_step: int | No
         if mp is not param:
             mp.copy_(ckpt.read_local(shard, island_kind("param", island)))
         if adam_step is not None:
-            st = {"step": step_state(adam_step, mp, opt.optimizer)}
-            for kind in KINDS[1:]:
+            st = {} if sgd else {"step": step_state(adam_step, mp, opt.optimizer)}
+            for kind in kinds:
                 st[kind] = ckpt.read_local(shard, island_kind(kind, island)).to(mp.device, mp.dtype)
             state[mp] = st
 

@@ -50,6 +50,7 @@ from megatron_hexi.checkpoint.integrity import (
 from megatron_hexi.checkpoint.state import (
     TrainState,
     adam_steps,
+    holds_sgd_momentum,
     owned_ranges,
     rng_state,
     scaler_state,
@@ -172,6 +173,7 @@ def save(trainer: TrainState, save_dir: str, iteration: int) -> tuple[float, int
         "bytes": size,
         "rng": rng_state(),
         "adam_steps": sorted(adam_steps(trainer.optimizer)),
+        "sgd_momentum": holds_sgd_momentum(trainer.optimizer),
         "grad_scaler": scaler_state(trainer.optimizer),
         "error": error,
         "non_finite": (non_finite_count, first_bad),
@@ -217,6 +219,7 @@ def save(trainer: TrainState, save_dir: str, iteration: int) -> tuple[float, int
                 "scheduler": trainer.scheduler.state_dict(),
                 "grad_scaler": everyone[0]["grad_scaler"],
                 "islands": len(plan.island_pipelines()),
+                "sgd_momentum_state": all(r["sgd_momentum"] for r in everyone),
                 "outer_landed": everyone[0]["outer_landed"],
                 "rng": {str(r["plan_rank"]): r["rng"] for r in everyone},
                 "files": {

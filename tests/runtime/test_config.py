@@ -164,9 +164,6 @@ def _variant(dest, action):
         return BASE[:at] + BASE[at + 2 :] + SAMPLE_FLAGS[dest], 8
     if dest == "manual_gc_interval":
         return BASE + ["--manual-gc", "--manual-gc-interval", "7"], None
-    if dest == "optimizer":  # SGD's state has no place in a checkpoint: no --save/--load
-        at = BASE.index("--save")
-        return BASE[:at] + ["--optimizer", "sgd"], None
     return BASE + _other_value(action), None
 
 
