@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 import torch
 
 FORMAT_VERSION = 3  # 2: checksums, save id, iteration in every rank file; 3: per block
-KINDS = ("param", "exp_avg", "exp_avg_sq", "momentum_buffer")
-ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-SGD_MOMENTS = ("momentum_buffer",)  # --optimizer sgd: torch.optim.SGD's state
+KINDS = ("param", "exp_avg", "exp_avg_sq")  # weights and Adam's state
+ADAM_MOMENTS = KINDS[1:]
+SGD_MOMENTS = ("momentum_buffer",)  # --optimizer sgd: torch.optim.SGD's state, instead
 # Islands (planner.islands): island k > 0 keeps its own weights and Adam state under
 # "island<k>.<kind>" (island 0 under the plain kinds), and the outer step's state, the same in
 # every island, is written once: theta_outer and the outer momentum.
@@ -50,7 +50,7 @@ def island_kind(kind: str, island: int) -> str:
 def is_kind(value: object) -> bool:
     """Whether an index row's kind is one this format writes."""
     return isinstance(value, str) and (
-        value in KINDS or value in OUTER_KINDS or bool(_ISLAND_KIND.fullmatch(value))
+        value in (*KINDS, *SGD_MOMENTS, *OUTER_KINDS) or bool(_ISLAND_KIND.fullmatch(value))
     )
 
 

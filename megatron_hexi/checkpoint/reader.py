@@ -112,7 +112,11 @@ META_KEYS = (
 )
 ROW_KEYS = (
     ("key", lambda v: isinstance(v, str), "a string"),
-    ("kind", is_kind, f"one of {', '.join(KINDS)} (island<k>. before them), or outer_*"),
+    (
+        "kind",
+        is_kind,
+        f"one of {', '.join(KINDS)}, momentum_buffer (island<k>. before them), or outer_*",
+    ),
     ("name", lambda v: isinstance(v, str), "a string"),
     ("dim", _is_int, "an integer >= 0"),
     ("start", _is_int, "an integer >= 0"),
