@@ -279,6 +279,14 @@ def cuda_graph_problems(args: argparse.Namespace, t: Training) -> list[str]:
     return problems
 
 
+# What islands (planner.islands) do not run with yet.
+OUTER_SHARDED_NEEDS_RANK_SET_BUCKETS = (
+    "training.outer with use_distributed_optimizer: the outer step shards its state like the "
+    "master weights of one gradient bucket per rank set; drop overlap_grad_reduce (re-plan) and "
+    "--ddp-bucket-size"
+)
+
+
 def check_against_plan(args: argparse.Namespace, plan: Plan) -> None:
     """Every given flag must agree with the plan; returns nothing, raises SpecError otherwise."""
     problems = plan_problems(args, plan)
@@ -342,6 +350,8 @@ def plan_problems(args: argparse.Namespace, plan: Plan) -> list[str]:
             "--use-distributed-optimizer contradicts the plan (use_distributed_"
             "optimizer: false); re-plan with hexi-plan ... --use-distributed-optimizer"
         )
+    if t.outer and t.use_distributed_optimizer and (t.overlap_grad_reduce or args.ddp_bucket_size):
+        problems.append(OUTER_SHARDED_NEEDS_RANK_SET_BUCKETS)
     shard = args.hetero_optimizer_shard
     if shard is not None and (not t.use_distributed_optimizer or shard != t.optimizer_shard):
         problems.append(
@@ -455,7 +465,6 @@ NOT_IN_RUN_CONFIG = frozenset(
         "transformer_impl",
         "cuda_graph_impl",
         "cuda_graph_scope",
-        "optimizer",  # adam only
         *ACCEPTED,  # accepted with no effect (megatron_hexi.plan_flags.ACCEPTED says why)
         *REFUSED_DESTS,  # refused (megatron_hexi.refused_flags)
     }
@@ -492,6 +501,8 @@ def run_config(args: argparse.Namespace, global_batch_size: int | None = None) -
             adam_beta2=args.adam_beta2,
             adam_eps=args.adam_eps,
             clip_grad=args.clip_grad,
+            optimizer=args.optimizer,
+            sgd_momentum=args.sgd_momentum,
         ),
         lr_schedule=LRScheduleConfig(
             lr_decay_style=args.lr_decay_style,

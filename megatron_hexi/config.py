@@ -72,7 +72,8 @@ class EvaluationConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """Adam with decoupled weight decay, and gradient clipping (megatron-core's optimizer)."""
+    """Adam with decoupled weight decay, or SGD with momentum, and gradient clipping
+    (megatron-core's optimizers)."""
 
     lr: float
     """Peak learning rate (after warm-up)."""
@@ -84,6 +85,9 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     """Clip to this global gradient norm; 0 turns clipping off."""
+    optimizer: str = "adam"
+    """"adam" (AdamW) or "sgd" (torch.optim.SGD: momentum, L2 weight decay)."""
+    sgd_momentum: float = 0.9
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer.optimizer import MegatronOptimizer, MixedPrecisionOptimizer
 
-from megatron_hexi.adam import adamw
+from megatron_hexi.adam import inner_optimizer
 from megatron_hexi.grad_sync import Pending, clip_by_norm_, global_norm
 from megatron_hexi.process_groups import group_order
 from planner.layout import optimizer_weight
@@ -178,14 +178,8 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
                 "is_expert_parallel": False,
             },
         ]
-        adam = adamw(
-            [g for g in groups if g["params"]] or [{"params": []}],
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-        )
-        super().__init__(adam, config, lambda o: None)
+        torch_opt = inner_optimizer([g for g in groups if g["params"]] or [{"params": []}], config)
+        super().__init__(torch_opt, config, lambda o: None)
         self.grad_scaler = grad_scaler
         # megatron-core's found-inf flag (MixedPrecisionOptimizer), on the scale's device
         self.found_inf = torch.zeros(1, dtype=torch.float, device=device)
@@ -380,7 +374,8 @@ class HeteroDistributedOptimizer(MegatronOptimizer):
     def get_grad_norm(self) -> torch.Tensor:
         """The exact global norm: every element's master gradient lives on exactly one rank
         (a device tensor, read at the step's end)."""
-        return global_norm(self.get_main_grads_for_grad_norm(), self.device)
+        grads = self.get_main_grads_for_grad_norm()
+        return global_norm(grads, self.device, self.grad_sync.norm_group)
 
     def clip_grad_norm(self, clip_grad: float) -> torch.Tensor:
         norm = self.get_grad_norm()

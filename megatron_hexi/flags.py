@@ -380,7 +380,15 @@ def _batch_and_schedule(p: argparse.ArgumentParser) -> None:
 
 def _optimizer(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("optimizer and precision")
-    o.add_argument("--optimizer", choices=["adam"], default="adam", help="Adam(W) only")
+    o.add_argument(
+        "--optimizer",
+        choices=["adam", "sgd"],
+        default="adam",
+        help="Adam(W), or SGD with momentum (torch.optim.SGD, L2 weight decay)",
+    )
+    o.add_argument(
+        "--sgd-momentum", type=finite_float, default=0.9, help="SGD's momentum (--optimizer sgd)"
+    )
     o.add_argument("--weight-decay", type=finite_float, default=0.01, help="decoupled decay")
     o.add_argument("--adam-beta1", type=finite_float, default=0.9, help="Adam's beta1")
     o.add_argument("--adam-beta2", type=finite_float, default=0.999, help="Adam's beta2")

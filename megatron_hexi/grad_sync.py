@@ -3,7 +3,9 @@
 Losses are per-token sums, so after the backward passes every rank holds the *sum* of its
 micro-batches' gradients. Each atomic segment (planner.layout.gradient_segments) is summed once
 over the ranks that hold it, one per pipeline (TP replicas of norms contribute once), and divided
-by the global token count: exactly the gradient of the mean loss over the global batch. Segments
+by the global token count: exactly the gradient of the mean loss over the global batch. Under
+islands (planner.islands) the segments are an island's and the count is the island's tokens: the
+gradient of the island's mean loss. Segments
 with the same rank set share one buffer and one all-reduce, and the all-reduces run in one global
 order on every rank, so overlapping groups cannot deadlock. With the plan's overlap_grad_reduce
 each bucket's collective starts during the last backward, as soon as its gradients are final
@@ -183,6 +185,7 @@ class GradientSync:
     ):
         self.plan_rank = plan_rank
         self.launch_of = groups.launch_of  # plan rank -> launch rank
+        self.norm_group = groups.island  # the gradient norm's ranks: the island (None: world)
         self.overlap = overlap
         by_name: dict[str, list[torch.Tensor]] = {shard.name: [] for shard, _ in params}
         for shard, p in params:
@@ -212,6 +215,7 @@ class GradientSync:
                 self.owned.append(slot)
         if overlap and bucket_size is None:
             bucket_size = BUCKET_ELEMENTS  # Megatron-LM's floor; the planner costs the same
+        self.bucket_size = bucket_size  # None: one bucket per rank set
         self.buckets: list[Bucket] = (  # in global order
             _bounded_buckets(placed, bucket_size, groups)
             if bucket_size is not None
@@ -421,10 +425,15 @@ def _bounded_buckets(placed: Sequence[_Placed], bound: int, groups: HeteroGroups
 
 
 @torch.no_grad()
-def global_norm(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The gradient norm over every rank, as a float64 tensor [1] on `device` (read it once, at
-    the step's end): each rank passes the tensors it owns (every element is owned by exactly one
-    rank). Per-tensor norms accumulated in fp32 by `_foreach_norm`: one call for the contiguous
+def global_norm(
+    tensors: Iterable[torch.Tensor],
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The gradient norm over every rank of `group` (None: the world; an island's under
+    islands), as a float64 tensor [1] on `device` (read it once, at the step's end): each rank
+    passes the tensors it owns (every element is owned by exactly one rank of the group).
+    Per-tensor norms accumulated in fp32 by `_foreach_norm`: one call for the contiguous
     tensors (CUDA's multi-tensor kernel) and one for the strided slices (column ranges, read in
     place one by one: no copies); their squares summed in float64 in one reduction, then one
     all-reduce."""
@@ -434,14 +443,14 @@ def global_norm(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.
         strided = [t for t in tensors if not t.is_contiguous()]
         norms = [
             n
-            for group in (dense, strided)
-            if group
-            for n in torch._foreach_norm(group, 2, dtype=torch.float32)
+            for part in (dense, strided)
+            if part
+            for n in torch._foreach_norm(part, 2, dtype=torch.float32)
         ]
         total = torch.stack(norms).double().square().sum().reshape(1)
     else:
         total = torch.zeros(1, dtype=torch.float64, device=device)
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=group)
     return total.sqrt()
 
 

@@ -110,8 +110,25 @@ class IntervalLog:
                 if plan.training.overlap_grad_reduce
                 else ""
             )
+            + _outer_text(rows)
             + f"elapsed: {_clock(elapsed)} | ETA: {_clock(eta)} |"
         )
+
+
+def _outer_text(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Islands: the outer steps the interval ran (planner.islands), with their bytes and their
+    exposed time; nothing for a plan without `training.outer`."""
+    if "outer_step" not in rows[-1]:
+        return ""
+    ran = [r for r in rows if r["outer_step"] not in (False, None)]
+    if not ran:
+        return "outer steps: 0 | "
+    sent = sum(max(r["outer_sync_bytes"]) for r in ran)
+    exposed = sum(r["outer_sync_exposed_s"] for r in rows)
+    return (
+        f"outer steps: {len(ran)} (last after iteration {ran[-1]['iteration']}) | outer sync "
+        f"MB per rank (max): {sent / 1e6:.3f} | outer sync exposed (ms): {exposed * 1000:.1f} | "
+    )
 
 
 def _clock(seconds: float) -> str:

@@ -1,4 +1,5 @@
-"""megatron-core's optimizer (Adam with decoupled weight decay, clipping) with an exact grad norm.
+"""megatron-core's optimizer (Adam with decoupled weight decay, or SGD; clipping) with an exact
+grad norm.
 
 The upstream norm filters TP duplicates with the global parallel state and sums over one model-
 parallel group; under a heterogeneous plan that counts elements twice or misses them. Here every
@@ -32,7 +33,7 @@ from megatron.core.optimizer.optimizer import (
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_hexi.adam import adamw
+from megatron_hexi.adam import inner_optimizer
 from megatron_hexi.grad_sync import clip_by_norm_, global_norm
 
 if TYPE_CHECKING:
@@ -56,9 +57,10 @@ class _ExactNormMixin:
     def get_grad_norm(self) -> torch.Tensor:
         """The exact global norm (grad_sync.global_norm), not megatron-core's multi-tensor one:
         a device tensor, read at the step's end."""
+        assert self.grad_sync is not None, "build_optimizer sets grad_sync"
         grads = self.get_main_grads_for_grad_norm()
         device = grads[0].device if grads else self.get_parameters()[0].device
-        return global_norm(grads, device)
+        return global_norm(grads, device, self.grad_sync.norm_group)
 
     def clip_grad_norm(self, clip_grad: float) -> torch.Tensor:
         """megatron-core's clipping of the whole, contiguous gradients, with the exact norm and
@@ -145,14 +147,15 @@ def build_optimizer(
     config: RunConfig,
     plan: Plan | None = None,
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
-    """Adam(W) inside megatron-core's optimizer wrapper, plus its lr/wd scheduler, from a
-    RunConfig (megatron_hexi.config).
+    """Adam(W) or SGD (`OptimizerConfig.optimizer`) inside megatron-core's optimizer wrapper,
+    plus its lr/wd scheduler, from a RunConfig (megatron_hexi.config).
 
     With the plan's `use_distributed_optimizer`, the fp32 master weights and Adam state are
     sharded over each gradient segment's ranks (megatron_hexi.distributed_optimizer)."""
     o, precision = config.optimizer, config.precision
     core = OptimizerConfig(
-        optimizer="adam",
+        optimizer=o.optimizer,
+        sgd_momentum=o.sgd_momentum,
         lr=o.lr,
         min_lr=o.min_lr,
         weight_decay=o.weight_decay,
@@ -178,13 +181,7 @@ def build_optimizer(
             plan, grad_sync, core, plan.training.optimizer_shard, device, model, scaler
         )
     else:
-        inner = adamw(
-            param_groups(model.named_parameters()),
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            betas=(o.adam_beta1, o.adam_beta2),
-            eps=o.adam_eps,
-        )
+        inner = inner_optimizer(param_groups(model.named_parameters()), core)
         if precision.half:
             opt = HeteroFloat16Optimizer(inner, core, scaler, lambda _: None)
         else:

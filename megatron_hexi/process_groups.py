@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from planner.layout import island_ranks
+
 if TYPE_CHECKING:
     from planner.plan import Plan
 
@@ -59,6 +61,9 @@ class HeteroGroups:
     tp: dist.ProcessGroup | None = None  # this rank's stage TP group
     # rank set (plan ranks) -> group
     segment_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    # this rank's island (planner.islands): its gradient norm is taken over it; None: the world
+    # (a plan of one island)
+    island: dist.ProcessGroup | None = None
 
 
 def build_groups(
@@ -67,7 +72,8 @@ def build_groups(
     rank_sets: Iterable[tuple[int, ...]],
     timeout: datetime.timedelta,
 ) -> HeteroGroups:
-    """Create the stage TP groups and one group per gradient rank set, in one global order."""
+    """Create the stage TP groups, one group per gradient rank set and one per island (when the
+    plan has several), in one global order."""
     plan_rank = mapping[dist.get_rank()]
     launch_of = {p: launch for launch, p in mapping.items()}
     groups = HeteroGroups(plan_rank, launch_of)
@@ -82,4 +88,10 @@ def build_groups(
         g = dist.new_group([launch_of[r] for r in ranks], timeout=timeout)
         if plan_rank in ranks:
             groups.segment_groups[ranks] = g
+    islands = island_ranks(plan)
+    if len(islands) > 1:
+        for ranks in islands:
+            g = dist.new_group([launch_of[r] for r in ranks], timeout=timeout)
+            if plan_rank in ranks:
+                groups.island = g
     return groups

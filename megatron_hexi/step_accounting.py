@@ -35,14 +35,19 @@ def batches_to_device(
 
 
 def loss_mask_tokens(
-    batches: Sequence[Mapping[str, torch.Tensor]], device: torch.device
+    batches: Sequence[Mapping[str, torch.Tensor]],
+    device: torch.device,
+    slot: int = 0,
+    slots: int = 1,
 ) -> torch.Tensor:
-    """The number of loss-masked tokens in `batches`, as a float64 tensor [1] on `device`
-    (integers: exact in any order)."""
-    if not batches:
-        return torch.zeros(1, dtype=torch.float64, device=device)
-    sums = torch.stack([b["loss_mask"].sum(dtype=torch.float64) for b in batches])
-    return sums.sum().reshape(1).to(device)
+    """The number of loss-masked tokens in `batches`, as a float64 tensor [slots] on `device`
+    holding it at `slot` (this rank's island; zeros elsewhere), so that one all-reduce gives
+    every island's count (integers: exact in any order)."""
+    out = torch.zeros(slots, dtype=torch.float64, device=device)
+    if batches:
+        sums = torch.stack([b["loss_mask"].sum(dtype=torch.float64) for b in batches])
+        out[slot] = sums.sum().to(device)
+    return out
 
 
 class StepClock:

@@ -62,6 +62,7 @@ from megatron_hexi.model import (
     stage_config,
 )
 from megatron_hexi.optimizer import build_optimizer, params_dtype
+from megatron_hexi.outer_step import OuterStep
 from megatron_hexi.process_groups import SingleRank, StagePosition, build_groups
 from megatron_hexi.rank_mapping import map_processes
 from megatron_hexi.report import error_lines, prints
@@ -73,7 +74,7 @@ from megatron_hexi.tensorboard_log import iteration_scalars, validation_scalars
 from planner.catalog import get_gpu
 from planner.errors import SpecError
 from planner.flops import model_flops_per_sample
-from planner.layout import gradient_segments, rank_params, reduced_together, total_params
+from planner.layout import island_segments, rank_params, reduced_together, total_params
 
 if TYPE_CHECKING:
     from megatron.core.datasets.blended_megatron_dataset_builder import TopLevelDataset
@@ -98,7 +99,7 @@ class Trainer:
         self.plan, self.config, self.device = plan, config, device
         timeout = datetime.timedelta(minutes=config.runtime.distributed_timeout_minutes)
         mapping = map_processes(plan, device_name(device), check_devices=device.type == "cuda")
-        segments = gradient_segments(plan)
+        segments = island_segments(plan)  # one island: gradient_segments(plan)
         shard = plan.training.use_distributed_optimizer
         rank_sets = list(dict.fromkeys(s.ranks for s in segments if reduced_together(s, shard)))
         self.groups = build_groups(plan, mapping, rank_sets, timeout)
@@ -154,6 +155,7 @@ class Trainer:
             bucket_size=config.runtime.ddp_bucket_size,
         )
         self.optimizer, self.scheduler = build_optimizer(self.model, self.grad_sync, config, plan)
+        self.outer = OuterStep(plan, self.groups, self.params, self.optimizer, timeout)
         tc.finalize_model_grads_func = self._finalize_grads
         if plan.training.overlap_grad_reduce:
             tc.no_sync_func = self.grad_sync.no_sync
@@ -227,6 +229,7 @@ class Trainer:
         self._token_count.wait()
         # the distributed optimizer is the sync's collective (reduce-scatter into its masters)
         self.grad_sync.sync(self._tokens)
+        self.outer.land()  # an outer exchange started after the last step (fragments)
         self._clock.mark("sync_end")
 
     def _start_token_count(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> None:
@@ -234,9 +237,11 @@ class Trainer:
         pass: the output stages know their loss masks when they read their micro-batches, so
         the count travels while the pipeline computes, and gradient finalize only waits for it
         (the sum is exact: the same integers in float64 on every rank)."""
-        counts = self.view.holds_output and self.view.tp_rank == 0
-        self._tokens = loss_mask_tokens(batches if counts else [], self.device)
-        self._token_count = dist.all_reduce(self._tokens, async_op=True)
+        v, islands = self.view, len(self.plan.island_pipelines())
+        mine = batches if v.holds_output and v.tp_rank == 0 else []
+        self._counts = loss_mask_tokens(mine, self.device, v.island, islands)  # per island
+        self._token_count = dist.all_reduce(self._counts, async_op=True)
+        self._tokens = self._counts[v.island : v.island + 1]  # the island's: the sync divides
 
     def _loss(
         self, labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor
@@ -279,7 +284,7 @@ class Trainer:
         """--log-params-norm: the L2 norm of the model's parameters, each element counted once
         over all ranks (the slices whose gradients this rank counts in the gradient norm)."""
         owned = [s.param.detach().narrow(s.dim, s.start, s.length) for s in self.grad_sync.owned]
-        return float(global_norm(owned, self.device).item())
+        return float(global_norm(owned, self.device, self.grad_sync.norm_group).item())
 
     def train_step(self, iteration: int) -> dict[str, Any]:
         """Forward/backward of this pipeline's micro-batches, gradient sync, optimizer step."""
@@ -310,6 +315,7 @@ class Trainer:
             grad_norm = self.optimizer.get_grad_norm()
         if success:
             self.scheduler.step(increment=1)
+        self.outer.after_update(iteration + 1)  # every H steps (planner.islands)
         clock.mark("end")
         clock.wait("end")  # queued optimizer work belongs to this step
         # One small all-reduce: loss sum (last stages, TP rank 0), each rank's times and memory;
@@ -329,7 +335,8 @@ class Trainer:
             grad_norm if success else math.nan, dtype=torch.float64, device=self.device
         ).reshape(1)
         scale = self.optimizer.get_loss_scale().to(self.device, torch.float64).reshape(1)
-        read = torch.cat([stats, self._tokens, norm, scale]).tolist()  # the step's one read
+        tokens = self._counts.sum().reshape(1)  # the global batch's
+        read = torch.cat([stats, tokens, norm, scale]).tolist()  # the step's one read
         loss_sum, per_rank_values = read[0], read[1 : 1 + 4 * world]
         self.global_tokens, norm_value, loss_scale = read[-3], read[-2], read[-1]
         if self.global_tokens <= 0:
@@ -347,6 +354,7 @@ class Trainer:
             "pipelines": pipelines,
             "tokens": self.global_tokens,
             "lr": self.optimizer.param_groups[0]["lr"],
+            **self.outer.metrics(self.device),
         }
 
     def evaluate(self, window: int) -> Evaluation:
@@ -423,6 +431,7 @@ class Trainer:
         leaves them to the next forward): before anything reads the parameters otherwise."""
         if self.plan.training.overlap_param_gather:
             self.optimizer.finish_param_gather()
+        self.outer.finish_exchanges()  # waited; their parameters land before the next update
 
     def full_parameters(self) -> dict[str, torch.Tensor] | None:
         """Gather every parameter to its full canonical tensor (for tests and export)."""

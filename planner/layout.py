@@ -19,7 +19,7 @@ optimizer shares each segment's state among its holders.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -419,8 +419,10 @@ def total_params(m: ModelSpec) -> int:
 # -------------------------------------------------------------------------------------- segments
 
 
-def gradient_segments(plan: Plan) -> list[Segment]:
+def gradient_segments(plan: Plan, ranks: Collection[int] | None = None) -> list[Segment]:
     """Every atomic gradient segment of the model, in one global order (parameter, start).
+
+    `ranks`: only these ranks' shards (an island's pipelines, `island_segments`); all by default.
 
     All ranks compute the same list from the plan, so they can issue collectives in one order.
     A TP-replicated parameter (norms, row biases) has one contributor per stage, whose gradient
@@ -430,7 +432,7 @@ def gradient_segments(plan: Plan) -> list[Segment]:
     """
     order = {sh.name: i for i, sh in enumerate(canonical_shards(plan.model))}
     holders: dict[str, list[tuple[int, RankView, ParamShard]]] = {}
-    for rank in range(plan.world_size):
+    for rank in range(plan.world_size) if ranks is None else sorted(ranks):
         v = plan.rank_view(rank)
         for shard in rank_param_shards(plan, rank):
             holders.setdefault(shard.name, []).append((rank, v, shard))
@@ -469,6 +471,23 @@ def gradient_segments(plan: Plan) -> list[Segment]:
                     )
                 )
     return segments
+
+
+def island_ranks(plan: Plan) -> list[tuple[int, ...]]:
+    """The ranks of each island's pipelines, in island order (planner.islands)."""
+    return [
+        tuple(sorted(r for p in pipes for r in plan.pipelines[p].ranks))
+        for pipes in plan.island_pipelines()
+    ]
+
+
+def island_segments(plan: Plan) -> list[Segment]:
+    """The segments the per-step gradient sync sums: `gradient_segments` over each island's
+    ranks, island after island (one island: the plan's own segments). Each island holds every
+    parameter, so its segments sum to the gradient of its own batch."""
+    if len(plan.island_pipelines()) == 1:
+        return gradient_segments(plan)
+    return [seg for ranks in island_ranks(plan) for seg in gradient_segments(plan, ranks)]
 
 
 def segment_numel(shape: Sequence[int], seg: Segment) -> int:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hexi.checkpoint.commit import agree
+from megatron_hexi.checkpoint.format import island_kind
 from megatron_hexi.checkpoint.reader import Checkpoint
 from megatron_hexi.checkpoint.state import (
     TrainState,
@@ -73,13 +74,27 @@ def load(trainer: TrainState, config: CheckpointConfig, verify: bool = True) -> 
                     f"[i x G, (i + 1) x G)) cannot continue; use --finetune to start at "
                     f"iteration 0 from these weights"
                 )
+            islands = len(plan.island_pipelines())
+            if ckpt.meta.get("islands", 1) != islands:
+                raise CheckpointError(
+                    f"{ckpt.dir}: saved with {ckpt.meta.get('islands', 1)} island(s), this plan "
+                    f"has {islands}: each island's weights continue only in an island of its own"
+                )
+            param_kind = island_kind("param", plan.rank_view(trainer.rank).island)
             with torch.no_grad():
                 for shard, param in trainer.params:
-                    param.copy_(ckpt.read_local(shard, "param", param.dtype))
-                moments = load_optim and ckpt.has_optimizer_state
-                restore_optimizer(trainer, ckpt, ckpt.meta["adam_step"] if moments else None)
+                    param.copy_(ckpt.read_local(shard, param_kind, param.dtype))
+                # each optimizer its own state: Adam's moments and step, or SGD's momentum
+                if trainer.optimizer.config.optimizer == "sgd":
+                    moments = load_optim and bool(ckpt.meta.get("sgd_momentum_state"))
+                    restore_optimizer(trainer, ckpt, 0 if moments else None, sgd=True)
+                else:
+                    moments = load_optim and ckpt.has_optimizer_state
+                    restore_optimizer(trainer, ckpt, ckpt.meta["adam_step"] if moments else None)
+                if plan.training.outer is not None:
+                    notes += _restore_outer(trainer, ckpt, load_optim)
         if load_optim and not moments:
-            notes.append("no optimizer state in the checkpoint: Adam starts fresh")
+            notes.append("no optimizer state for this optimizer in the checkpoint: it starts fresh")
         meta_path = os.path.join(ckpt.dir, METADATA)
         if not finetune and ckpt.meta["scheduler"]:
             try:
@@ -137,6 +152,25 @@ def load(trainer: TrainState, config: CheckpointConfig, verify: bool = True) -> 
             flush=True,
         )
     return Loaded(iteration, seconds, moments, rng_restored)
+
+
+def _restore_outer(trainer: TrainState, ckpt: Checkpoint, load_optim: bool) -> list[str]:
+    """The outer state (islands): theta_outer, the momentum and the fragments whose outer step
+    waits to be written, read by canonical ranges; without it in the checkpoint (or with the
+    optimizer state not loaded) the outer step starts afresh from the loaded weights."""
+    shapes = {shard.name: shard.shape for shard, _ in trainer.params}
+    if not (load_optim and any(kind == "outer_param" for kind, _ in ckpt.index)):
+        trainer.outer.restore(None, [])
+        return ["no outer state loaded: the outer step starts from the loaded weights"]
+
+    def read(kind: str, held: Any, out: torch.Tensor) -> None:
+        seg = held.range.segment
+        ckpt.read_range(
+            kind, seg.name, seg.dim, seg.start, seg.end - seg.start, shapes[seg.name], out
+        )
+
+    trainer.outer.restore(read, list(ckpt.meta.get("outer_landed", [])))
+    return []
 
 
 def _constant_scale(trainer: TrainState) -> bool:

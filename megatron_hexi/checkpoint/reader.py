@@ -32,6 +32,7 @@ from megatron_hexi.checkpoint.format import (
     NOT_COMPARED,
     RANK_FILE,
     entry_key,
+    is_kind,
     iteration_dir_name,
     tensor_bytes,
 )
@@ -111,7 +112,11 @@ META_KEYS = (
 )
 ROW_KEYS = (
     ("key", lambda v: isinstance(v, str), "a string"),
-    ("kind", lambda v: v in KINDS, f"one of {', '.join(KINDS)}"),
+    (
+        "kind",
+        is_kind,
+        f"one of {', '.join(KINDS)}, momentum_buffer (island<k>. before them), or outer_*",
+    ),
     ("name", lambda v: isinstance(v, str), "a string"),
     ("dim", _is_int, "an integer >= 0"),
     ("start", _is_int, "an integer >= 0"),

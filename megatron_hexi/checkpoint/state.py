@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from megatron_hexi.adam import step_state
-from megatron_hexi.checkpoint.format import KINDS
-from planner.layout import canonical_shards, gradient_segments, segment_numel
+from megatron_hexi.checkpoint.format import ADAM_MOMENTS, SGD_MOMENTS, island_kind
+from planner.layout import canonical_shards, island_segments, segment_numel
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_hexi.checkpoint.reader import Checkpoint
+    from megatron_hexi.outer_step import OuterStep
     from planner.layout import ParamShard, Segment
     from planner.plan import Plan
 
@@ -51,6 +52,9 @@ class TrainState(Protocol):
 
     @property
     def scheduler(self) -> OptimizerParamScheduler: ...
+
+    @property
+    def outer(self) -> OuterStep: ...
 
 
 class OwnedRange(NamedTuple):
@@ -76,11 +80,12 @@ class Run(NamedTuple):
 
 
 def writer_segments(plan: Plan) -> dict[int, list[Segment]]:
-    """{plan rank: [Segment]}: every atomic segment once, by the least-loaded rank holding it."""
+    """{plan rank: [Segment]}: every atomic segment once, by the least-loaded rank holding it;
+    under islands once per island (each island holds its own weights), by one of its ranks."""
     shapes = {s.name: s.shape for s in canonical_shards(plan.model)}
     load = [0] * plan.world_size
     out: dict[int, list[Segment]] = {r: [] for r in range(plan.world_size)}
-    for seg in gradient_segments(plan):
+    for seg in island_segments(plan):
         writer = min(seg.ranks, key=lambda r: (load[r], r))
         load[writer] += segment_numel(shapes[seg.name], seg)
         out[writer].append(seg)
@@ -154,13 +159,28 @@ def _state(optimizer: MegatronOptimizer) -> dict[torch.Tensor, dict[str, Any]]:
 def _with_moments(
     tensors: dict[str, torch.Tensor], state: Mapping[str, Any] | None
 ) -> dict[str, torch.Tensor]:
-    if state:
-        tensors.update(exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
+    for kind in (*ADAM_MOMENTS, *SGD_MOMENTS):
+        if state and state.get(kind) is not None:
+            tensors[kind] = state[kind]
     return tensors
 
 
 def owned_ranges(trainer: TrainState) -> list[OwnedRange]:
-    """What this rank writes: its canonical ranges of parameters and Adam moments."""
+    """What this rank writes: its canonical ranges of parameters and Adam moments (under its
+    island's kinds), and of the outer state it represents (islands)."""
+    island = trainer.plan.rank_view(trainer.rank).island
+    shapes = {shard.name: shard.shape for shard, _ in trainer.params}
+    outer = [
+        OwnedRange(name, dim, shapes[name], start, tensors)
+        for name, dim, start, tensors in trainer.outer.saved_ranges()
+    ]
+    return outer + [
+        r._replace(tensors={island_kind(k, island): t for k, t in r.tensors.items()})
+        for r in _model_ranges(trainer)
+    ]
+
+
+def _model_ranges(trainer: TrainState) -> list[OwnedRange]:
     opt = trainer.optimizer
     shapes = {shard.name: shard.shape for shard, _ in trainer.params}
     state = _state(opt)
@@ -194,27 +214,37 @@ def owned_ranges(trainer: TrainState) -> list[OwnedRange]:
     return out
 
 
+def holds_sgd_momentum(optimizer: MegatronOptimizer) -> bool:
+    """Whether this rank's optimizer holds SGD momentum buffers (--optimizer sgd, after step 1)."""
+    return any(s.get("momentum_buffer") is not None for s in _state(optimizer).values())
+
+
 def adam_steps(optimizer: MegatronOptimizer) -> set[int]:
     """The set of Adam step counts over this rank's optimizer state (empty before step 1)."""
     return {int(float(s["step"])) for s in _state(optimizer).values() if "step" in s}
 
 
 @torch.no_grad()
-def restore_optimizer(trainer: TrainState, ckpt: Checkpoint, adam_step: int | None) -> None:
+def restore_optimizer(
+    trainer: TrainState, ckpt: Checkpoint, adam_step: int | None, sgd: bool = False
+) -> None:
     """Fill the fp32 master weights from the checkpoint's params and, if adam_step is not None,
-    Adam's moments and step; otherwise the optimizer state stays empty (fresh Adam)."""
+    Adam's moments and step (`sgd`: SGD's momentum buffers instead); otherwise the optimizer
+    state stays empty (fresh). Under islands, each rank reads its own island's."""
     opt = trainer.optimizer
     state = _state(opt)
+    island = trainer.plan.rank_view(trainer.rank).island
+    kinds = SGD_MOMENTS if sgd else ADAM_MOMENTS
 
     def moments(
         name: str, dim: int, shape: Sequence[int], start: int, like: torch.Tensor, step: int
     ) -> dict[str, torch.Tensor]:
         out = {}
-        for kind in KINDS[1:]:
+        for kind in kinds:
             t = torch.empty(like.shape, dtype=torch.float32)
-            ckpt.read_range(kind, name, dim, start, like.shape[dim], shape, t)
+            ckpt.read_range(island_kind(kind, island), name, dim, start, like.shape[dim], shape, t)
             out[kind] = t.to(like.device, like.dtype)
-        return {"step": step_state(step, like, opt.optimizer), **out}
+        return out if sgd else {"step": step_state(step, like, opt.optimizer), **out}
 
     if _is_sharded(opt):
         shapes = {shard.name: shard.shape for shard, _ in trainer.params}
@@ -222,7 +252,15 @@ def restore_optimizer(trainer: TrainState, ckpt: Checkpoint, adam_step: int | No
             if not p.length:
                 continue
             value = torch.empty(p.master.shape, dtype=torch.float32)
-            ckpt.read_range("param", p.name, p.dim, p.global_start, p.length, shapes[p.name], value)
+            ckpt.read_range(
+                island_kind("param", island),
+                p.name,
+                p.dim,
+                p.global_start,
+                p.length,
+                shapes[p.name],
+                value,
+            )
             p.master.copy_(value)
             if adam_step is not None:
                 state[p.master] = moments(
@@ -233,11 +271,11 @@ def restore_optimizer(trainer: TrainState, ckpt: Checkpoint, adam_step: int | No
     for shard, param in trainer.params:
         mp = main[id(param)]
         if mp is not param:
-            mp.copy_(ckpt.read_local(shard, "param"))
+            mp.copy_(ckpt.read_local(shard, island_kind("param", island)))
         if adam_step is not None:
-            st = {"step": step_state(adam_step, mp, opt.optimizer)}
-            for kind in KINDS[1:]:
-                st[kind] = ckpt.read_local(shard, kind).to(mp.device, mp.dtype)
+            st = {} if sgd else {"step": step_state(adam_step, mp, opt.optimizer)}
+            for kind in kinds:
+                st[kind] = ckpt.read_local(shard, island_kind(kind, island)).to(mp.device, mp.dtype)
             state[mp] = st
 
 

@@ -36,7 +36,6 @@ from megatron_hexi.checkpoint.commit import (
 )
 from megatron_hexi.checkpoint.format import (
     FORMAT_VERSION,
-    KINDS,
     Entry,
     entry_key,
     iteration_dir_name,
@@ -51,6 +50,7 @@ from megatron_hexi.checkpoint.integrity import (
 from megatron_hexi.checkpoint.state import (
     TrainState,
     adam_steps,
+    holds_sgd_momentum,
     owned_ranges,
     rng_state,
     scaler_state,
@@ -150,14 +150,14 @@ def save(trainer: TrainState, save_dir: str, iteration: int) -> tuple[float, int
     )[0]
 
     index, size, non_finite_count, first_bad = [], 0, 0, None
+    landed: list[int] = []
     try:
-        entries = []
-        for r in owned_ranges(trainer):
-            for kind in KINDS:
-                if kind in r.tensors:
-                    entries.append(
-                        Entry(kind, r.name, r.dim, r.start, r.shape, r.tensors[kind].detach())
-                    )
+        landed = trainer.outer.finish_exchanges()  # the outer state is final before it is read
+        entries = [
+            Entry(kind, r.name, r.dim, r.start, r.shape, t.detach())
+            for r in owned_ranges(trainer)
+            for kind, t in r.tensors.items()
+        ]
         non_finite_count, first_bad = first_non_finite(entries)
         if entries and not non_finite_count:
             path = os.path.join(tmp_dir, rank_file_name(rank))
@@ -167,11 +167,13 @@ def save(trainer: TrainState, save_dir: str, iteration: int) -> tuple[float, int
     except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
         error = f"{type(e).__name__}: {e}"
     mine = {
+        "outer_landed": landed if not error else [],
         "plan_rank": rank,
         "index": index,
         "bytes": size,
         "rng": rng_state(),
         "adam_steps": sorted(adam_steps(trainer.optimizer)),
+        "sgd_momentum": holds_sgd_momentum(trainer.optimizer),
         "grad_scaler": scaler_state(trainer.optimizer),
         "error": error,
         "non_finite": (non_finite_count, first_bad),
@@ -216,6 +218,9 @@ def save(trainer: TrainState, save_dir: str, iteration: int) -> tuple[float, int
                 "adam_step": steps.pop() if steps else None,
                 "scheduler": trainer.scheduler.state_dict(),
                 "grad_scaler": everyone[0]["grad_scaler"],
+                "islands": len(plan.island_pipelines()),
+                "sgd_momentum_state": all(r["sgd_momentum"] for r in everyone),
+                "outer_landed": everyone[0]["outer_landed"],
                 "rng": {str(r["plan_rank"]): r["rng"] for r in everyone},
                 "files": {
                     rank_file_name(r["plan_rank"]): r["index"] for r in everyone if r["index"]

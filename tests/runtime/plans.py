@@ -166,3 +166,29 @@ def write_plan(directory, name, model, world, pipelines, recompute=False, **trai
     path = directory / f"{name}.json"
     save_plan(plan, path)
     return path
+
+
+# Islands (planner.islands): island 0 holds a pipeline with an uneven TP=2 stage before a TP=1
+# stage and a single-rank pipeline beside it (its sync runs over both); island 1 is one pipeline
+# of two one-rank stages (another shape, other shard boundaries). Islands weigh 6/8 and 2/8.
+ISLAND_PIPELINES = [
+    {
+        "micro_batch_size": 1,
+        "num_microbatches": 4,
+        "stages": [
+            {
+                "ranks": [0, 1],
+                "layers": [0, 3],
+                "shards": {"query_groups": [3, 1], "ffn": [192, 64], "vocab": [96, 32]},
+            },
+            {"ranks": [2], "layers": [3, 4]},
+        ],
+    },
+    {"micro_batch_size": 2, "num_microbatches": 1, "stages": [{"ranks": [3], "layers": [0, 4]}]},
+    {
+        "micro_batch_size": 1,
+        "num_microbatches": 2,
+        "stages": [{"ranks": [4], "layers": [0, 1]}, {"ranks": [5], "layers": [1, 4]}],
+    },
+]
+ISLANDS = [[0, 1], [2]]

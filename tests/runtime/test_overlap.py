@@ -148,7 +148,7 @@ def bucket_orders(plan, bucket_size, overlap=True):
     from planner.layout import gradient_segments, rank_param_shards
 
     segments = gradient_segments(plan)
-    groups = SimpleNamespace(launch_of=list(range(plan.world_size)), segment_groups={})
+    groups = SimpleNamespace(launch_of=list(range(plan.world_size)), segment_groups={}, island=None)
     order = {}
     for rank in range(plan.world_size):
         params = [

@@ -88,13 +88,13 @@ def _break_sync(defect):
         # (one contributor per stage, as without it): the other ranks' sequence parts are lost.
         from megatron_hexi import training
 
-        real_segments = training.gradient_segments
+        real_segments = training.island_segments
 
         def without_sequence_split(plan):
             t = dataclasses.replace(plan.training, sequence_parallel=False)
             return real_segments(dataclasses.replace(plan, training=t))
 
-        training.gradient_segments = without_sequence_split
+        training.island_segments = without_sequence_split
     elif defect is not None:
         raise ValueError(defect)
 
