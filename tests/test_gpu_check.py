@@ -7,24 +7,25 @@ table, exit codes) is the same with --device cpu and a tiny model, which is what
 import copy
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO
+from harness import run_script_with_environ
 
 SCRIPT = REPO / "tools" / "bench" / "gpu_check.py"
 
 
 def _run(*args, timeout=240):
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *map(str, args)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """`python gpu_check.py ARGS...` with this process's environment, as subprocess.run would
+    run it, but forked from the session's forkserver (torch already imported: the script's
+    own start costs no import; its torchrun launches are fresh processes as ever)."""
+    argv = [str(SCRIPT), *map(str, args)]
+    code, out, err = run_script_with_environ(argv, dict(os.environ), timeout=timeout, cwd=REPO)
+    return subprocess.CompletedProcess([sys.executable, *argv], code, out, err)
 
 
 @pytest.fixture(scope="module")

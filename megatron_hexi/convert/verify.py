@@ -4,6 +4,9 @@ random tokens, so that a user can trust a conversion under their own layout.
 The plan's ranks run on this machine, one process each, with the plan's stages and shards; only
 the batch is cut down: every pipeline runs one sample of `--seq-length` tokens (default: the
 model's, at most 256), so a plan made for a large global batch checks in seconds. The processes
+are forked from a forkserver that imported torch and the runtime once (each process importing
+them itself costs seconds per rank, and the ranks of a plan outnumber a small machine's cores);
+each takes the caller's environment as it is at the launch, as a spawned process would. They
 meet at a TCP store the parent holds from the start (no port is picked and released). Launch
 rank 0 gathers the logits; the parent runs transformers' model in fp32 on the same tokens and
 prints the largest logit difference relative to the largest logit.
@@ -24,6 +27,17 @@ if TYPE_CHECKING:  # torch is imported where used: `hexi-convert --help` stays f
 
 TOLERANCE = 1e-5  # fp32 on both sides; the tests see 2-3e-6 on tiny models
 DEFAULT_MAX_TOKENS = 256
+# What the forkserver imports before it forks the ranks. A server already running in this process
+# (started by an earlier launch) is used as it is.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "megatron.core",
+    "megatron_hexi.arguments",
+    "megatron_hexi.checkpoint",
+    "megatron_hexi.inference",
+    "megatron_hexi.training",
+]
 
 
 def verification_plan(plan_dict: dict[str, Any], seq_length: int) -> dict[str, Any]:
@@ -46,9 +60,13 @@ def _rank(
     port: int,
     tokens_path: str,
     out: str,
+    environ: dict[str, str],
 ) -> None:
-    """One rank: the runtime's model under the plan, loaded, one forward pass. Its identity is
-    set in its own environment only (the caller's stays as it was)."""
+    """One rank: the runtime's model under the plan, loaded, one forward pass. It takes the
+    caller's environment `environ` (a forked process has the server's), then its identity, in
+    its own environment only (the caller's stays as it was)."""
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(RANK=str(local), LOCAL_RANK=str(local), WORLD_SIZE=str(world))
     try:
         import torch
@@ -98,6 +116,8 @@ def runtime_logits(
     plan_path: str, load: str, device: str, tokens: torch.Tensor, world: int, timeout_s: float
 ) -> torch.Tensor:
     """Launch `world` ranks on this machine and return launch rank 0's logits."""
+    import multiprocessing
+
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -113,12 +133,13 @@ def runtime_logits(
             timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
         )
+        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
         context = mp.start_processes(
             _rank,
-            args=(world, plan_path, load, device, store.port, tokens_path, out),
+            args=(world, plan_path, load, device, store.port, tokens_path, out, dict(os.environ)),
             nprocs=world,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
         try:

@@ -154,13 +154,18 @@ def test_verify_passes_a_good_conversion_and_catches_an_altered_one(
 
     Both calls load the same checkpoint under the same plan on the same tokens, so the plan's
     ranks are launched once: the second call's runtime logits are the first's, handed back
-    only for the very same arguments (the plan file's content, checkpoint, device, tokens)."""
+    only for the very same arguments (the plan file's content, checkpoint, device, tokens).
+    verify forks its ranks from this process's forkserver: the session's (torch imported once),
+    started here if no test has started it yet."""
     import shutil
 
     from safetensors.torch import save_file
 
+    import forkserver
     from megatron_hexi.convert import verify
     from megatron_hexi.convert.cli import main
+
+    forkserver.context()
 
     launched = []
     launch = verify.runtime_logits
