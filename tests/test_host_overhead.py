@@ -42,7 +42,8 @@ def test_both_variants_compute_the_same_losses_and_the_ratio_line_comes_last():
     ratios = re.findall(r"paired ratio of CPU time over 2 rounds: median (\S+)x", r.stdout)
     last = r.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"host overhead ratio: \d+\.\d\dx", last), last
-    assert ratios and abs(float(ratios[0]) - float(last.split()[-1][:-1])) <= 0.005
+    # one median, printed to 3 decimals and to 2: they differ by at most 0.0005 + 0.005
+    assert ratios and abs(float(ratios[0]) - float(last.split()[-1][:-1])) < 0.0055 + 1e-9
 
 
 def test_bad_sizes_are_one_clear_error():

@@ -319,6 +319,8 @@ class _AllOwned:
     """Stands in for a GradientSync whose rank owns every gradient: what the optimizer's exact
     norm reads (a single rank holds the whole stage)."""
 
+    norm_group = None  # the norm sums over the world, which is this one rank
+
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
         self.params = params
 
