@@ -1,4 +1,5 @@
-"""--exit-duration-in-mins and --manual-gc, as Megatron-LM's training loop does them.
+"""--exit-duration-in-mins, --manual-gc and the loop's other stops (`stop_line`: a signal,
+--exit-interval), as Megatron-LM's training loop does them.
 
 The duration counts from the earliest start-up of any rank (megatron_hexi.start_time, imported
 by megatron_hexi.entry before the command line is parsed); after each iteration the ranks agree
@@ -12,11 +13,15 @@ from __future__ import annotations
 
 import gc
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_hexi.start_time import STARTED as START
+
+if TYPE_CHECKING:
+    from megatron_hexi.exit_signal import ExitSignal
 
 
 class ExitDuration:
@@ -64,3 +69,30 @@ class ManualGC:
     def around_evaluation(self) -> None:
         if self.on:
             gc.collect()
+
+
+def stop_line(
+    iteration: int,
+    stop: ExitSignal | None,
+    duration: ExitDuration | None,
+    exit_interval: int | None,
+) -> tuple[str, bool] | None:
+    """Whether the loop ends after `iteration`: (the line rank 0 prints, whether the run was
+    signalled or ran out of time: it saves, then goes without evaluating), or None to go on.
+    Collective (the signal and the duration are agreed on by all-reduce), in this order: every
+    rank calls it after every iteration."""
+    if stop is not None and stop.agreed():
+        return (
+            f" received signal {stop.signum.name} at iteration {iteration}: saving and exiting "
+            f"(--exit-signal-handler)",
+            True,
+        )
+    if duration is not None and duration.passed():
+        return (
+            f" exiting program after {duration.elapsed_minutes():.2f} minutes at iteration "
+            f"{iteration} (--exit-duration-in-mins {duration.minutes:g})",
+            True,
+        )
+    if exit_interval and iteration % exit_interval == 0:
+        return f" exiting at iteration {iteration} (--exit-interval {exit_interval})", False
+    return None

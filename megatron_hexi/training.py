@@ -66,7 +66,8 @@ from megatron_hexi.outer_step import OuterStep
 from megatron_hexi.process_groups import SingleRank, StagePosition, build_groups
 from megatron_hexi.rank_mapping import map_processes
 from megatron_hexi.report import error_lines, prints
-from megatron_hexi.run_limits import ExitDuration, ManualGC
+from megatron_hexi.run_datasets import eval_window, run_datasets
+from megatron_hexi.run_limits import ExitDuration, ManualGC, stop_line
 from megatron_hexi.run_paths import check_run_paths
 from megatron_hexi.startup_plan import plan_at_start, resume_iteration
 from megatron_hexi.step_accounting import StepClock, batches_to_device, loss_mask_tokens
@@ -77,11 +78,9 @@ from planner.flops import model_flops_per_sample
 from planner.layout import island_segments, rank_params, reduced_together, total_params
 
 if TYPE_CHECKING:
-    from megatron.core.datasets.blended_megatron_dataset_builder import TopLevelDataset
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_hexi.config import EvaluationConfig, RunConfig
-    from megatron_hexi.tokenizer import TextTokenizer
+    from megatron_hexi.config import RunConfig
     from planner.plan import Plan
 
     # What the loss function of a micro-batch returns to megatron-core's schedule: the loss sum,
@@ -187,23 +186,7 @@ class Trainer:
             device,
             sequence_parallel=view.sequence_parallel,
         )
-        # Every rank takes part: megatron-core's dataset builder synchronises the whole world
-        # (rank 0 builds first). Only first and last stages read from it.
-        from megatron_hexi.tokenizer import build_tokenizer
-
-        tokenizer = build_tokenizer(config.data)
-        self.dataset = build_dataset(plan, config, tokenizer)
-        self.valid_dataset = (
-            build_valid_dataset(plan, config, tokenizer) if config.evaluation.batches else None
-        )
-        startup_line(
-            f"data ready: {len(self.dataset)} training samples"
-            + (
-                f", {len(self.valid_dataset)} validation samples"
-                if self.valid_dataset is not None
-                else ""
-            )
-        )
+        self.dataset, self.valid_dataset = run_datasets(plan, config)
         self.global_tokens: float | None = None
         self.evaluations: list[dict[str, Any]] = []  # validation losses of this run (`run`)
         self.checkpoint_events: list[dict[str, Any]] = []  # loads and saves of this run (`run`)
@@ -441,52 +424,6 @@ class Trainer:
         return gather_full_parameters(self.plan, self.rank, self.params, self.groups)
 
 
-def build_dataset(
-    plan: Plan, config: RunConfig, tokenizer: TextTokenizer | None
-) -> TopLevelDataset:
-    """The training dataset of a run: its DataConfig, long enough for its iterations, in the order
-    its seed draws; `tokenizer` is its corpus's (None for mock data)."""
-    from megatron_hexi.data import build_train_dataset
-
-    return build_train_dataset(
-        config.data,
-        plan,
-        train_iters=config.training.train_iters,
-        seed=config.training.seed,
-        tokenizer=tokenizer,
-    )
-
-
-def build_valid_dataset(
-    plan: Plan, config: RunConfig, tokenizer: TextTokenizer | None
-) -> TopLevelDataset:
-    """The validation samples of a run: one window of eval_iters global batches per evaluation
-    it can make (every eval_interval iterations, and one at the end), Megatron-LM's count."""
-    from megatron_hexi.data import build_valid_dataset as build
-
-    ev, iters = config.evaluation, config.training.train_iters
-    windows = eval_window(iters, iters, ev, end=True) + 1
-    return build(
-        config.data,
-        plan,
-        num_samples=windows * ev.batches * plan.global_batch_size,
-        seed=config.training.seed,
-        tokenizer=tokenizer,
-    )
-
-
-def eval_window(iteration: int, train_iters: int, ev: EvaluationConfig, *, end: bool) -> int:
-    """Which window of validation batches the evaluation at `iteration` reads: the k-th
-    evaluation every eval_interval reads window k - 1, the one at the end of a run the next.
-    A function of the iteration alone, so a resumed run evaluates the batches an uninterrupted
-    one would (Megatron-LM's iterator moves on in the same way). A checkpoint past
-    `train_iters` (--skip-train on it) reads the last window there is."""
-    if not ev.eval_interval:
-        return 0
-    window = min(iteration, train_iters) // ev.eval_interval
-    return window if end else window - 1
-
-
 def run(
     plan: Plan, config: RunConfig, device: torch.device, plan_file: str | None = None
 ) -> tuple[Trainer, list[dict[str, Any]]]:
@@ -577,30 +514,11 @@ def _train(
             if ckpt.save and ckpt.save_interval and (it + 1) % ckpt.save_interval == 0:
                 save_at(trainer, ckpt.save, it + 1)
                 saved = it + 1
-            if stop is not None and stop.agreed():
-                signalled = True
+            ending = stop_line(it + 1, stop, duration, train.exit_interval)
+            if ending is not None:
+                line, signalled = ending
                 if rank == 0:
-                    print(
-                        f" received signal {stop.signum.name} at iteration {it + 1}: saving and "
-                        f"exiting (--exit-signal-handler)",
-                        flush=True,
-                    )
-                break
-            if duration is not None and duration.passed():
-                signalled = True  # out of time: save, then go (as Megatron-LM, no evaluation)
-                if rank == 0:
-                    print(
-                        f" exiting program after {duration.elapsed_minutes():.2f} minutes at "
-                        f"iteration {it + 1} (--exit-duration-in-mins {duration.minutes:g})",
-                        flush=True,
-                    )
-                break
-            if train.exit_interval and (it + 1) % train.exit_interval == 0:
-                if rank == 0:
-                    print(
-                        f" exiting at iteration {it + 1} (--exit-interval {train.exit_interval})",
-                        flush=True,
-                    )
+                    print(line, flush=True)
                 break
         last = first + len(history)
         trainer.settle_parameters()

@@ -13,7 +13,8 @@ This module owns the rules and the arithmetic the planner and the runtime share:
 - the outer step's schedule: which layers form fragment f and after which inner steps it syncs;
 - the outer update itself (`outer_update`), written once for the runtime and the reference;
 - the bytes one rank sends across islands for a buffer of n elements (`outer_bytes_sent`), so
-  the runtime's metric and the planner's prediction are one formula.
+  the runtime's metric and the planner's prediction are one formula (summed per range by
+  planner.outer_traffic).
 
 Semantics, which the runtime and the tests' one-process reference follow exactly:
 - Outer gradient of island k: Delta_k = theta_outer - theta_k (the parameters at the last outer
@@ -34,9 +35,14 @@ Semantics, which the runtime and the tests' one-process reference follow exactly
   that step's optimizer update, which then applies to the landed parameters. With F = 1 the outer
   step runs right after the H-th inner step's optimizer update and blocks.
 - Who sends: the pipelines of one island hold equal parameters, so for each canonical range one
-  holder per island exchanges it across islands: the holder in the island's lowest-numbered
-  pipeline (its representative). It then hands the result to the range's other holders in its
-  island, over the island's own links.
+  rank per island exchanges it across islands (its representative) and the result reaches the
+  range's other holders in the island over the island's own links. planner.outer_traffic is the
+  one statement of the ranges, their representatives and the bytes each rank sends; the runtime,
+  its byte metric and the simulator all read it. Without the distributed optimizer the
+  representative is the holder in the island's lowest-numbered pipeline (its lowest rank there),
+  which hands the result on; with it, the ranges are cut further where the island's fp32 master
+  parts end, the representative is the owner of the range's master part, and the optimizer's
+  parameter all-gather hands the result on.
 """
 
 from __future__ import annotations

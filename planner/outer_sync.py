@@ -1,8 +1,8 @@
 """The outer sync of islands, as the simulator costs it: bytes per fragment, seconds, overlap.
 
-planner.islands fixes what crosses islands: each island's representatives (the ranks of its
-lowest-numbered pipeline) send their canonical ranges of the fragment, `outer_bytes_sent` bytes
-per buffer (one buffer per rank and fragment). This module turns that into time:
+planner.outer_traffic fixes what crosses islands: which rank of each island represents each
+canonical range, and the bytes it sends for it (`outer_bytes_by_fragment`, the runtime's metric
+too). This module turns that into time:
 
 - a rank's exchange runs over its link to the other islands' representatives (topology: the
   slower of NIC and site link), with 2 (k - 1) latency hops for the fp32 ring and k - 1 for the
@@ -21,12 +21,12 @@ The outer update itself (a few fp32 vector operations per element) is neglected.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from planner.islands import fragment_layers, fragment_offset, outer_bytes_sent
-from planner.layout import param_shards
+from planner.islands import fragment_offset
+from planner.layout import island_ranks
+from planner.outer_traffic import outer_bytes_by_fragment
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 # fp32 outer parameters (theta_outer) and fp32 outer momentum, per element a rank keeps
 OUTER_BYTES_PER_PARAM = 8
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 class OuterSync(NamedTuple):
@@ -46,38 +45,6 @@ class OuterSync(NamedTuple):
     fragment_bytes: tuple[int, ...]  # bytes all islands send for each fragment
 
 
-def _fragment_of(name: str, num_layers: int, bounds: Sequence[tuple[int, int]]) -> int:
-    """Fragment of a canonical parameter: its layer's; embedding first, final norm/output last."""
-    m = _LAYER.match(name)
-    if m is None:
-        return 0 if name.startswith("embedding.") else len(bounds) - 1
-    layer = int(m.group(1))
-    return next(f for f, (lo, hi) in enumerate(bounds) if lo <= layer < hi)
-
-
-def representative_elements(plan: Plan, pipeline: int, fragments: int) -> dict[int, list[int]]:
-    """{rank: elements per fragment} of one pipeline's ranks, each canonical range counted once
-    (the lowest rank holding it: TP replicas and a tied embedding's second copy send nothing)."""
-    bounds = fragment_layers(plan.model.num_layers, fragments)
-    taken: dict[str, list[tuple[int, int]]] = {}
-    out: dict[int, list[int]] = {}
-    for rank in sorted(plan.pipelines[pipeline].ranks):
-        counts = out.setdefault(rank, [0] * fragments)
-        for sh in param_shards(plan.model, plan.rank_view(rank)):
-            row = 1
-            for i, n in enumerate(sh.shape):
-                if i != sh.dim:
-                    row *= n
-            have = taken.setdefault(sh.name, [])
-            f = _fragment_of(sh.name, plan.model.num_layers, bounds)
-            for p in sh.pieces:
-                lo, hi = p.global_start, p.global_start + p.length
-                new = hi - lo - sum(max(0, min(hi, b) - max(lo, a)) for a, b in have)
-                have.append((lo, hi))
-                counts[f] += new * row
-    return out
-
-
 def outer_sync(plan: Plan, topo: Topology, windows: Sequence[float]) -> OuterSync:
     """The outer sync of `plan` (with training.outer); `windows`: per island the seconds an
     exchange can hide in (its 1F1B time plus its slack behind the slowest island)."""
@@ -87,8 +54,9 @@ def outer_sync(plan: Plan, topo: Topology, windows: Sequence[float]) -> OuterSyn
     k, frags = len(islands), outer.fragments
     if k <= 1:
         return OuterSync(0.0, 0.0, (0.0,) * frags, (0,) * frags)
-    reps = [representative_elements(plan, min(pipes), frags) for pipes in islands]
-    site = [topo.nodes[topo.node_of[min(r)]].site for r in reps]
+    sent_by = outer_bytes_by_fragment(plan)
+    reps = [{r: sent_by[r] for r in ranks if any(sent_by[r])} for ranks in island_ranks(plan)]
+    site = [topo.nodes[topo.node_of[min(plan.pipelines[min(p)].ranks)]].site for p in islands]
     rep_nodes = [sorted({topo.node_of[r] for r in rr}) for rr in reps]
     hops = 2 * (k - 1) if outer.compression == "none" else k - 1
     times, sent, crossing = [], [], 0
@@ -98,8 +66,8 @@ def outer_sync(plan: Plan, topo: Topology, windows: Sequence[float]) -> OuterSyn
         nic_load: dict[int, int] = {}
         for i, rr in enumerate(reps):
             island_bytes = 0
-            for r, counts in rr.items():
-                b = outer_bytes_sent(counts[f], k, outer.compression)
+            for r, by_fragment in rr.items():
+                b = by_fragment[f]
                 if b == 0:
                     continue
                 n = topo.node_of[r]

@@ -13,9 +13,11 @@ weights), "exp_avg" or "exp_avg_sq" (Adam's moments share the parameter layout),
 "momentum_buffer" (--optimizer sgd). Under islands (planner.islands) island k > 0 writes its own
 as "island<k>.<kind>", and the outer step's state is written once as "outer_param" and
 "outer_momentum"; checkpoint.json records the island count and the fragments whose outer step
-waits to be written. The model is cut into the atomic segments of the gradient sync, and each
-segment is written exactly once (per island), by the least-loaded rank that holds it (TP
-replicas and pipeline replicas are not written twice).
+waits to be written. A plan loads a checkpoint of as many islands, or of one island: then every
+island starts from its weights and optimizer state, the outer step afresh. The model is cut
+into the atomic segments of the gradient sync, and each segment is written exactly once (per
+island), by the least-loaded rank that holds it (TP replicas and pipeline replicas are not
+written twice).
 Loading reads, for every local piece, the overlapping ranges from whichever files hold them
 (safetensors `get_slice`: a rank reads only what it needs), so a checkpoint saved under plan A
 loads under plan B of the same model; the optimizer state reshards the same way.

@@ -74,24 +74,34 @@ def load(trainer: TrainState, config: CheckpointConfig, verify: bool = True) -> 
                     f"[i x G, (i + 1) x G)) cannot continue; use --finetune to start at "
                     f"iteration 0 from these weights"
                 )
-            islands = len(plan.island_pipelines())
-            if ckpt.meta.get("islands", 1) != islands:
+            islands, saved = len(plan.island_pipelines()), ckpt.meta.get("islands", 1)
+            if saved not in (1, islands):
                 raise CheckpointError(
-                    f"{ckpt.dir}: saved with {ckpt.meta.get('islands', 1)} island(s), this plan "
-                    f"has {islands}: each island's weights continue only in an island of its own"
+                    f"{ckpt.dir}: saved with {saved} islands, this plan has {islands}: each "
+                    f"island's weights continue only in an island of its own (a one-island "
+                    f"checkpoint starts every island)"
                 )
-            param_kind = island_kind("param", plan.rank_view(trainer.rank).island)
+            # a one-island checkpoint starts every island from its weights and optimizer state
+            source = 0 if saved == 1 else plan.rank_view(trainer.rank).island
+            param_kind = island_kind("param", source)
             with torch.no_grad():
                 for shard, param in trainer.params:
                     param.copy_(ckpt.read_local(shard, param_kind, param.dtype))
                 # each optimizer its own state: Adam's moments and step, or SGD's momentum
                 if trainer.optimizer.config.optimizer == "sgd":
                     moments = load_optim and bool(ckpt.meta.get("sgd_momentum_state"))
-                    restore_optimizer(trainer, ckpt, 0 if moments else None, sgd=True)
+                    restore_optimizer(trainer, ckpt, 0 if moments else None, True, source)
                 else:
                     moments = load_optim and ckpt.has_optimizer_state
-                    restore_optimizer(trainer, ckpt, ckpt.meta["adam_step"] if moments else None)
-                if plan.training.outer is not None:
+                    step = ckpt.meta["adam_step"] if moments else None
+                    restore_optimizer(trainer, ckpt, step, island=source)
+                if plan.training.outer is not None and saved == 1 < islands:
+                    trainer.outer.restore(None, [])  # theta_outer = the weights, momentum 0
+                    notes.append(
+                        f"a one-island checkpoint: each of the {islands} islands starts from "
+                        f"its weights, the outer step afresh"
+                    )
+                elif plan.training.outer is not None:
                     notes += _restore_outer(trainer, ckpt, load_optim)
         if load_optim and not moments:
             notes.append("no optimizer state for this optimizer in the checkpoint: it starts fresh")

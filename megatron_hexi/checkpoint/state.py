@@ -226,14 +226,20 @@ def adam_steps(optimizer: MegatronOptimizer) -> set[int]:
 
 @torch.no_grad()
 def restore_optimizer(
-    trainer: TrainState, ckpt: Checkpoint, adam_step: int | None, sgd: bool = False
+    trainer: TrainState,
+    ckpt: Checkpoint,
+    adam_step: int | None,
+    sgd: bool = False,
+    island: int | None = None,
 ) -> None:
     """Fill the fp32 master weights from the checkpoint's params and, if adam_step is not None,
     Adam's moments and step (`sgd`: SGD's momentum buffers instead); otherwise the optimizer
-    state stays empty (fresh). Under islands, each rank reads its own island's."""
+    state stays empty (fresh). Under islands, each rank reads the saved island `island` (None:
+    its own island's)."""
     opt = trainer.optimizer
     state = _state(opt)
-    island = trainer.plan.rank_view(trainer.rank).island
+    if island is None:
+        island = trainer.plan.rank_view(trainer.rank).island
     kinds = SGD_MOMENTS if sgd else ADAM_MOMENTS
 
     def moments(

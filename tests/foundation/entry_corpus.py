@@ -141,8 +141,8 @@ def data_startup(argv) -> int:
     validation datasets, through the functions training itself calls; a SpecError is printed as
     pretrain_gpt.py prints it."""
     from megatron_hexi.arguments import parse_args, run_config
+    from megatron_hexi.run_datasets import build_dataset, build_valid_dataset
     from megatron_hexi.tokenizer import build_tokenizer
-    from megatron_hexi.training import build_dataset, build_valid_dataset
     from planner.errors import SpecError
     from planner.plan import load_plan
 

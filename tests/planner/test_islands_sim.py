@@ -5,12 +5,13 @@ import re
 
 import pytest
 
-from planner import outer_sync as outer_sync_module
+from planner import outer_traffic
 from planner.cluster import load_cluster
 from planner.islands import OuterSettings
 from planner.layout import rank_params, total_params
 from planner.models import load_model
-from planner.outer_sync import outer_sync, representative_elements
+from planner.outer_sync import outer_sync
+from planner.outer_traffic import outer_bytes_by_fragment, outer_bytes_per_rank, outer_ranges
 from planner.plan import build_plan
 from planner.simulator import simulate
 from planner.topology import Topology
@@ -32,13 +33,22 @@ def _plan(examples_dir, outer=None, islands=((0,), (1,)), **kw):
     return build_plan(cluster, load_model("tiny"), 8, PIPELINES, islands=islands, outer=outer, **kw)
 
 
+def representative_elements(plan, island):
+    """{rank: elements it represents per fragment} of one island's ranks (planner.outer_traffic)."""
+    out = {}
+    for r in outer_ranges(plan):
+        rep = r.representatives[island]
+        out.setdefault(rep, [0] * plan.training.outer.fragments)[r.fragment] += r.numel
+    return out
+
+
 def test_representatives_send_each_range_once(examples_dir):
     plan = _plan(examples_dir, OuterSettings(10))
     p = total_params(plan.model)
-    r0 = representative_elements(plan, 0, 1)
+    r0 = representative_elements(plan, 0)
     # TP 2: rank 0 sends the replicated norms once, the sharded rest is cut in halves
     assert r0 == {0: [(p - REPLICATED) // 2 + REPLICATED], 1: [(p - REPLICATED) // 2]}
-    r1 = representative_elements(plan, 1, 2)
+    r1 = representative_elements(_plan(examples_dir, OuterSettings(10, fragments=2)), 1)
     assert r1 == {2: [rank_params(plan, 2), 0], 3: [0, rank_params(plan, 3)]}
     assert sum(r1[2]) + sum(r1[3]) == p
 
@@ -70,15 +80,18 @@ def test_outer_sync_by_hand_int8_fragments(examples_dir):
     h, f = 4, 2
     plan = _plan(examples_dir, OuterSettings(h, compression="int8", fragments=f))
     topo = Topology(plan.cluster)
-    elems = {**representative_elements(plan, 0, f), **representative_elements(plan, 1, f)}
 
-    def int8(e):  # one island's payload, sent to the one other island
+    def int8(e):  # one island's payload of one range, sent to the one other island
         return e + 4 * math.ceil(e / 256)
 
-    frag_bytes = [sum(int8(e[k]) for e in elems.values()) for k in range(f)]
+    sent = {}  # (rank, fragment) -> bytes: one int8 buffer per range, as the runtime sends
+    for r in outer_ranges(plan):
+        for rep in r.representatives:
+            sent[rep, r.fragment] = sent.get((rep, r.fragment), 0) + int8(r.numel)
+    frag_bytes = [sum(b for (_, k), b in sent.items() if k == fk) for fk in range(f)]
     assert plan.model.num_layers == 4  # fragment 0: embedding + layers 0-1; 1: the rest
     island_bytes = [
-        [sum(int8(elems[r][k]) for r in (0, 1)), sum(int8(elems[r][k]) for r in (2, 3))]
+        [sum(sent.get((r, k), 0) for r in (0, 1)), sum(sent.get((r, k), 0) for r in (2, 3))]
         for k in range(f)
     ]
     times = [max(b) / SITE_BW + SITE_LAT for b in island_bytes]  # all-gather: 1 hop
@@ -96,11 +109,33 @@ def test_broken_byte_count_is_caught(examples_dir, monkeypatch):
     """Counting int8 as fp32 (a wrong outer_bytes_sent) must break the hand comparison."""
     plan = _plan(examples_dir, OuterSettings(4, compression="int8"))
     good = outer_sync(plan, Topology(plan.cluster), [0.0, 0.0])
-    monkeypatch.setattr(
-        outer_sync_module, "outer_bytes_sent", lambda e, k, c: 2 * (k - 1) * 4 * e // k
-    )
+    monkeypatch.setattr(outer_traffic, "outer_bytes_sent", lambda e, k, c: 2 * (k - 1) * 4 * e // k)
     bad = outer_sync(plan, Topology(plan.cluster), [0.0, 0.0])
     assert bad.fragment_bytes[0] > 3 * good.fragment_bytes[0]
+
+
+@pytest.mark.parametrize(
+    "outer, dist",
+    [
+        (OuterSettings(10), False),
+        (OuterSettings(4, compression="int8", fragments=2), False),
+        (OuterSettings(6, compression="bf16", fragments=3), False),
+        (OuterSettings(10), True),
+        (OuterSettings(4, compression="int8", fragments=2), True),
+    ],
+)
+def test_simulated_bytes_are_the_runtimes(examples_dir, outer, dist):
+    """The simulator's cross-site bytes are planner.outer_traffic's, which the runtime's metric
+    is checked against: per fragment, and per step (both islands' next island is on the other
+    site, so every byte crosses a site link)."""
+    plan = _plan(examples_dir, outer, use_distributed_optimizer=dist)
+    sent = outer_bytes_by_fragment(plan)
+    got = outer_sync(plan, Topology(plan.cluster), [0.0, 0.0])
+    assert got.fragment_bytes == tuple(sum(row[f] for row in sent) for f in range(outer.fragments))
+    est = simulate(plan)
+    assert est.cross_site_bytes_per_step == sum(outer_bytes_per_rank(plan)) / outer.interval
+    if dist:  # representatives are the masters' owners: every rank of an island sends
+        assert all(sum(row) > 0 for row in sent)
 
 
 def test_outer_state_memory(examples_dir):

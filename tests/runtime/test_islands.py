@@ -139,6 +139,33 @@ def test_degenerate_islands_are_synchronous(overlap, islands, sgd_reference, tmp
     assert loss < TOLERANCE and max(params) < TOLERANCE
 
 
+def test_one_island_checkpoint_starts_every_island(sgd_reference, tmp_path):
+    """A synchronous checkpoint (one island, SGD with momentum) loaded under a plan with two
+    islands: every island starts from its weights and momentum buffers, the outer step afresh
+    (theta_outer = those weights). With the degenerate outer step (H = 1, sgd lr 1, momentum 0)
+    the continued run is the synchronous one: steps 3-4 equal the uninterrupted one-rank run.
+    An island started from other weights or a fresh momentum, or theta_outer not the loaded
+    weights, would move the average off the synchronous step."""
+    ckpt = str(tmp_path / "ckpt")
+    sync = write_plan(tmp_path, "sync", "tiny", 6, ISLAND_PIPELINES)
+    first = run_distributed(
+        train, 6, sync, extra_flags=[*SGD_FLAGS, "--save", ckpt, "--exit-interval", "2"]
+    )[0]
+    outer = OuterSettings(interval=1, optimizer="sgd", lr=1.0, momentum=0.0)
+    path = write_plan(tmp_path, "isl", "tiny", 6, ISLAND_PIPELINES, islands=ISLANDS, outer=outer)
+    resumed = run_distributed(
+        train_islands, 6, path, extra_flags=[*SGD_FLAGS, "--load", ckpt], timeout=400
+    )[0]
+    meta = json.loads((tmp_path / "ckpt" / "iter_0000002" / "checkpoint.json").read_text())
+    assert meta.get("islands", 1) == 1
+    loss = _losses_difference(first["losses"] + resumed["losses"], sgd_reference["losses"])
+    params = [_params_difference(p, sgd_reference["params"]) for p in resumed["islands"]]
+    print(f"one-island checkpoint into two islands: loss {loss:.2e}, parameters {params}")
+    assert len(first["losses"]) == 2 and len(resumed["losses"]) == 2
+    assert resumed["outer_step"] == [True] * 2
+    assert loss < TOLERANCE and max(params) < TOLERANCE
+
+
 @pytest.fixture(scope="module")
 def diloco_runs(tmp_path_factory):
     """The reference for both outer settings, in one launch: {name: (plan path, result)}."""

@@ -202,7 +202,7 @@ def test_evaluation_windows_follow_the_iteration():
     """Evaluation k every eval_interval reads window k - 1, the end of the run the next one; a
     checkpoint past --train-iters (--skip-train on it) reads the last window built."""
     from megatron_hexi.config import EvaluationConfig
-    from megatron_hexi.training import eval_window
+    from megatron_hexi.run_datasets import eval_window
 
     ev = EvaluationConfig(eval_interval=3, eval_iters=2)
     assert [eval_window(i, 9, ev, end=False) for i in (3, 6, 9)] == [0, 1, 2]

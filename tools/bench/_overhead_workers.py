@@ -66,7 +66,7 @@ def run_config(iters):
 def _samples(config, plan):
     """Every sample the run reads, materialised once (same tokens for both variants, and no
     data-loading cost inside the timed step)."""
-    from megatron_hexi.training import build_dataset
+    from megatron_hexi.run_datasets import build_dataset
 
     ds = build_dataset(plan, config, None)  # mock data: no tokenizer
     return [ds[i] for i in range(config.training.train_iters * plan.global_batch_size)]
