@@ -4,10 +4,11 @@ that cross islands per token, trained by the runtime on a real corpus.
     python tools/bench/islands_convergence.py [--iters 256] [--runs H:M ...] [--json F]
 
 The corpus is real English prose that every Python installation carries: the documentation
-topics of `pydoc_data.topics` (about 420,000 characters; the count depends on the Python version), cut into paragraphs, 1 in 20 held out
-for validation. A BPE tokenizer of 2,048 tokens is trained on it, and tools/preprocess_data.py
-writes the indexed dataset. The model is a 4-layer GPT (hidden 128, FFN 512, 4 heads, sequence
-128); inner AdamW at lr 1e-3 after 16 warm-up steps, clipping 1.0, no dropout.
+topics of `pydoc_data.topics` (about 420,000 characters; the count depends on the Python
+version), cut into paragraphs, 1 in 20 held out for validation. A BPE tokenizer of 2,048 tokens
+is trained on it, and tools/preprocess_data.py writes the indexed dataset. The model is a 4-layer
+GPT (hidden 128, FFN 512, 4 heads, sequence 128); inner AdamW at lr 1e-3 after 16 warm-up
+steps, clipping 1.0, no dropout.
 
 Each row trains the same pipelines for the same number of steps (equal tokens: the global batch
 is the same) from the same initial weights and samples, then evaluates the validation loss over
