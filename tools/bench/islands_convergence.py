@@ -213,7 +213,7 @@ def make_plan(islands, pipelines, interval, momentum):
     outer = None
     groups = ()
     if interval:
-        outer = OuterSettings(interval=interval, optimizer="nesterov", lr=0.7, momentum=momentum)
+        outer = OuterSettings(interval=interval, momentum=momentum)  # the plan's defaults
         groups = tuple((p,) for p in range(islands))
     return build_plan(
         load_cluster_dict(CLUSTER, "cluster"),
