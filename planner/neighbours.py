@@ -16,8 +16,17 @@ Link speeds are neighbours too: the pipeline orders and stage counts the search 
 on what the links between machines cost, and a layout laid out for slower or faster links can
 win at the requested speed (paper-hetero-b, llama-30b at 4,096 tokens: the plan searched at
 25 Gbit/s, re-costed at 10, made 11,403 tokens/s against the 10 Gbit/s plan's own 11,395). The
-finalists' partitions are also laid out on the same cluster with every link between machines
-LINK_SCALES times as fast, and the simulator scores them on the real links.
+best partitions are also laid out on the same cluster with every link between machines
+LINK_SCALES times as fast, with sequence parallelism as asked and toggled, polished as the
+search polishes its own finalists, and the simulator scores them on the real links.
+
+Why a quarter to four times, and sequence parallelism toggled there too: a search's answer may
+itself come from one of its neighbours, so the plan searched at twice the speed can be a layout
+laid out for four times the speed (paper-hetero-b, llama2-7b: 70,427 tokens/s re-costed at the
+file's speeds against 69,499 with only half and twice), and the plan searched without sequence
+parallelism can be one laid out for other links (the same cluster with it on: 3.735 s against
+3.713 s without the toggled contexts). With one step more in each direction, what the searches
+at half and twice the speed take from their nearest link neighbours is laid out here too.
 """
 
 from __future__ import annotations
@@ -91,10 +100,11 @@ BIG_POOL = 6
 BIG_FINALISTS = 2
 
 
-# The link speeds a search also lays out for, as factors of every link between machines: half
-# and twice as fast (stated choice: the next speeds of common NICs are 2-2.5x apart, 10 / 25 /
-# 40-50 / 100 Gbit/s).
-LINK_SCALES = (0.5, 2.0)
+# The link speeds a search also lays out for, as factors of every link between machines: a
+# quarter, half, twice and four times as fast (stated choice: the next speeds of common NICs are
+# 2-2.5x apart, 10 / 25 / 40-50 / 100 Gbit/s, and a neighbour's answer may come from its own
+# neighbour: module docstring).
+LINK_SCALES = (0.25, 0.5, 2.0, 4.0)
 
 
 class Neighbour(NamedTuple):
@@ -109,11 +119,12 @@ class Neighbour(NamedTuple):
 
 def neighbours(sequence_parallel: bool, distributed_optimizer: bool) -> list[Neighbour]:
     """The settings one step away: sequence parallelism off/on, distributed optimizer off/on,
-    the links between machines at each of LINK_SCALES."""
+    the links between machines at each of LINK_SCALES with sequence parallelism either way."""
+    toggled_sp = (sequence_parallel, not sequence_parallel)
     return [
         Neighbour(not sequence_parallel, distributed_optimizer),
         Neighbour(sequence_parallel, not distributed_optimizer),
-        *(Neighbour(sequence_parallel, distributed_optimizer, f) for f in LINK_SCALES),
+        *(Neighbour(sp, distributed_optimizer, f) for f in LINK_SCALES for sp in toggled_sp),
     ]
 
 
@@ -184,8 +195,10 @@ class NeighbourContexts(Generic[C]):
 
         out: list[C] = []
         for n in neighbours(s.sequence_parallel, s.dist_opt):
-            # a link speed's layouts start from cold caches: the few best partitions only,
-            # polished one way (as on big graphs)
+            # a link speed's layouts start from cold caches: the few best partitions only; on
+            # small graphs their best layouts are polished both ways, as the search's own
+            # finalists (mixed-lab, llama2-13b, links twice as fast: the layout that wins there
+            # comes from the file's speed only through the second way)
             few = big or n.link_scale != 1.0
             laid: list[C] = []
             for cand in cands[:BIG_POOL] if few else cands:
@@ -194,9 +207,9 @@ class NeighbourContexts(Generic[C]):
                 if got is not None and allowed(got):
                     laid.append(got)
             laid.sort(key=s.proxy)
-            for cand in laid[: BIG_FINALISTS if few else self.finalists]:
+            for cand in laid[: BIG_FINALISTS if big else self.finalists]:
                 out.append(cand)
-                for tune_orders in (False,) if few else (False, True):
+                for tune_orders in (False,) if big else (False, True):
                     got = s.evaluate(
                         cand.ctx, cand.parts, mbs, False, cand.cache, True, tune_orders
                     )

@@ -374,6 +374,7 @@ class Searcher:
                 keep = 3 if big else None
                 cands = sorted((c for v in per_k.values() for c in v[:keep]), key=self.proxy)
                 finals = cands[:FINALISTS]
+                finals += self._unsynced_contenders(per_k, finals)
                 for cand in finals[:2]:  # refine the two best with the cost model
                     refined = self._refine(cand)
                     if refined is not None:
@@ -402,6 +403,32 @@ class Searcher:
                 if self.score(cand) < self.score(best):
                     best = cand
         return best
+
+    def _unsynced_contenders(
+        self, per_k: dict[int, list[Candidate]], finals: list[Candidate]
+    ) -> list[Candidate]:
+        """Per pipeline count and chunk size, the candidate the proxy ranks best, where its
+        pipelines alone (before the gradient sync) beat every finalist. The proxy charges an
+        unpolished layout the sync its stage order exposes, and polishing (whole-machine
+        orders) can hide nearly all of it: mixed-lab, llama2-7b, links at half speed: 4
+        pipelines of single-GPU chunks took 5.41 s before the sync and 13.2 s with it
+        unpolished, so they never reached the finalists; polished, they make 5.44 s against
+        the 5.96 s of the 2-pipeline plan that won before."""
+        if not finals:
+            return []
+        bound = min(self.proxy(c) for c in finals)
+        chosen = {id(c) for c in finals}
+        groups: dict[tuple[int, int], list[Candidate]] = {}
+        for k, v in per_k.items():
+            for c in v:
+                chunk_gpus = max(len(ch.ranks) for p in c.parts for ch in p)
+                groups.setdefault((k, chunk_gpus), []).append(c)
+        out = []
+        for _, v in sorted(groups.items()):
+            best = min(v, key=self.proxy)
+            if id(best) not in chosen and best.pipe_time < bound:
+                out.append(best)
+        return out
 
     def _micro_batches(self, best_at: list[Candidate | None]) -> Iterator[int]:
         """The micro-batch sizes hexi searches: the first two of mbs_list and `larger_mbs`, then
