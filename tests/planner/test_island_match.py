@@ -17,10 +17,12 @@ from planner.plan import load_plan, plan_from_dict
 THREE_SITES = """\
 name: three-sites
 nodes:
-  - {name: a100, gpu: A100-SXM-80GB, gpus_per_node: 2, intra_node: nvlink, nic: "100 Gbit/s", site: east}
+  - {name: a100, gpu: A100-SXM-80GB, gpus_per_node: 2, intra_node: nvlink, nic: "100 Gbit/s",
+     site: east}
   - {name: rtx4090, gpu: RTX-4090, gpus_per_node: 1, intra_node: host, nic: "25 Gbit/s", site: west}
   - {name: rtx3090, gpu: RTX-3090, gpus_per_node: 1, intra_node: host, nic: "10 Gbit/s", site: west}
-  - {name: a100n, gpu: A100-SXM-80GB, gpus_per_node: 1, intra_node: nvlink, nic: "100 Gbit/s", site: north}
+  - {name: a100n, gpu: A100-SXM-80GB, gpus_per_node: 1, intra_node: nvlink, nic: "100 Gbit/s",
+     site: north}
 sites:
   default: {bandwidth: "1 Gbit/s", latency: "10 ms"}
   links:
