@@ -92,7 +92,7 @@ def _hetero(p: argparse.ArgumentParser) -> None:
         help="with --hetero-cluster: catalog model name or model YAML, as in hexi-plan "
         "(default: none)",
     )
-    add_island_flags(h, "with --hetero-cluster, planned at every start as hexi-plan plan's: ")
+    add_island_flags(h, "with --hetero-cluster (planned at every start, as by hexi-plan plan): ")
     h.add_argument(
         "--hetero-metrics-path", default=None, help="JSONL metrics per iteration (default: none)"
     )

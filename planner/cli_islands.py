@@ -38,33 +38,36 @@ _OUTER_FLAGS = {
 _D = OuterSettings(interval=1)
 
 
-def add_outer_flags(p: argparse._ActionsContainer, interval_help: str) -> None:
+def add_outer_flags(p: argparse._ActionsContainer, interval_help: str, prefix: str = "") -> None:
     """--outer-interval, --outer-optimizer, --outer-lr, --outer-momentum, --outer-compression,
-    --outer-fragments (planner.islands' fields of `training.outer`)."""
-    p.add_argument("--outer-interval", type=str, default=None, help=interval_help)
+    --outer-fragments (planner.islands' fields of `training.outer`); `prefix` leads each help."""
+    p.add_argument("--outer-interval", type=str, default=None, help=prefix + interval_help)
     p.add_argument(
         "--outer-optimizer",
         default=None,
-        help=f"outer optimizer: {', '.join(OUTER_OPTIMIZERS)} (default: {_D.optimizer})",
+        help=f"{prefix}outer optimizer: {', '.join(OUTER_OPTIMIZERS)} (default: {_D.optimizer})",
     )
     p.add_argument(
-        "--outer-lr", default=None, help=f"outer learning rate in (0, 100] (default: {_D.lr})"
+        "--outer-lr",
+        default=None,
+        help=f"{prefix}outer learning rate in (0, 100] (default: {_D.lr})",
     )
     p.add_argument(
         "--outer-momentum",
         default=None,
-        help=f"outer momentum in [0, 1) (default: {_D.momentum})",
+        help=f"{prefix}outer momentum in [0, 1) (default: {_D.momentum})",
     )
     p.add_argument(
         "--outer-compression",
         default=None,
-        help=f"what crosses islands: {', '.join(OUTER_COMPRESSIONS)} (default: {_D.compression})",
+        help=f"{prefix}what crosses islands: {', '.join(OUTER_COMPRESSIONS)} "
+        f"(default: {_D.compression})",
     )
     p.add_argument(
         "--outer-fragments",
         default=None,
-        help="layers cut into this many fragments, each synced at its own step and overlapped "
-        f"with the next step's forward and backward (default: {_D.fragments})",
+        help=f"{prefix}layers cut into this many fragments, each synced at its own step and "
+        f"overlapped with the next step's forward and backward (default: {_D.fragments})",
     )
 
 
@@ -90,8 +93,9 @@ def add_island_flags(p: argparse._ActionsContainer, prefix: str = "") -> None:
     )
     add_outer_flags(
         p,
-        f"{prefix}with --islands: inner steps between outer steps (default: the smallest "
-        "that keeps the outer sync within --outer-max-comm-share)",
+        "with --islands: inner steps between outer steps (default: the smallest that keeps the "
+        "outer sync within --outer-max-comm-share)",
+        prefix,
     )
 
 

@@ -57,9 +57,41 @@ def _island_samples(plan, island, iteration):
     return micro
 
 
+def _island_sites(plan):
+    """Each island's sites (the sets of its nodes' sites): what names an island across plans."""
+    site = {n.name: n.site for n in plan.cluster.nodes}
+    return [
+        frozenset(site[plan.ranks[r].node] for p in pipes for r in plan.pipelines[p].ranks)
+        for pipes in plan.island_pipelines()
+    ]
+
+
+def _recut(values, ranges, new_ranges, like):
+    """Values per range of `ranges` ({range index: tensor}) as values per range of
+    `new_ranges`: through full tensors (`like`: {name: tensor} of the full shapes)."""
+    full = {n: torch.zeros_like(t) for n, t in like.items()}
+    for r, v in values.items():
+        seg = ranges[r].segment
+        full[seg.name].narrow(seg.dim, seg.start, seg.end - seg.start).copy_(v)
+    out = {}
+    for r, rr in enumerate(new_ranges):
+        seg = rr.segment
+        out[r] = full[seg.name].narrow(seg.dim, seg.start, seg.end - seg.start).clone()
+    return out
+
+
 def diloco(island_plan_paths, one_rank_plan_path, extra_flags=()):
     """Run the reference for each island plan (same model, same flags); a list of
-    {"losses", "islands": [{name: tensor}] per island}."""
+    {"losses", "islands": [{name: tensor}] per island}.
+
+    An entry (path, step, next_path) is a run that continues after `step` steps under the plan
+    `next_path` with fewer islands (a site lost, a restart from the checkpoint of that step):
+    each of its islands continues from the weights and AdamW state of the island on the same
+    sites, theta_outer and the outer momentum carry over, a fragment whose outer step was taken
+    but not yet written is written by the islands that remain (it averaged the islands of before),
+    and later outer steps average the remaining islands by their samples under `next_path`. With
+    no outer step in `next_path` (one island left, synchronous), the outer state and any result
+    not yet written are dropped."""
     from megatron_hexi.arguments import parse_args, run_config
     from megatron_hexi.training import Trainer, init_distributed
     from planner.outer_traffic import outer_ranges
@@ -75,6 +107,7 @@ def diloco(island_plan_paths, one_rank_plan_path, extra_flags=()):
     o = config.optimizer
     results = []
     for path in island_plan_paths:
+        path, switch_at, next_path = path if isinstance(path, tuple) else (path, None, None)
         plan = load_plan(path)
         outer, k = plan.training.outer, len(plan.island_pipelines())
         weights = [
@@ -109,6 +142,26 @@ def diloco(island_plan_paths, one_rank_plan_path, extra_flags=()):
         quantum = 0.0  # bf16 / int8: the largest change of theta one rounding step makes
         losses = []
         for it in range(config.training.train_iters):
+            if it == switch_at:  # the restart under fewer islands
+                new = load_plan(next_path)
+                before, after = _island_sites(plan), _island_sites(new)
+                source = [before.index(s) for s in after]
+                islands = [islands[i] for i in source]
+                opts = [opts[i] for i in source]
+                outer, k = new.training.outer, len(new.island_pipelines())
+                weights = [
+                    sum(new.pipelines[p].num_samples for p in pipes) / new.global_batch_size
+                    for pipes in new.island_pipelines()
+                ]
+                new_ranges = outer_ranges(new) if outer is not None else []
+                like = dict(zip(names, initial))
+                landed = {ranges[r].fragment for r, _ in landing}
+                theta = _recut(theta, ranges, new_ranges, like)
+                buf = _recut(buf, ranges, new_ranges, like)
+                ranges, plan = new_ranges, new
+                landing = [
+                    (r, theta[r].clone()) for r, rr in enumerate(ranges) if rr.fragment in landed
+                ]
             loss_sum, tokens_all, grads = 0.0, 0.0, []
             for isl in range(k):
                 with torch.no_grad():
