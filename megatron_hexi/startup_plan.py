@@ -76,12 +76,16 @@ def resume_iteration(config: CheckpointConfig) -> int:
 
 def present_request(inputs: PlanningInputs, present: ClusterSpec) -> IslandRequest:
     """--islands for the nodes present: as hexi-plan plan's, except that `sites` with one site
-    left plans synchronously (as `auto` does there): one island has no other to meet, and an
-    outer step on it alone would only cost the outer state's memory."""
+    of the file's several left plans synchronously (as `auto` does there): one island has no
+    other to meet, and an outer step on it alone would only cost the outer state's memory."""
     request = inputs.islands
-    if request.mode == "sites" and len({g.site for g in present.groups}) < 2:
+
+    def sites(cluster: ClusterSpec) -> int:
+        return len({g.site for g in cluster.groups})
+
+    if request.mode == "sites" and sites(present) < 2 <= sites(inputs.cluster):
         return replace(request, mode="off")
-    return request
+    return request  # a file of one site: hexi-plan's error, naming the cluster
 
 
 @dataclass(frozen=True)

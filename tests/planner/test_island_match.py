@@ -2,11 +2,13 @@
 present keep their sites, and a checkpoint's islands continue by site (planner.island_match)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from megatron_hexi.arguments import parse_args, planning_inputs
 from megatron_hexi.config import CheckpointConfig
+from megatron_hexi.launch.elastic import elastic_setup
 from megatron_hexi.startup_plan import _decide
 from planner.cluster import load_cluster
 from planner.errors import SpecError
@@ -79,6 +81,19 @@ def test_startup_islands_equal_hexi_plan(examples_dir, hexi_plan, tmp_path):
     assert island_sites(got) == island_sites(want) == ["east", "west"]
     assert got.cluster.sites is not None  # the site link is planned with, as hexi-plan's
 
+    # hexi-launch --elastic shows the plan of the first start (every node present)
+    setup = elastic_setup(
+        str(cluster),
+        str(model),
+        [*STARTUP, "--global-batch-size", "64", "--islands", "sites", "--outer-fragments", "2"]
+        + ["--save", "c", "--load", "c", "--hetero-load-if-exists", "--transformer-impl", "local"],
+        1,
+        0,
+        "job",
+        None,
+    )
+    assert _layout(setup.plan) == _layout(want)
+
     # off (the default): synchronous, as hexi-plan plan without --islands
     sync, _ = _startup(cluster, model, 64)
     assert not sync.islands and sync.training.outer is None
@@ -89,6 +104,17 @@ def test_startup_islands_equal_hexi_plan(examples_dir, hexi_plan, tmp_path):
     left = plan_from_dict(decision.plan, "start-up plan")
     assert not left.islands and left.training.outer is None
     assert island_sites(left) == ["east"]
+
+    # a cluster file of one site: hexi-plan's error
+    one_site = examples_dir / "clusters" / "mini-hetero.yaml"
+    _, inputs = _startup(one_site, model, 64)
+    inputs = replace(inputs, islands=replace(inputs.islands, mode="sites"))
+    decision = _decide(inputs, CheckpointConfig(), {n.name: 1 for n in inputs.cluster.nodes})
+    assert decision.problems == (
+        "planning at start-up for 3 process(es) on nodes a100 (1), rtx4090 (1), rtx3090 (1): "
+        "--islands: cluster 'mini-hetero' has one site; name each node group's `site` (and give "
+        "the links between sites) to plan islands",
+    )
 
     with pytest.raises(SpecError) as e:
         parse_args(["--hetero-plan-path", str(out), *STARTUP, "--islands", "sites"])
