@@ -7,8 +7,11 @@ a whole site, continues each of its islands from the saved island of the same si
 
 - a one-island checkpoint starts every island (as before islands had identities);
 - sites known on both sides (every island on named sites, no two islands on the same sites):
-  each island continues from the saved island of its sites; a site the checkpoint has no island
-  of is an error naming it and the checkpoint's sites;
+  each island continues from the saved island of its sites. An island on a site the checkpoint
+  has no island of (a site that joins, or comes back) joins (None) where the checkpoint holds the
+  outer state and the plan takes outer steps: it starts from the outer parameters (what every
+  island lands on at the outer steps); otherwise, or with no island continuing, it is an error
+  naming the site and the checkpoint's sites;
 - otherwise (a cluster without sites, a checkpoint written before islands had identities):
   islands continue by index, which needs as many islands as the checkpoint has.
 """
@@ -43,23 +46,32 @@ def _named(sites: Sequence[str | None] | None, count: int) -> bool:
 
 
 def source_islands(
-    saved_count: int, saved_sites: Sequence[str | None] | None, sites: Sequence[str | None]
-) -> list[int]:
+    saved_count: int,
+    saved_sites: Sequence[str | None] | None,
+    sites: Sequence[str | None],
+    joinable: bool = False,
+) -> list[int | None]:
     """The saved island each of the plan's islands (`sites`, island_sites' order) continues
-    from; SpecError, one line, when one has none (module docstring)."""
+    from, None for one that joins from the outer parameters (`joinable`: the checkpoint holds
+    them and the plan takes outer steps); SpecError, one line, otherwise (module docstring)."""
     if saved_count == 1:
-        return [0] * len(sites)
+        return [0 for _ in sites]
     if _named(saved_sites, saved_count) and _named(sites, len(sites)):
         assert saved_sites is not None  # _named
         missing = [s for s in sites if s not in saved_sites]
-        if missing:
+        if missing and (not joinable or len(missing) == len(sites)):
+            why = (
+                "no island continues"
+                if joinable
+                else "a site joins only from the outer state of a plan with outer steps"
+            )
             raise SpecError(
                 f"saved with islands on sites {', '.join(map(str, saved_sites))}; this plan's "
-                f"island on site {missing[0]} has no saved island to continue from"
+                f"island on site {missing[0]} has no saved island to continue from ({why})"
             )
-        return [list(saved_sites).index(s) for s in sites]
+        return [list(saved_sites).index(s) if s in saved_sites else None for s in sites]
     if saved_count == len(sites):
-        return list(range(len(sites)))
+        return [i for i, _ in enumerate(sites)]
     raise SpecError(
         f"saved with {saved_count} islands, this plan has {len(sites)}, and the islands are not "
         f"identified by site on both sides: each island's weights continue only in an island of "

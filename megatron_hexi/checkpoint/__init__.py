@@ -17,7 +17,8 @@ and the fragments whose outer step waits to be written. A plan loads a checkpoin
 (every island starts from its weights and optimizer state, the outer step afresh), or one whose
 islands it can match (planner.island_match): each island continues from the saved island of its
 site (by index where either side names no sites), the outer state carries over, and after a lost
-site the outer steps average the islands that remain. The model is cut
+site the outer steps average the islands that remain; an island on a site that comes back starts
+from the outer parameters. The model is cut
 into the atomic segments of the gradient sync, and each segment is written exactly once (per
 island), by the least-loaded rank that holds it (TP replicas and pipeline replicas are not
 written twice).

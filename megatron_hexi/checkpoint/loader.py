@@ -78,22 +78,30 @@ def load(trainer: TrainState, config: CheckpointConfig, verify: bool = True) -> 
                     f"iteration 0 from these weights"
                 )
             islands, saved = len(plan.island_pipelines()), ckpt.meta.get("islands", 1)
-            sources = _source_islands(ckpt, plan)
+            has_outer = any(kind == "outer_param" for kind, _ in ckpt.index)
+            joinable = plan.training.outer is not None and load_optim and has_outer
+            sources = _source_islands(ckpt, plan, joinable)
             # a one-island checkpoint starts every island from its weights and optimizer state;
-            # otherwise each island continues from the saved island of its site
+            # otherwise each island continues from the saved island of its site, and one on a
+            # site the checkpoint has none of joins: from the outer parameters, with the inner
+            # optimizer state of the first island that continues (every island's Adam step
+            # stays the same)
             source = sources[plan.rank_view(trainer.rank).island]
-            param_kind = island_kind("param", source)
+            joined = [i for i, s in enumerate(sources) if s is None]
+            state_of = source if source is not None else next(s for s in sources if s is not None)
+            param_kind = island_kind("param", state_of) if source is not None else "outer_param"
             with torch.no_grad():
                 for shard, param in trainer.params:
                     param.copy_(ckpt.read_local(shard, param_kind, param.dtype))
                 # each optimizer its own state: Adam's moments and step, or SGD's momentum
                 if trainer.optimizer.config.optimizer == "sgd":
                     moments = load_optim and bool(ckpt.meta.get("sgd_momentum_state"))
-                    restore_optimizer(trainer, ckpt, 0 if moments else None, True, source)
+                    step = 0 if moments else None
+                    restore_optimizer(trainer, ckpt, step, True, state_of, param_kind)
                 else:
                     moments = load_optim and ckpt.has_optimizer_state
                     step = ckpt.meta["adam_step"] if moments else None
-                    restore_optimizer(trainer, ckpt, step, island=source)
+                    restore_optimizer(trainer, ckpt, step, island=state_of, weights=param_kind)
                 if plan.training.outer is not None and saved == 1 < islands:
                     trainer.outer.restore(None, [])  # theta_outer = the weights, momentum 0
                     notes.append(
@@ -110,8 +118,9 @@ def load(trainer: TrainState, config: CheckpointConfig, verify: bool = True) -> 
                     )
                 if 1 < islands and 1 < saved and sources != list(range(islands)):
                     notes.append(
-                        f"islands continue from saved islands {sources} (by site); the outer "
-                        f"steps from here average over these {islands}"
+                        f"islands continue from saved islands {sources} (by site"
+                        + (f"; islands {joined} join from the outer parameters" if joined else "")
+                        + f"); the outer steps from here average over these {islands}"
                     )
         if load_optim and not moments:
             notes.append("no optimizer state for this optimizer in the checkpoint: it starts fresh")
@@ -174,9 +183,9 @@ def load(trainer: TrainState, config: CheckpointConfig, verify: bool = True) -> 
     return Loaded(iteration, seconds, moments, rng_restored)
 
 
-def _source_islands(ckpt: Checkpoint, plan: Plan) -> list[int]:
+def _source_islands(ckpt: Checkpoint, plan: Plan, joinable: bool) -> list[int | None]:
     """The saved island each of the plan's islands continues from (planner.island_match: by
-    site; by index where the checkpoint or the plan names none)."""
+    site; by index where the checkpoint or the plan names none; None: it joins)."""
     saved, sites = ckpt.meta.get("islands", 1), ckpt.meta.get("island_sites")
     if sites is not None and not (
         isinstance(sites, list)
@@ -188,7 +197,7 @@ def _source_islands(ckpt: Checkpoint, plan: Plan) -> list[int]:
             f"names (or nulls), got {str(sites)[:60]}"
         )
     try:
-        return source_islands(saved, sites, island_sites(plan))
+        return source_islands(saved, sites, island_sites(plan), joinable)
     except SpecError as e:
         raise CheckpointError(f"{ckpt.dir}: {e.problems[0]}")
 

@@ -165,6 +165,15 @@ def test_site_lost_plans_the_rest_as_islands(examples_dir, tmp_path):
 )
 def test_source_islands(saved, saved_sites, sites, want):
     assert source_islands(saved, saved_sites, sites) == want
+    assert source_islands(saved, saved_sites, sites, joinable=True) == want
+
+
+def test_a_site_that_joins_starts_from_the_outer_state():
+    assert source_islands(2, ["east", "north"], ["east", "west", "north"], joinable=True) == [
+        0,
+        None,
+        1,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -175,7 +184,8 @@ def test_source_islands(saved, saved_sites, sites, want):
             ["east", "west"],
             ["east", "north"],
             "saved with islands on sites east, west; this plan's island on site north has no "
-            "saved island to continue from",
+            "saved island to continue from (a site joins only from the outer state of a plan "
+            "with outer steps)",
         ),
         (
             3,
@@ -191,3 +201,12 @@ def test_unmatched_islands_are_one_line(saved, saved_sites, sites, line):
     with pytest.raises(SpecError) as e:
         source_islands(saved, saved_sites, sites)
     assert e.value.problems == [line]
+
+
+def test_no_island_continuing_is_one_line():
+    with pytest.raises(SpecError) as e:
+        source_islands(2, ["east", "west"], ["north", "south"], joinable=True)
+    assert e.value.problems == [
+        "saved with islands on sites east, west; this plan's island on site north has no saved "
+        "island to continue from (no island continues)"
+    ]

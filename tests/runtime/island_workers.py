@@ -27,7 +27,9 @@ def _break_outer(defect):
     elif defect == "islands_by_index":  # a checkpoint's islands matched by index, not site
         from megatron_hexi.checkpoint import loader
 
-        loader._source_islands = lambda ckpt, plan: list(range(len(plan.island_pipelines())))
+        loader._source_islands = lambda ckpt, plan, joinable: list(
+            range(len(plan.island_pipelines()))
+        )
     elif defect is not None:
         raise ValueError(defect)
 

@@ -8,8 +8,11 @@ island, theta_outer and the outer momentum carry over, fragment 1's result (aver
 three islands) is written by the two, and later outer steps average the two by their samples:
 equal to the one-process reference that drops west at step 3 (tests/runtime/diloco_reference.py).
 Matching the saved islands by index instead (north's island from west's weights) is caught.
+The two-island run saves after step 5 (fragment 1 in flight again); west comes back for step 6:
+its island joins from theta_outer with the Adam state of east's island, as in the reference.
 With north gone too, east trains on synchronously from its own island, as the reference does.
-A plan with an island on a site the checkpoint has none of is refused in one line.
+An island on a site the checkpoint has none of, without outer state to join from, is refused
+in one line.
 """
 
 import json
@@ -32,6 +35,7 @@ from runtime.workers import max_relative_difference
 
 FLAGS = ["--train-iters", "6"]
 SAVED_AT = 3  # H = 2, two fragments: fragment 1 syncs after step 3 and lands before step 4's update
+BACK_AT = 5  # west back, after the two-island run's checkpoint of step 5
 OUTER = OuterSettings(2, "nesterov", 0.7, 0.9, fragments=2)
 
 
@@ -118,7 +122,11 @@ def runs(tmp_path_factory):
     refs = run_distributed(
         diloco,
         1,
-        [(whole, SAVED_AT, west_lost), (whole, SAVED_AT, east_only)],
+        [
+            (whole, SAVED_AT, west_lost),
+            (whole, SAVED_AT, east_only),
+            (whole, SAVED_AT, west_lost, BACK_AT, whole),
+        ],
         one,
         extra_flags=FLAGS,
         timeout=300,
@@ -131,7 +139,14 @@ def runs(tmp_path_factory):
         extra_flags=[*FLAGS, "--save", str(ckpt), "--exit-interval", str(SAVED_AT)],
         timeout=400,
     )[0]
-    return {"dir": d, "ckpt": ckpt, "first": first, "refs": refs, "plans": (west_lost, east_only)}
+    return {
+        "dir": d,
+        "ckpt": ckpt,
+        "first": first,
+        "refs": refs,
+        "whole": whole,
+        "plans": (west_lost, east_only),
+    }
 
 
 def test_site_lost_continues_with_the_other_islands(runs):
@@ -139,13 +154,35 @@ def test_site_lost_continues_with_the_other_islands(runs):
     assert meta["islands"] == 3 and meta["island_sites"] == ["east", "west", "north"]
     assert meta["outer_landed"] == [1]
     west_lost = runs["plans"][0]
+    again = runs["dir"] / "ckpt_two"
     result = run_distributed(
-        train_islands, 3, west_lost, extra_flags=[*FLAGS, "--load", str(runs["ckpt"])], timeout=400
+        train_islands,
+        3,
+        west_lost,
+        extra_flags=[*FLAGS, "--load", str(runs["ckpt"]), "--save", str(again)]
+        + ["--save-interval", str(BACK_AT)],
+        timeout=400,
     )[0]
     loss, params = _difference(result, runs["refs"][0], runs["first"])
     print(f"west lost after step {SAVED_AT}: loss {loss:.2e}, parameters per island {params}")
     assert len(runs["first"]["losses"]) == SAVED_AT and len(result["losses"]) == 3
     assert result["outer_step"] == [0, 1, 0]  # fragment 0 after steps 4 and 6, 1 after 5
+    assert loss < TOLERANCE and max(params) < TOLERANCE
+
+    # west back after step 5: three islands again, west's from theta_outer
+    meta = json.loads((again / f"iter_000000{BACK_AT}" / "checkpoint.json").read_text())
+    assert meta["island_sites"] == ["east", "north"] and meta["outer_landed"] == [1]
+    back = run_distributed(
+        train_islands,
+        4,
+        runs["whole"],
+        extra_flags=[*FLAGS, "--load", str(again), "--ckpt-step", str(BACK_AT)],
+        timeout=400,
+    )[0]
+    two = {"losses": runs["first"]["losses"] + result["losses"][: BACK_AT - SAVED_AT]}
+    loss, params = _difference(back, runs["refs"][2], two)
+    print(f"west back after step {BACK_AT}: loss {loss:.2e}, parameters per island {params}")
+    assert len(back["losses"]) == 1 and back["outer_step"] == [0]
     assert loss < TOLERANCE and max(params) < TOLERANCE
 
 
@@ -176,8 +213,9 @@ def test_one_site_left_trains_synchronously(runs):
 
 
 def test_island_without_saved_site_is_one_line(runs):
-    """An island on a site the checkpoint has no island of: one line naming the checkpoint and
-    the site (checked where the load checks it, on every rank alike)."""
+    """An island on a site the checkpoint has no island of, under a plan without outer steps
+    (nothing to join from): one line naming the checkpoint and the site (checked where the load
+    checks it, on every rank alike)."""
     from planner.plan import load_plan
 
     cluster = dict(CLUSTER.to_dict())
@@ -189,13 +227,14 @@ def test_island_without_saved_site_is_one_line(runs):
         GLOBAL_BATCH,
         WEST_LOST,
         islands=[[0], [1]],
-        outer=OUTER,
     )
     with Checkpoint(str(runs["ckpt"]), None) as ckpt:
         with pytest.raises(CheckpointError) as e:
-            _source_islands(ckpt, plan)
+            _source_islands(ckpt, plan, False)
         assert str(e.value) == (
             f"{ckpt.dir}: saved with islands on sites east, west, north; this plan's island on "
-            f"site south has no saved island to continue from"
+            f"site south has no saved island to continue from (a site joins only from the "
+            f"outer state of a plan with outer steps)"
         )
-        assert _source_islands(ckpt, load_plan(runs["plans"][0])) == [0, 2]
+        assert _source_islands(ckpt, plan, True) == [0, None]
+        assert _source_islands(ckpt, load_plan(runs["plans"][0]), False) == [0, 2]
