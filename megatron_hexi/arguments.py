@@ -30,11 +30,13 @@ from megatron_hexi.config import (
 from megatron_hexi.tokenizer import TOKENIZER_FILES, TOKENIZER_TYPES, special_tokens_flag
 from planner.attention import CLI_DEFAULT_BACKEND
 from planner.cli_args import PARAM_GATHER_NEEDS_DISTRIBUTED_OPTIMIZER, cuda_graph_settings
+from planner.cli_islands import island_request
 from planner.cluster import ClusterSpec, load_cluster
 from planner.cuda_graphs import PLAN_DEFAULT_GRAPH_IMPL
 from planner.errors import SpecError
 from planner.membership import PlanningOptions
 from planner.models import ModelSpec, load_model
+from planner.search_islands import IslandRequest
 from planner.transformer_impl import default_impl
 
 if TYPE_CHECKING:
@@ -192,6 +194,12 @@ def check_plan_source(args: argparse.Namespace) -> None:
         raise SpecError(
             "--hetero-cluster needs --global-batch-size (the planner searches for that batch)"
         )
+    islands = [f for f in ISLAND_FLAGS if getattr(args, f, None) != _ISLAND_DEFAULTS.get(f)]
+    if islands and not args.hetero_cluster:
+        raise SpecError(
+            f"--{islands[0].replace('_', '-')} goes with --hetero-cluster (planning at start-up); "
+            f"a plan file already says its islands and outer step"
+        )
 
 
 @dataclass(frozen=True)
@@ -201,6 +209,7 @@ class PlanningInputs:
     cluster: ClusterSpec
     model: ModelSpec
     options: PlanningOptions
+    islands: IslandRequest = IslandRequest()  # --islands and the --outer-* flags
 
 
 def planning_inputs(args: argparse.Namespace, cuda: bool) -> PlanningInputs:
@@ -218,9 +227,10 @@ def planning_inputs(args: argparse.Namespace, cuda: bool) -> PlanningInputs:
             cuda_graph_scope=args.cuda_graph_scope,
         )
     )
+    model = load_model(args.hetero_model)
     return PlanningInputs(
         load_cluster(args.hetero_cluster),
-        load_model(args.hetero_model),
+        model,
         PlanningOptions(
             global_batch_size=args.global_batch_size,
             micro_batch_size=args.micro_batch_size,
@@ -235,6 +245,7 @@ def planning_inputs(args: argparse.Namespace, cuda: bool) -> PlanningInputs:
             cuda_graph_impl=graphs[0],
             cuda_graph_scope=graphs[1],
         ),
+        island_request(args, model.num_layers),
     )
 
 
@@ -429,6 +440,19 @@ def check_command_line(argv: Sequence[str] | None = None) -> CommandLine:
     return CommandLine(args, config, plan)
 
 
+# The start-up planner's islands flags (planner.cli_islands, as hexi-plan plan's)
+ISLAND_FLAGS = (
+    "islands",
+    "outer_max_comm_share",
+    "outer_interval",
+    "outer_optimizer",
+    "outer_lr",
+    "outer_momentum",
+    "outer_compression",
+    "outer_fragments",
+)
+_ISLAND_DEFAULTS = {"islands": "off", "outer_max_comm_share": 0.10}  # the others: None
+
 # Flags that never reach the runtime as values: the plan decides what they describe (the flags
 # are only checked against it, check_against_plan), or they accept Megatron-LM's one supported
 # value. Every other flag maps onto a RunConfig field (run_config; tests check both lists).
@@ -437,6 +461,7 @@ NOT_IN_RUN_CONFIG = frozenset(
         "hetero_plan_path",  # read into the Plan itself
         "hetero_cluster",  # planned into the Plan at start-up
         "hetero_model",
+        *ISLAND_FLAGS,  # planned into the Plan at start-up
         *MODEL_FLAGS,
         "max_position_embeddings",
         "no_position_embedding",

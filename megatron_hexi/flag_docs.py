@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_hexi.arguments import NOT_IN_RUN_CONFIG
+from megatron_hexi.arguments import ISLAND_FLAGS, NOT_IN_RUN_CONFIG
 from megatron_hexi.flags import build_parser
 from megatron_hexi.plan_flags import ACCEPTED
 from megatron_hexi.refused_flags import REFUSED_DESTS
@@ -39,7 +39,7 @@ current.
 """
 
 
-PLAN_SOURCES = frozenset({"hetero_plan_path", "hetero_cluster", "hetero_model"})
+PLAN_SOURCES = frozenset({"hetero_plan_path", "hetero_cluster", "hetero_model", *ISLAND_FLAGS})
 
 
 def status(action: argparse.Action) -> str:

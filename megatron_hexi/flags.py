@@ -14,6 +14,7 @@ from megatron_hexi.refused_flags import add_refused
 from megatron_hexi.run_flags import add_run_flags
 from megatron_hexi.tokenizer import TOKENIZER_TYPES
 from planner.attention import ATTENTION_BACKENDS
+from planner.cli_islands import add_island_flags
 from planner.cuda_graphs import CUDA_GRAPH_IMPLS, CUDA_GRAPH_SCOPES
 from planner.transformer_impl import TRANSFORMER_IMPLS
 
@@ -91,6 +92,7 @@ def _hetero(p: argparse.ArgumentParser) -> None:
         help="with --hetero-cluster: catalog model name or model YAML, as in hexi-plan "
         "(default: none)",
     )
+    add_island_flags(h, "with --hetero-cluster (planned at every start, as by hexi-plan plan): ")
     h.add_argument(
         "--hetero-metrics-path", default=None, help="JSONL metrics per iteration (default: none)"
     )

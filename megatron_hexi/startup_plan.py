@@ -4,7 +4,10 @@ An elastic run starts again whenever a node is lost or joins. Each start the pro
 they are (one all-gather), launch rank 0 runs the planner on the cluster file cut down to the
 nodes that run processes (planner.membership), and broadcasts the plan or the planner's error;
 every rank validates what it receives, so a plan that fits nowhere is the same clear error on
-every rank. With --save the plan is kept as SAVE/plans/plan_<iteration>.json (written
+every rank. With --islands sites or auto the start plans islands as `hexi-plan plan --islands`
+does (planner.search_islands.plan_islands) on the nodes present: a start that finds a whole site
+gone plans the remaining sites as islands, and the checkpoint's islands continue by site
+(planner.island_match). With --save the plan is kept as SAVE/plans/plan_<iteration>.json (written
 atomically), iteration being the checkpoint this start resumes from, so a run's history shows
 the plan of each of its starts.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.distributed as dist
@@ -24,8 +27,9 @@ from megatron_hexi.rank_mapping import Identity, LaunchError, local_identity
 from megatron_hexi.report import AgreedError, shown
 from planner.cluster import ClusterSpec
 from planner.errors import SpecError
-from planner.membership import plan_for, present_cluster
+from planner.membership import present_cluster
 from planner.plan import Plan, plan_from_dict, save_plan
+from planner.search_islands import IslandRequest, plan_islands
 
 PLANS_DIR = "plans"
 
@@ -70,6 +74,20 @@ def resume_iteration(config: CheckpointConfig) -> int:
         return 0
 
 
+def present_request(inputs: PlanningInputs, present: ClusterSpec) -> IslandRequest:
+    """--islands for the nodes present: as hexi-plan plan's, except that `sites` with one site
+    of the file's several left plans synchronously (as `auto` does there): one island has no
+    other to meet, and an outer step on it alone would only cost the outer state's memory."""
+    request = inputs.islands
+
+    def sites(cluster: ClusterSpec) -> int:
+        return len({g.site for g in cluster.groups})
+
+    if request.mode == "sites" and sites(present) < 2 <= sites(inputs.cluster):
+        return replace(request, mode="off")
+    return request  # a file of one site: hexi-plan's error, naming the cluster
+
+
 @dataclass(frozen=True)
 class _Decision:
     """What launch rank 0 broadcasts: the plan (as JSON) or the problems, and the file name."""
@@ -85,7 +103,8 @@ def _decide(
     """Launch rank 0: plan for `present` and keep the plan under --save."""
     nodes = ", ".join(f"{shown(n)} ({k})" for n, k in present.items())
     try:
-        plan = plan_for(present_cluster(inputs.cluster, present), inputs.model, inputs.options)
+        cut = present_cluster(inputs.cluster, present)
+        plan = plan_islands(cut, inputs.model, inputs.options, present_request(inputs, cut))
     except SpecError as e:
         where = f"planning at start-up for {sum(present.values())} process(es) on nodes {nodes}"
         return _Decision(problems=tuple(f"{where}: {p}" for p in e.problems))

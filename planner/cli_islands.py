@@ -22,6 +22,7 @@ from planner.islands import (
     outer_from_dict,
     outer_problems,
 )
+from planner.search_islands import ISLAND_MODES, IslandRequest
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -37,33 +38,64 @@ _OUTER_FLAGS = {
 _D = OuterSettings(interval=1)
 
 
-def add_outer_flags(p: argparse.ArgumentParser, interval_help: str) -> None:
+def add_outer_flags(p: argparse._ActionsContainer, interval_help: str, prefix: str = "") -> None:
     """--outer-interval, --outer-optimizer, --outer-lr, --outer-momentum, --outer-compression,
-    --outer-fragments (planner.islands' fields of `training.outer`)."""
-    p.add_argument("--outer-interval", type=str, default=None, help=interval_help)
+    --outer-fragments (planner.islands' fields of `training.outer`); `prefix` leads each help."""
+    p.add_argument("--outer-interval", type=str, default=None, help=prefix + interval_help)
     p.add_argument(
         "--outer-optimizer",
         default=None,
-        help=f"outer optimizer: {', '.join(OUTER_OPTIMIZERS)} (default: {_D.optimizer})",
+        help=f"{prefix}outer optimizer: {', '.join(OUTER_OPTIMIZERS)} (default: {_D.optimizer})",
     )
     p.add_argument(
-        "--outer-lr", default=None, help=f"outer learning rate in (0, 100] (default: {_D.lr})"
+        "--outer-lr",
+        default=None,
+        help=f"{prefix}outer learning rate in (0, 100] (default: {_D.lr})",
     )
     p.add_argument(
         "--outer-momentum",
         default=None,
-        help=f"outer momentum in [0, 1) (default: {_D.momentum})",
+        help=f"{prefix}outer momentum in [0, 1) (default: {_D.momentum})",
     )
     p.add_argument(
         "--outer-compression",
         default=None,
-        help=f"what crosses islands: {', '.join(OUTER_COMPRESSIONS)} (default: {_D.compression})",
+        help=f"{prefix}what crosses islands: {', '.join(OUTER_COMPRESSIONS)} "
+        f"(default: {_D.compression})",
     )
     p.add_argument(
         "--outer-fragments",
         default=None,
-        help="layers cut into this many fragments, each synced at its own step and overlapped "
-        f"with the next step's forward and backward (default: {_D.fragments})",
+        help=f"{prefix}layers cut into this many fragments, each synced at its own step and "
+        f"overlapped with the next step's forward and backward (default: {_D.fragments})",
+    )
+
+
+def add_island_flags(p: argparse._ActionsContainer, prefix: str = "") -> None:
+    """--islands, --outer-max-comm-share and the --outer-* flags of `hexi-plan plan` (and, with
+    `prefix` leading each help, of the runtime's start-up planning)."""
+    p.add_argument(
+        "--islands",
+        choices=ISLAND_MODES,
+        default="off",
+        help=f"{prefix}off: one synchronous plan; sites: one island per site (each planned on "
+        "its own, the batch split so that their steps take equal time, meeting every "
+        "--outer-interval steps); auto: islands only where the synchronous gradient sync would "
+        "take more than --outer-max-comm-share of the step (default: off)",
+    )
+    p.add_argument(
+        "--outer-max-comm-share",
+        type=comm_share,
+        default=0.10,
+        help=f"{prefix}with --islands: the largest share of the step the exposed outer sync may "
+        "take (sets --outer-interval when not given), and for auto the share of the synchronous "
+        "gradient sync above which islands are considered (default: 0.10)",
+    )
+    add_outer_flags(
+        p,
+        "with --islands: inner steps between outer steps (default: the smallest that keeps the "
+        "outer sync within --outer-max-comm-share)",
+        prefix,
     )
 
 
@@ -111,6 +143,21 @@ def outer_settings(fields: dict[str, Any], num_layers: int) -> OuterSettings:
             lines.append(line)
         raise SpecError(lines)
     return outer_from_dict(fields)
+
+
+def island_request(args: argparse.Namespace, num_layers: int) -> IslandRequest:
+    """What --islands, --outer-max-comm-share and the --outer-* flags ask of `plan` (and of the
+    runtime's start-up planning): the --outer-* values checked, one line naming the flag,
+    before any search."""
+    fields = outer_fields(args)
+    if fields and args.islands == "off":
+        flag = _OUTER_FLAGS[next(iter(fields))]
+        raise SpecError(
+            f"{flag}: needs --islands sites or auto (plans without islands are synchronous)"
+        )
+    if fields:
+        outer_settings({"interval": 1, **fields}, num_layers)
+    return IslandRequest(args.islands, args.outer_max_comm_share, fields)
 
 
 def manual_islands(

@@ -13,12 +13,13 @@ from dataclasses import dataclass, replace
 
 from planner.attention import PLAN_DEFAULT_BACKEND
 from planner.cli_args import with_seq_length
-from planner.cluster import ClusterSpec, LinkOverride
+from planner.cluster import ClusterSpec, LinkOverride, NodeGroup
 from planner.cuda_graphs import PLAN_DEFAULT_GRAPH_IMPL
 from planner.errors import ClusterError, SpecError
 from planner.models import ModelSpec
 from planner.plan import Plan
 from planner.search import search_plan
+from planner.sites import SiteLinks
 from planner.transformer_impl import PLAN_DEFAULT_IMPL
 
 
@@ -92,7 +93,8 @@ def present_cluster(cluster: ClusterSpec, processes: Mapping[str, int]) -> Clust
     """The nodes of `cluster` named in `processes` (node -> process count), in the file's order,
     each with that many GPUs. Every link between two kept nodes is what the file says it is:
     each kept node becomes a group of its own, so a link the file gives between groups is
-    written out per pair of kept nodes."""
+    written out per pair of kept nodes. The sites of the kept nodes keep their links (the
+    islands' planner reads them), those of sites with no node left are dropped."""
     known = {n.name: n for n in cluster.nodes}
     problems = [
         f"node {name!r} runs processes but is not a node of cluster {cluster.name!r} "
@@ -121,7 +123,9 @@ def present_cluster(cluster: ClusterSpec, processes: Mapping[str, int]) -> Clust
         )
         for n in kept
     ]
-    cut = ClusterSpec(cluster.name, groups, [], cluster.description)
+    cut = ClusterSpec(
+        cluster.name, groups, [], cluster.description, _present_sites(cluster.sites, groups)
+    )
     links = []
     for i, a in enumerate(kept):
         for b in kept[i + 1 :]:
@@ -130,6 +134,16 @@ def present_cluster(cluster: ClusterSpec, processes: Mapping[str, int]) -> Clust
                 links.append(LinkOverride((a.name, b.name), want[0], want[1]))
     cut.links.extend(links)
     return cut
+
+
+def _present_sites(sites: SiteLinks | None, groups: list[NodeGroup]) -> SiteLinks | None:
+    """The cluster's `sites` section cut down to the sites that still have a node."""
+    if sites is None:
+        return None
+    kept = {g.site for g in groups}
+    order = tuple(pair for pair in sites.order if set(pair) <= kept)
+    pairs = {k: v for k, v in sites.pairs.items() if k <= kept}
+    return SiteLinks(pairs, sites.default, order)
 
 
 def _memory_order(cluster: ClusterSpec) -> list[str]:

@@ -20,13 +20,7 @@ from planner.cli_args import (
     resolve_transformer_impl,
     with_examples,
 )
-from planner.cli_islands import (
-    add_outer_flags,
-    comm_share,
-    describe_outer_estimate,
-    outer_fields,
-    outer_settings,
-)
+from planner.cli_islands import add_island_flags, describe_outer_estimate, island_request
 from planner.cluster import load_cluster
 from planner.errors import SpecError
 from planner.limits import MAX_BATCH, MAX_SEED, MAX_SEQ_LENGTH
@@ -35,7 +29,7 @@ from planner.membership import PlanningOptions, smallest_fitting_nodes
 from planner.models import load_model
 from planner.plan import load_plan, save_plan
 from planner.search import STRATEGIES, overlap_by_default, runs_on_gpus
-from planner.search_islands import ISLAND_MODES, IslandRequest, plan_islands
+from planner.search_islands import plan_islands
 from planner.simulator import simulate
 from planner.topology import Topology
 
@@ -119,16 +113,8 @@ def planning_options(args: argparse.Namespace, cluster: ClusterSpec) -> Planning
 
 def cmd_plan(args: argparse.Namespace) -> None:
     cluster = load_cluster(args.cluster)
-    fields = outer_fields(args)
-    if fields and args.islands == "off":
-        flag = "--outer-" + next(iter(fields))
-        raise SpecError(
-            f"{flag}: needs --islands sites or auto (plans without islands are synchronous)"
-        )
     model = load_model(args.model)
-    if fields:  # one line naming the flag, before any search
-        outer_settings({"interval": 1, **fields}, model.num_layers)
-    request = IslandRequest(args.islands, args.outer_max_comm_share, fields)
+    request = island_request(args, model.num_layers)
     plan = plan_islands(cluster, model, planning_options(args, cluster), request, progress=True)
     save_plan(plan, args.output)
     e = plan.estimate
@@ -209,28 +195,7 @@ def register_commands(sub: Subparsers) -> None:
         ),
     )
     add_planning_flags(p)
-    p.add_argument(
-        "--islands",
-        choices=ISLAND_MODES,
-        default="off",
-        help="off: one synchronous plan; sites: one island per site (each planned on its own, "
-        "the batch split so that their steps take equal time, meeting every --outer-interval "
-        "steps); auto: islands only where the synchronous gradient sync would take more than "
-        "--outer-max-comm-share of the step (default: off)",
-    )
-    p.add_argument(
-        "--outer-max-comm-share",
-        type=comm_share,
-        default=0.10,
-        help="with --islands: the largest share of the step the exposed outer sync may take "
-        "(sets --outer-interval when not given), and for auto the share of the synchronous "
-        "gradient sync above which islands are considered (default: 0.10)",
-    )
-    add_outer_flags(
-        p,
-        "with --islands: inner steps between outer steps (default: the smallest "
-        "that keeps the outer sync within --outer-max-comm-share)",
-    )
+    add_island_flags(p)
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_plan)
 

@@ -12,9 +12,13 @@ Every tensor in a rank file is a contiguous range [start, start + length) along 
 weights), "exp_avg" or "exp_avg_sq" (Adam's moments share the parameter layout), or
 "momentum_buffer" (--optimizer sgd). Under islands (planner.islands) island k > 0 writes its own
 as "island<k>.<kind>", and the outer step's state is written once as "outer_param" and
-"outer_momentum"; checkpoint.json records the island count and the fragments whose outer step
-waits to be written. A plan loads a checkpoint of as many islands, or of one island: then every
-island starts from its weights and optimizer state, the outer step afresh. The model is cut
+"outer_momentum"; checkpoint.json records the island count, each island's site (`island_sites`)
+and the fragments whose outer step waits to be written. A plan loads a checkpoint of one island
+(every island starts from its weights and optimizer state, the outer step afresh), or one whose
+islands it can match (planner.island_match): each island continues from the saved island of its
+site (by index where either side names no sites), the outer state carries over, and after a lost
+site the outer steps average the islands that remain; an island on a site that comes back starts
+from the outer parameters. The model is cut
 into the atomic segments of the gradient sync, and each segment is written exactly once (per
 island), by the least-loaded rank that holds it (TP replicas and pipeline replicas are not
 written twice).

@@ -25,11 +25,14 @@ from megatron_hexi.checkpoint.state import (
     set_rng_state,
 )
 from megatron_hexi.checkpoint_files import METADATA, CheckpointError
+from planner.errors import SpecError
+from planner.island_match import island_sites, source_islands
 
 if TYPE_CHECKING:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_hexi.config import CheckpointConfig
+    from planner.plan import Plan
 
 
 class Loaded(NamedTuple):
@@ -75,26 +78,30 @@ def load(trainer: TrainState, config: CheckpointConfig, verify: bool = True) -> 
                     f"iteration 0 from these weights"
                 )
             islands, saved = len(plan.island_pipelines()), ckpt.meta.get("islands", 1)
-            if saved not in (1, islands):
-                raise CheckpointError(
-                    f"{ckpt.dir}: saved with {saved} islands, this plan has {islands}: each "
-                    f"island's weights continue only in an island of its own (a one-island "
-                    f"checkpoint starts every island)"
-                )
-            # a one-island checkpoint starts every island from its weights and optimizer state
-            source = 0 if saved == 1 else plan.rank_view(trainer.rank).island
-            param_kind = island_kind("param", source)
+            has_outer = any(kind == "outer_param" for kind, _ in ckpt.index)
+            joinable = plan.training.outer is not None and load_optim and has_outer
+            sources = _source_islands(ckpt, plan, joinable)
+            # a one-island checkpoint starts every island from its weights and optimizer state;
+            # otherwise each island continues from the saved island of its site, and one on a
+            # site the checkpoint has none of joins: from the outer parameters, with the inner
+            # optimizer state of the first island that continues (every island's Adam step
+            # stays the same)
+            source = sources[plan.rank_view(trainer.rank).island]
+            joined = [i for i, s in enumerate(sources) if s is None]
+            state_of = source if source is not None else next(s for s in sources if s is not None)
+            param_kind = island_kind("param", state_of) if source is not None else "outer_param"
             with torch.no_grad():
                 for shard, param in trainer.params:
                     param.copy_(ckpt.read_local(shard, param_kind, param.dtype))
                 # each optimizer its own state: Adam's moments and step, or SGD's momentum
                 if trainer.optimizer.config.optimizer == "sgd":
                     moments = load_optim and bool(ckpt.meta.get("sgd_momentum_state"))
-                    restore_optimizer(trainer, ckpt, 0 if moments else None, True, source)
+                    step = 0 if moments else None
+                    restore_optimizer(trainer, ckpt, step, True, state_of, param_kind)
                 else:
                     moments = load_optim and ckpt.has_optimizer_state
                     step = ckpt.meta["adam_step"] if moments else None
-                    restore_optimizer(trainer, ckpt, step, island=source)
+                    restore_optimizer(trainer, ckpt, step, island=state_of, weights=param_kind)
                 if plan.training.outer is not None and saved == 1 < islands:
                     trainer.outer.restore(None, [])  # theta_outer = the weights, momentum 0
                     notes.append(
@@ -103,6 +110,18 @@ def load(trainer: TrainState, config: CheckpointConfig, verify: bool = True) -> 
                     )
                 elif plan.training.outer is not None:
                     notes += _restore_outer(trainer, ckpt, load_optim)
+                elif saved > 1 == islands:  # one island left, synchronous: no outer state
+                    notes.append(
+                        f"saved with {saved} islands; this plan's one island continues from "
+                        f"saved island {source}, synchronously (the outer state and any outer "
+                        f"step not yet written are dropped)"
+                    )
+                if 1 < islands and 1 < saved and sources != list(range(islands)):
+                    notes.append(
+                        f"islands continue from saved islands {sources} (by site"
+                        + (f"; islands {joined} join from the outer parameters" if joined else "")
+                        + f"); the outer steps from here average over these {islands}"
+                    )
         if load_optim and not moments:
             notes.append("no optimizer state for this optimizer in the checkpoint: it starts fresh")
         meta_path = os.path.join(ckpt.dir, METADATA)
@@ -162,6 +181,25 @@ def load(trainer: TrainState, config: CheckpointConfig, verify: bool = True) -> 
             flush=True,
         )
     return Loaded(iteration, seconds, moments, rng_restored)
+
+
+def _source_islands(ckpt: Checkpoint, plan: Plan, joinable: bool) -> list[int | None]:
+    """The saved island each of the plan's islands continues from (planner.island_match: by
+    site; by index where the checkpoint or the plan names none; None: it joins)."""
+    saved, sites = ckpt.meta.get("islands", 1), ckpt.meta.get("island_sites")
+    if sites is not None and not (
+        isinstance(sites, list)
+        and len(sites) == saved
+        and all(s is None or isinstance(s, str) for s in sites)
+    ):
+        raise CheckpointError(
+            f"{os.path.join(ckpt.dir, METADATA)}: island_sites must be a list of {saved} site "
+            f"names (or nulls), got {str(sites)[:60]}"
+        )
+    try:
+        return source_islands(saved, sites, island_sites(plan), joinable)
+    except SpecError as e:
+        raise CheckpointError(f"{ckpt.dir}: {e.problems[0]}")
 
 
 def _restore_outer(trainer: TrainState, ckpt: Checkpoint, load_optim: bool) -> list[str]:

@@ -231,15 +231,18 @@ def restore_optimizer(
     adam_step: int | None,
     sgd: bool = False,
     island: int | None = None,
+    weights: str | None = None,
 ) -> None:
     """Fill the fp32 master weights from the checkpoint's params and, if adam_step is not None,
     Adam's moments and step (`sgd`: SGD's momentum buffers instead); otherwise the optimizer
     state stays empty (fresh). Under islands, each rank reads the saved island `island` (None:
-    its own island's)."""
+    its own island's); `weights`: the kind the masters are read from instead of that island's
+    params (an island that joins starts from "outer_param")."""
     opt = trainer.optimizer
     state = _state(opt)
     if island is None:
         island = trainer.plan.rank_view(trainer.rank).island
+    weights = weights or island_kind("param", island)
     kinds = SGD_MOMENTS if sgd else ADAM_MOMENTS
 
     def moments(
@@ -259,7 +262,7 @@ def restore_optimizer(
                 continue
             value = torch.empty(p.master.shape, dtype=torch.float32)
             ckpt.read_range(
-                island_kind("param", island),
+                weights,
                 p.name,
                 p.dim,
                 p.global_start,
@@ -277,7 +280,7 @@ def restore_optimizer(
     for shard, param in trainer.params:
         mp = main[id(param)]
         if mp is not param:
-            mp.copy_(ckpt.read_local(shard, island_kind("param", island)))
+            mp.copy_(ckpt.read_local(shard, weights))
         if adam_step is not None:
             st = {} if sgd else {"step": step_state(adam_step, mp, opt.optimizer)}
             for kind in kinds:

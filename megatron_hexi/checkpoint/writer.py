@@ -63,6 +63,7 @@ from megatron_hexi.checkpoint_files import (
     is_own,
     mark_own,
 )
+from planner.island_match import island_sites
 from planner.layout import canonical_shards
 
 if TYPE_CHECKING:
@@ -219,6 +220,7 @@ def save(trainer: TrainState, save_dir: str, iteration: int) -> tuple[float, int
                 "scheduler": trainer.scheduler.state_dict(),
                 "grad_scaler": everyone[0]["grad_scaler"],
                 "islands": len(plan.island_pipelines()),
+                "island_sites": island_sites(plan),
                 "sgd_momentum_state": all(r["sgd_momentum"] for r in everyone),
                 "outer_landed": everyone[0]["outer_landed"],
                 "rng": {str(r["plan_rank"]): r["rng"] for r in everyone},

@@ -20,6 +20,7 @@ from megatron_hexi.arguments import parse_args, planning_inputs
 from megatron_hexi.launch.common import LaunchError
 from planner.membership import plan_for, smallest_fitting_nodes
 from planner.plan import Plan
+from planner.search_islands import plan_islands
 
 # torch elastic shares the rendezvous TCPStore with the workers by default; with it shared, a
 # node that joins a running job waits forever for a master address that no agent publishes
@@ -96,6 +97,8 @@ def elastic_setup(
     else:
         plan = plan_for(inputs.cluster, inputs.model, inputs.options)
         reason = f"MIN {min_nodes}: given (--min-nodes)"
+    if inputs.islands.mode != "off":  # the whole cluster's plan as its first start makes it
+        plan = plan_islands(inputs.cluster, inputs.model, inputs.options, inputs.islands)
     nodes = len({r.node for r in plan.ranks})
     if not 1 <= min_nodes <= nodes:
         raise LaunchError(f"--min-nodes {min_nodes}: must be 1..{nodes} (the job's nodes)")

@@ -12,6 +12,7 @@ result is written before the next step's update (which applies to it; after the 
 with one at once.
 """
 
+import copy
 import math
 
 import torch
@@ -57,9 +58,48 @@ def _island_samples(plan, island, iteration):
     return micro
 
 
+def _island_sites(plan):
+    """Each island's sites (the sets of its nodes' sites): what names an island across plans."""
+    site = {n.name: n.site for n in plan.cluster.nodes}
+    return [
+        frozenset(site[plan.ranks[r].node] for p in pipes for r in plan.pipelines[p].ranks)
+        for pipes in plan.island_pipelines()
+    ]
+
+
+def _full(values, ranges, like):
+    """Values per range of `ranges` ({range index: tensor}) as full tensors ({name: tensor},
+    shaped as `like`'s)."""
+    whole = {n: torch.zeros_like(t) for n, t in like.items()}
+    for r, v in values.items():
+        seg = ranges[r].segment
+        whole[seg.name].narrow(seg.dim, seg.start, seg.end - seg.start).copy_(v)
+    return whole
+
+
+def _recut(values, ranges, new_ranges, like):
+    """Values per range of `ranges` as values per range of `new_ranges` (through `_full`)."""
+    whole = _full(values, ranges, like)
+    out = {}
+    for r, rr in enumerate(new_ranges):
+        seg = rr.segment
+        out[r] = whole[seg.name].narrow(seg.dim, seg.start, seg.end - seg.start).clone()
+    return out
+
+
 def diloco(island_plan_paths, one_rank_plan_path, extra_flags=()):
     """Run the reference for each island plan (same model, same flags); a list of
-    {"losses", "islands": [{name: tensor}] per island}."""
+    {"losses", "islands": [{name: tensor}] per island}.
+
+    An entry (path, step, next_path, ...) is a run that continues after `step` steps under the
+    plan `next_path` with other islands (a site lost or back, a restart from the checkpoint of
+    that step), and so on: each of its islands continues from the weights and AdamW state of the
+    island on the same sites, or, on a site that joins, from theta_outer with the AdamW state of
+    the first island that continues; theta_outer and the outer momentum carry over, a fragment
+    whose outer step was taken but not yet written is written by the islands of the new plan (it
+    averaged the islands of before), and later outer steps average the new plan's islands by
+    their samples. With no outer step in `next_path` (one island left, synchronous), the outer
+    state and any result not yet written are dropped."""
     from megatron_hexi.arguments import parse_args, run_config
     from megatron_hexi.training import Trainer, init_distributed
     from planner.outer_traffic import outer_ranges
@@ -75,6 +115,8 @@ def diloco(island_plan_paths, one_rank_plan_path, extra_flags=()):
     o = config.optimizer
     results = []
     for path in island_plan_paths:
+        path, *chain = path if isinstance(path, tuple) else (path,)
+        restarts = dict(zip(chain[0::2], chain[1::2]))  # step -> the plan from there
         plan = load_plan(path)
         outer, k = plan.training.outer, len(plan.island_pipelines())
         weights = [
@@ -82,21 +124,21 @@ def diloco(island_plan_paths, one_rank_plan_path, extra_flags=()):
             for pipes in plan.island_pipelines()
         ]
         islands = [[t.clone() for t in initial] for _ in range(k)]
-        opts = []
-        for own in islands:
+
+        def adamw(own):
             decay = [t for n, t in zip(names, own) if t.ndim > 1 and not n.endswith(".bias")]
             rest = [t for n, t in zip(names, own) if t.ndim == 1 or n.endswith(".bias")]
             groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
-            opts.append(
-                torch.optim.AdamW(
-                    groups,
-                    lr=o.lr,
-                    betas=(o.adam_beta1, o.adam_beta2),
-                    eps=o.adam_eps,
-                    weight_decay=o.weight_decay,
-                    fused=True,
-                )
+            return torch.optim.AdamW(
+                groups,
+                lr=o.lr,
+                betas=(o.adam_beta1, o.adam_beta2),
+                eps=o.adam_eps,
+                weight_decay=o.weight_decay,
+                fused=True,
             )
+
+        opts = [adamw(own) for own in islands]
         index = {n: i for i, n in enumerate(names)}
         ranges = outer_ranges(plan)
         theta = {}
@@ -109,6 +151,36 @@ def diloco(island_plan_paths, one_rank_plan_path, extra_flags=()):
         quantum = 0.0  # bf16 / int8: the largest change of theta one rounding step makes
         losses = []
         for it in range(config.training.train_iters):
+            if it in restarts:  # the restart under other islands
+                new = load_plan(restarts[it])
+                before, after = _island_sites(plan), _island_sites(new)
+                source = [before.index(s) if s in before else None for s in after]
+                like = dict(zip(names, initial))
+                start = _full(theta, ranges, like)  # where an island that joins starts
+                first = next(i for i in source if i is not None)
+                moved = []
+                for i in source:
+                    if i is not None:
+                        moved.append((islands[i], opts[i]))
+                        continue
+                    own = [start[n].clone() for n in names]
+                    opt = adamw(own)  # the first continuing island's Adam state, copied
+                    opt.load_state_dict(copy.deepcopy(opts[first].state_dict()))
+                    moved.append((own, opt))
+                islands, opts = [m[0] for m in moved], [m[1] for m in moved]
+                outer, k = new.training.outer, len(new.island_pipelines())
+                weights = [
+                    sum(new.pipelines[p].num_samples for p in pipes) / new.global_batch_size
+                    for pipes in new.island_pipelines()
+                ]
+                new_ranges = outer_ranges(new) if outer is not None else []
+                landed = {ranges[r].fragment for r, _ in landing}
+                theta = _recut(theta, ranges, new_ranges, like)
+                buf = _recut(buf, ranges, new_ranges, like)
+                ranges, plan = new_ranges, new
+                landing = [
+                    (r, theta[r].clone()) for r, rr in enumerate(ranges) if rr.fragment in landed
+                ]
             loss_sum, tokens_all, grads = 0.0, 0.0, []
             for isl in range(k):
                 with torch.no_grad():

@@ -8,7 +8,7 @@ from runtime.workers import BASE_FLAGS
 
 
 def _break_outer(defect):
-    """Monkeypatch one defect into this process's outer step."""
+    """Monkeypatch one defect into this process's outer step (or its checkpoint load)."""
     from megatron_hexi import outer_step
 
     if defect == "equal_weights":  # islands averaged equally, not by their tokens
@@ -24,6 +24,12 @@ def _break_outer(defect):
             real_apply(self, bucket, delta)
 
         outer_step.OuterStep._apply = apply
+    elif defect == "islands_by_index":  # a checkpoint's islands matched by index, not site
+        from megatron_hexi.checkpoint import loader
+
+        loader._source_islands = lambda ckpt, plan, joinable: list(
+            range(len(plan.island_pipelines()))
+        )
     elif defect is not None:
         raise ValueError(defect)
 
