@@ -444,6 +444,7 @@ def check_command_line(argv: Sequence[str] | None = None) -> CommandLine:
 ISLAND_FLAGS = (
     "islands",
     "outer_max_comm_share",
+    "outer_max_interval",
     "outer_interval",
     "outer_optimizer",
     "outer_lr",
@@ -451,7 +452,11 @@ ISLAND_FLAGS = (
     "outer_compression",
     "outer_fragments",
 )
-_ISLAND_DEFAULTS = {"islands": "off", "outer_max_comm_share": 0.10}  # the others: None
+_ISLAND_DEFAULTS = {  # the others: None
+    "islands": IslandRequest().mode,
+    "outer_max_comm_share": IslandRequest().max_comm_share,
+    "outer_max_interval": IslandRequest().max_interval,
+}
 
 # Flags that never reach the runtime as values: the plan decides what they describe (the flags
 # are only checked against it, check_against_plan), or they accept Megatron-LM's one supported

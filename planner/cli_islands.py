@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from planner.errors import SpecError
 from planner.inputs import read_json
 from planner.islands import (
+    MAX_OUTER_INTERVAL,
     OUTER_COMPRESSIONS,
     OUTER_OPTIMIZERS,
     OuterSettings,
@@ -22,7 +23,7 @@ from planner.islands import (
     outer_from_dict,
     outer_problems,
 )
-from planner.search_islands import ISLAND_MODES, IslandRequest
+from planner.search_islands import DEFAULT_MAX_INTERVAL, ISLAND_MODES, IslandRequest
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -91,10 +92,19 @@ def add_island_flags(p: argparse._ActionsContainer, prefix: str = "") -> None:
         "take (sets --outer-interval when not given), and for auto the share of the synchronous "
         "gradient sync above which islands are considered (default: 0.10)",
     )
+    p.add_argument(
+        "--outer-max-interval",
+        type=max_interval,
+        default=DEFAULT_MAX_INTERVAL,
+        help=f"{prefix}with --islands: the largest --outer-interval chosen when none is given, "
+        "even where the outer sync then takes more than --outer-max-comm-share (default: "
+        f"{DEFAULT_MAX_INTERVAL}, the interval DiLoCo measured to train as well as synchronous "
+        "training)",
+    )
     add_outer_flags(
         p,
         "with --islands: inner steps between outer steps (default: the smallest that keeps the "
-        "outer sync within --outer-max-comm-share)",
+        "outer sync within --outer-max-comm-share, at most --outer-max-interval)",
         prefix,
     )
 
@@ -107,6 +117,19 @@ def comm_share(text: str) -> float:
         value = math.nan
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text[:40]!r}")
+    return value
+
+
+def max_interval(text: str) -> int:
+    """An argparse type for --outer-max-interval: a positive integer."""
+    try:
+        value = int(text) if len(text) <= 40 else 0
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_OUTER_INTERVAL:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer in [1, {MAX_OUTER_INTERVAL}], got {text[:40]!r}"
+        )
     return value
 
 
@@ -157,7 +180,7 @@ def island_request(args: argparse.Namespace, num_layers: int) -> IslandRequest:
         )
     if fields:
         outer_settings({"interval": 1, **fields}, num_layers)
-    return IslandRequest(args.islands, args.outer_max_comm_share, fields)
+    return IslandRequest(args.islands, args.outer_max_comm_share, fields, args.outer_max_interval)
 
 
 def manual_islands(

@@ -12,7 +12,9 @@ site's GPUs with the existing search and joins the plans:
   with the outer state (fp32 outer parameters and momentum), the islands are planned again with
   the distributed optimizer, which shards that state too;
 - H (training.outer.interval) is the smallest interval whose exposed outer sync is at most
-  `max_comm_share` of the iteration (0 with fragments that hide it), unless given.
+  `max_comm_share` of the iteration (0 with fragments that hide it), unless given; it never
+  exceeds `max_interval` (DEFAULT_MAX_INTERVAL: the longest interval measured to train as well
+  as synchronous training), even where the outer sync then takes more of the step.
 `auto` also plans synchronously across all sites and keeps islands only where the site links
 cost the synchronous plan more than `max_comm_share` of its step (`site_link_share`: against the
 same plan, and the plan searched, with site links as fast as the NICs) and islands are faster.
@@ -38,6 +40,13 @@ if TYPE_CHECKING:
     from planner.plan import Plan
 
 ISLAND_MODES = ("off", "sites", "auto")
+# The largest H the planner chooses by itself (--outer-max-interval). Sourced: DiLoCo (Douillard
+# et al., 2023) matched synchronous training's validation perplexity on C4 with 8 workers and 500
+# inner steps between outer steps, and communicating less often (1,000 and 2,000 steps) cost
+# perplexity; this project's own runs (docs/benchmarks.md, "Islands against synchronous
+# training") reach only H 64 on a 1.6 M-parameter model. Longer intervals stay available by
+# giving --outer-interval.
+DEFAULT_MAX_INTERVAL = 500
 BALANCE_ROUNDS = 3  # proportional splits of the batch (each plans every site once)
 BALANCE_MOVES = 4  # then single-unit moves from the slowest island to the fastest, at most
 
@@ -49,6 +58,7 @@ class IslandRequest:
     mode: str = "off"
     max_comm_share: float = 0.10
     outer: dict[str, Any] | None = None  # the --outer-* fields given (interval may be absent)
+    max_interval: int = DEFAULT_MAX_INTERVAL  # the largest H chosen when none is given
 
 
 def site_clusters(cluster: ClusterSpec) -> list[tuple[str, ClusterSpec]]:
@@ -183,8 +193,9 @@ def balanced_island_plans(
     return plans_for(best)
 
 
-def outer_interval(plan: Plan, share: float) -> int:
-    """The smallest H whose exposed outer sync is at most `share` of the iteration."""
+def outer_interval(plan: Plan, share: float, max_interval: int = MAX_OUTER_INTERVAL) -> int:
+    """The smallest H whose exposed outer sync is at most `share` of the iteration, or
+    `max_interval` where none up to it is."""
     outer = plan.training.outer
     assert outer is not None
 
@@ -196,8 +207,10 @@ def outer_interval(plan: Plan, share: float) -> int:
         )
 
     hi = 1
-    while not ok(hi) and hi < MAX_OUTER_INTERVAL:
-        hi = min(2 * hi, MAX_OUTER_INTERVAL)
+    while not ok(hi) and hi < max_interval:
+        hi = min(2 * hi, max_interval)
+    if hi == max_interval and not ok(hi):
+        return hi
     lo = hi // 2 + 1 if hi > 1 else 1
     while lo < hi:
         mid = (lo + hi) // 2
@@ -254,7 +267,11 @@ def islands_plan(
             f"--islands {request.mode}: the islands' plan does not fit with the outer state: "
             f"{est.bottleneck}"
         )
-    h = settings.interval if given_h else outer_interval(plan, request.max_comm_share)
+    h = (
+        settings.interval
+        if given_h
+        else outer_interval(plan, request.max_comm_share, request.max_interval)
+    )
     plan.training = replace(plan.training, outer=replace(settings, interval=h))
     est = simulate(plan)
     plan.estimate = est.to_dict()
@@ -263,10 +280,21 @@ def islands_plan(
     reason = (
         f"islands by site (batch {'/'.join(str(p.global_batch_size) for p in plans)}, H={h}: "
         f"outer sync {share:.1%} of the step"
-        + ("" if given_h else f", at most {request.max_comm_share:.0%}")
+        + ("" if given_h else _limit_text(share, h, request))
         + ")"
     )
     return plan, reason
+
+
+def _limit_text(share: float, h: int, request: IslandRequest) -> str:
+    """What bounded the chosen H: the comm share, or the interval cap where the share is not
+    met within it."""
+    if share <= request.max_comm_share:
+        return f", at most {request.max_comm_share:.0%}"
+    return (
+        f", above {request.max_comm_share:.0%}: H is capped at --outer-max-interval "
+        f"{request.max_interval}"
+    )
 
 
 def plan_islands(

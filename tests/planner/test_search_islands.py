@@ -102,6 +102,26 @@ def test_given_outer_settings_are_kept(examples_dir, model):
     assert plan.estimate["outer_sync_time_s"] == simulate(plan).outer_sync_time_s
 
 
+def test_chosen_interval_is_capped_for_convergence(examples_dir, model):
+    """Over a link slow enough that 10 % of the step needs H above the cap, H is the cap
+    (search_islands.DEFAULT_MAX_INTERVAL unless given), the outer sync then takes more than
+    10 %, and the reason says so; a larger cap gives the larger H the share asks for."""
+    cluster = _two_sites(examples_dir, "1 Mbit/s")
+    options = PlanningOptions(64)
+    wide = plan_islands(cluster, model, options, IslandRequest("sites", max_interval=10**6))
+    h = wide.training.outer.interval
+    assert h > search_islands.DEFAULT_MAX_INTERVAL
+    capped = plan_islands(cluster, model, options, IslandRequest("sites"))
+    assert capped.training.outer.interval == search_islands.DEFAULT_MAX_INTERVAL
+    est = simulate(capped)
+    assert est.outer_sync_time_s > 0.10 * est.iteration_time_s
+    assert "H is capped at --outer-max-interval 500" in capped.estimate["bottleneck"]
+    assert capped.estimate["tokens_per_s"] < wide.estimate["tokens_per_s"]
+    # a cap above the share's H leaves it alone
+    loose = plan_islands(cluster, model, options, IslandRequest("sites", max_interval=h + 1))
+    assert loose.training.outer.interval == h
+
+
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
@@ -113,6 +133,8 @@ def test_given_outer_settings_are_kept(examples_dir, model):
           "--outer-max-comm-share", "1.5"], "--outer-max-comm-share"),
         (["--cluster", "examples/clusters/two-site-mini.yaml", "--islands", "everywhere"],
          "--islands"),
+        (["--cluster", "examples/clusters/two-site-mini.yaml", "--islands", "sites",
+          "--outer-max-interval", "0"], "--outer-max-interval"),
         (["--cluster", "examples/clusters/two-site-mini.yaml", "--islands", "sites",
           "--outer-fragments", "9"], "--outer-fragments: 9 fragments, but the model has only 4"),
     ],

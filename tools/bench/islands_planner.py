@@ -19,6 +19,7 @@ cluster. Prints a markdown table and the total wall seconds.
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -95,7 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--links", nargs="+", default=["1 Gbit/s", "100 Mbit/s"])
     ap.add_argument("--latency", default="10 ms")
     ap.add_argument("--clusters", nargs="+", default=CLUSTERS)
+    ap.add_argument("--json", default=None, help="also write the rows as JSON")
     args = ap.parse_args(argv)
+    rows = []
     model = load_model(args.model)
     start = time.perf_counter()
     print(
@@ -146,6 +149,23 @@ def main(argv=None) -> int:
                 f"{e32['tokens_per_s'] / sync_tps:.2f}x | {auto} |"
             )
             sys.stdout.flush()
+            rows.append(
+                {
+                    "cluster": name,
+                    "link": link,
+                    "sync_tokens_per_s": sync_tps,
+                    "site_link_share": share,
+                    "islands_tokens_per_s": e32["tokens_per_s"],
+                    "interval_fp32": fp32.training.outer.interval,
+                    "bytes_per_step_fp32": e32["cross_site_bytes_per_step"],
+                    "interval_int8_x4": int8.training.outer.interval,
+                    "bytes_per_step_int8_x4": e8["cross_site_bytes_per_step"],
+                    "auto": auto,
+                }
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     print(f"\nwall {time.perf_counter() - start:.0f} s")
     return 0
 
