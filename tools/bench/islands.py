@@ -83,7 +83,7 @@ def plot_planner(rows: list[dict], path: str) -> None:
     ax.set_xticks([i + width * (len(links) - 1) / 2 for i in range(len(clusters))])
     ax.set_xticklabels(clusters, fontsize=8)
     ax.set_ylabel("islands / synchronous tokens/s (predicted)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
