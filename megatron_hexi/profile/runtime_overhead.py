@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from megatron_hexi.config import RunConfig
+    from megatron_hexi.profile.records import RuntimeRecord
     from planner.cluster import ClusterSpec
     from planner.models import ModelSpec
     from planner.plan import Plan
@@ -170,7 +171,7 @@ def predicted_steps(
 
 def overheads(
     points: Mapping[int, float], predicted: Mapping[int, float], params: int
-) -> dict[str, Any]:
+) -> RuntimeRecord:
     """The profile's `runtime` entry: {"per_microbatch_s", "per_step_s", ...} from measured
     one-rank steps `points` {k: s} and the planner's `predicted` {k: s} for the same plans. Both
     terms are clamped at zero: where the planner predicts more than ran, it stays conservative."""
