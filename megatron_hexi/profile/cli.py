@@ -246,9 +246,10 @@ def profile(
         cont = contention(c.pop("contention"), ref, one_rank, c) if "contention" in c else None
         if cont is not None:
             out["contention"] = cont
-            train = cont.get("training") or {}
-            if "one_rank_step_s" in train:  # contention() says why this bounds the point
-                # contention() sets it only from a one-rank step of the same micro-batches
+            train = cont.get("training")
+            # contention() says why this bounds the point; it sets it only from a one-rank step
+            # of the same micro-batches, so one_rank exists
+            if train is not None and "one_rank_step_s" in train:
                 assert one_rank is not None
                 one_rank[train["microbatches"]] = train["one_rank_step_s"]
         if "tp_layer" in c:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         CurvePoint,
         LayerRuns,
         TPLayerRow,
+        TrainingStep,
     )
     from planner.models import ModelSpec
 
@@ -125,7 +126,7 @@ def _worker(
         "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=procs
     )
     singles = [dist.new_group([r]) for r in range(procs)]
-    bursts = []  # data-parallel Trainer steps, on the parent's requests
+    bursts: list[TrainingStep] = []  # data-parallel Trainer steps, on the parent's requests
 
     def burst(n: int) -> None:
         if layer_job is not None and layer_job.contention:
@@ -218,7 +219,7 @@ def _layer_runs(
     dtype_name: str,
     contention: int,
     attention_backend: str,
-    earlier: Sequence[Mapping[str, Any]] = (),
+    earlier: Sequence[TrainingStep] = (),
 ) -> LayerRuns:
     """Layer timings that only exist with `procs` processes running at once.
 
@@ -411,7 +412,7 @@ class CommJob:
         self.ready = ready
         return ready
 
-    def _command(self, **cmd: Any) -> None:
+    def _command(self, **cmd: str | float) -> None:
         self.commands += 1
         _write(self.files["cmd"].format(self.commands), cmd)
 

@@ -4,7 +4,7 @@ profile the planner misreads."""
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import TypedDict
 
 
 class LayerRecord(TypedDict):
@@ -77,6 +77,23 @@ class TPLayerRow(TypedDict):
     compute_bwd_recompute_s: float
 
 
+class _TrainingStep(TypedDict):
+    procs: int
+    microbatches: int
+    step_s: float
+    params: int
+
+
+class TrainingStep(_TrainingStep, total=False):
+    """`procs` one-stage pipelines training at once (runtime_overhead.data_parallel_step): the
+    fastest step of the bursts (`bursts_s`), and what hexi-profile's `contention()` derives."""
+
+    bursts_s: list[float]
+    one_rank_step_s: float
+    one_rank_measured_s: float
+    grad_allreduce_s: float
+
+
 class _ContentionProbe(TypedDict):
     procs: int
     tp: int
@@ -89,7 +106,7 @@ class ContentionProbe(_ContentionProbe, total=False):
     profile's entry of it): a layer stage timed on every process at once, and the runtime's
     data-parallel step (megatron_hexi.profile.runtime_overhead.data_parallel_step)."""
 
-    training: dict[str, Any]
+    training: TrainingStep
     alone_s: float  # the grid's time of the same layer, where it was measured
 
 
