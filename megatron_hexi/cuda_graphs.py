@@ -23,7 +23,7 @@ the plan's choice is kept and a run says why it cannot follow it. The whole-step
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from planner.cuda_graphs import PLAN_DEFAULT_GRAPH_IMPL
 from planner.errors import SpecError
@@ -32,7 +32,7 @@ from planner.transformer_impl import TE_PACKAGE
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
-    from planner.plan import RankView, Training
+    from planner.plan import Training
 
 
 def check_cuda_graphs(impl: str, cuda: bool) -> None:
@@ -84,7 +84,15 @@ def rng_tracker_options(impl: str) -> dict[str, bool]:
     return {"te_rng_tracker": impl == "transformer_engine", "use_cudagraphable_rng": graphs}
 
 
-def set_megatron_globals(config: TransformerConfig, view: RankView) -> None:
+class PipelineDepth(Protocol):
+    """What set_megatron_globals reads of a rank's view (a planner.plan.RankView, or the
+    profiler's stand-alone stage view)."""
+
+    @property
+    def num_stages(self) -> int: ...
+
+
+def set_megatron_globals(config: TransformerConfig, view: PipelineDepth) -> None:
     """Before a stage with local graphs is built: megatron-core's global pipeline size, which
     CudaGraphManager reads to decide whether one set of graphs serves every micro-batch (it does
     only without pipelining)."""
@@ -95,4 +103,10 @@ def set_megatron_globals(config: TransformerConfig, view: RankView) -> None:
     parallel_state.set_pipeline_model_parallel_world_size(view.num_stages)
 
 
-__all__ = ["check_cuda_graphs", "config_fields", "rng_tracker_options", "set_megatron_globals"]
+__all__ = [
+    "PipelineDepth",
+    "check_cuda_graphs",
+    "config_fields",
+    "rng_tracker_options",
+    "set_megatron_globals",
+]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -44,15 +44,62 @@ if TYPE_CHECKING:
 
     from planner.layout import ParamShard
     from planner.models import ModelSpec
-    from planner.plan import Plan, RankView
+    from planner.plan import Plan, Training
+
+
+class StagePlan(Protocol):
+    """What stage_config and build_stage_model read of a plan (a planner.plan.Plan, or the
+    profiler's stand-alone stage)."""
+
+    @property
+    def model(self) -> ModelSpec: ...
+
+    @property
+    def training(self) -> Training: ...
+
+
+class StageView(Protocol):
+    """What stage_config and build_stage_model read of a rank's view (a planner.plan.RankView,
+    or the profiler's stand-alone stage view): the stage's layers and this rank's shards."""
+
+    @property
+    def tp_size(self) -> int: ...
+
+    @property
+    def num_stages(self) -> int: ...  # megatron_hexi.cuda_graphs.set_megatron_globals
+
+    @property
+    def layers(self) -> tuple[int, ...]: ...
+
+    @property
+    def query_groups(self) -> tuple[int, int]: ...
+
+    @property
+    def heads(self) -> tuple[int, int]: ...
+
+    @property
+    def ffn(self) -> tuple[int, int]: ...
+
+    @property
+    def vocab(self) -> tuple[int, int] | None: ...
+
+    @property
+    def holds_embedding(self) -> bool: ...
+
+    @property
+    def holds_output(self) -> bool: ...
+
+    @property
+    def sequence_parallel(self) -> bool: ...
+
 
 # {canonical name: (block dimension, number of its first block)}: see init_blocks.
 Blocks = Mapping[str, tuple[int, int]]
 
 
 def stage_config(
-    plan: Plan,
-    view: RankView,
+    plan: StagePlan,
+    view: StageView,
     *,
     params_dtype: torch.dtype = torch.float32,
     hidden_dropout: float = 0.0,
@@ -121,8 +168,8 @@ def stage_config(
 
 
 def build_stage_model(
-    plan: Plan,
-    view: RankView,
+    plan: StagePlan,
+    view: StageView,
     tp_group: dist.ProcessGroup | None,
     config: TransformerConfig,
     device: torch.device,

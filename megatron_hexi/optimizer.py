@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,16 +34,26 @@ from megatron.core.optimizer.optimizer import (
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_hexi.adam import inner_optimizer
-from megatron_hexi.grad_sync import clip_by_norm_, global_norm
+from megatron_hexi.grad_sync import GradientSync, clip_by_norm_, global_norm
 
 if TYPE_CHECKING:
     from megatron_hexi.config import PrecisionConfig, RunConfig
-    from megatron_hexi.grad_sync import GradientSync
     from planner.plan import Plan
 
 
+class OwnedGrads(Protocol):
+    """What the exact grad norm reads of a gradient sync (a grad_sync.GradientSync, or the
+    profiler's one-rank stand-in): the gradient slices this rank counts, and the group the norm
+    sums over (None: the world)."""
+
+    @property
+    def norm_group(self) -> dist.ProcessGroup | None: ...
+
+    def owned_grads(self) -> list[torch.Tensor]: ...
+
+
 class _ExactNormMixin:
-    grad_sync: GradientSync | None = None  # build_optimizer sets it
+    grad_sync: OwnedGrads | None = None  # build_optimizer sets it
 
     if TYPE_CHECKING:  # megatron-core's MegatronOptimizer, which every user of the mixin is
 
@@ -143,7 +153,7 @@ def build_grad_scaler(precision: PrecisionConfig) -> MegatronGradScaler | None:
 
 def build_optimizer(
     model: torch.nn.Module,
-    grad_sync: GradientSync,
+    grad_sync: OwnedGrads,
     config: RunConfig,
     plan: Plan | None = None,
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
@@ -176,6 +186,8 @@ def build_optimizer(
     if plan is not None and plan.training.use_distributed_optimizer:
         from megatron_hexi.distributed_optimizer import HeteroDistributedOptimizer
 
+        if not isinstance(grad_sync, GradientSync):
+            raise TypeError("the distributed optimizer shards over a GradientSync's buckets")
         device = next(model.parameters()).device
         opt = HeteroDistributedOptimizer(
             plan, grad_sync, core, plan.training.optimizer_shard, device, model, scaler
@@ -186,7 +198,7 @@ def build_optimizer(
             opt = HeteroFloat16Optimizer(inner, core, scaler, lambda _: None)
         else:
             opt = HeteroFP32Optimizer(inner, core, lambda _: None)
-    opt.grad_sync = grad_sync
+        opt.grad_sync = grad_sync  # the distributed optimizer keeps its own (its __init__)
     s, train_iters = config.lr_schedule, config.training.train_iters
     decay_iters = s.lr_decay_iters or train_iters
     # Megatron-LM: warm-up steps = fraction x decay steps (a whole number of iterations or not)

@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from megatron_hexi.profile import FORMAT
 from planner.attention import CLI_DEFAULT_BACKEND
@@ -30,6 +30,14 @@ from planner.cli_args import add_attention_backend_flag, with_examples
 if TYPE_CHECKING:
     import torch
 
+    from megatron_hexi.profile.records import (
+        CommRecord,
+        ContentionProbe,
+        ContentionRecord,
+        EndRecord,
+        LayerRecord,
+        Profile,
+    )
     from planner.models import ModelSpec
 
 
@@ -92,7 +100,7 @@ def profile(
     progress_stream: TextIO = sys.stderr,
     rounds: int = 3,
     attention_backend: str = CLI_DEFAULT_BACKEND,
-) -> dict[str, Any]:
+) -> Profile:
     """Measure and return the profile dict (see megatron_hexi.profile). `attention_backend`:
     the one every measured stage runs (the runtime's --attention-backend), recorded."""
     import torch
@@ -128,7 +136,7 @@ def profile(
         + (rounds + 1 if runtime else 0)
     )
     bar = Progress(n_units, max_seconds, progress_stream)
-    out = {
+    out: Profile = {
         "format": FORMAT,
         "device": name,
         "dtype": str(dtype).replace("torch.", ""),
@@ -176,7 +184,8 @@ def profile(
     # One-rank Trainer steps (the runtime's overheads, runtime_overhead.py) in bursts spread over
     # the profile: before the grid, after each grid round but the last, after the optimizer; each
     # next to a data-parallel burst of the comm job (its first one ran as it started).
-    bursts, params = [], None
+    bursts: list[dict[int, float]] = []
+    params: int | None = None
 
     def burst(when: str, data_parallel: bool = True) -> None:
         nonlocal params
@@ -194,14 +203,17 @@ def profile(
     # The grid is measured in rounds, each visiting every point, so that a slow spell of the
     # machine hits one round of a point rather than all of its runs (measure.py: statistic).
     points = [(t, b) for t in widths for b in mbss]
-    got = {}
+    got: dict[tuple[int, int], list[tuple[LayerRecord, dict[str, EndRecord]]]] = {}
     for rnd in range(rounds):
         for t, b in points:
             if bar.left() < max_seconds * 0.45 and got:
                 break
-            kw = {"attention_backend": attention_backend}
-            e = measure.layer_entry(model, t, b, device, dtype, reps or 4, **kw)
-            ends = measure.end_entries(model, t, b, device, dtype, reps or 4, **kw)
+            e = measure.layer_entry(
+                model, t, b, device, dtype, reps or 4, attention_backend=attention_backend
+            )
+            ends = measure.end_entries(
+                model, t, b, device, dtype, reps or 4, attention_backend=attention_backend
+            )
             got.setdefault((t, b), []).append((e, ends))
             bar.step(
                 f"round {rnd + 1} layer tp{t} mbs{b}: fwd {e['fwd_s'] * 1e3:.2f} ms bwd "
@@ -210,10 +222,11 @@ def profile(
         if runtime and rnd < rounds - 1 and bar.left() > max_seconds * 0.45:
             burst(f"after round {rnd + 1}")
     complete = len(got) == len(points)
+    median = statistics.median
     for runs in got.values():
-        out["layer"].append(measure.combine([e for e, _ in runs], min))
-        for kind in ("embedding", "head"):
-            out[kind].append(measure.combine([ends[kind] for _, ends in runs], statistics.median))
+        out["layer"].append(measure.combine_layers([e for e, _ in runs], min))
+        out["embedding"].append(measure.combine_ends([x["embedding"] for _, x in runs], median))
+        out["head"].append(measure.combine_ends([x["head"] for _, x in runs], median))
     opt = measure.optimizer_entry(model, device, dtype, reps or 5)
     out["optimizer"] = opt
     bar.step(f"optimizer {opt['s_per_param'] * 1e9:.2f} ns/param + {opt['fixed_s'] * 1e3:.2f} ms")
@@ -233,8 +246,11 @@ def profile(
         cont = contention(c.pop("contention"), ref, one_rank, c) if "contention" in c else None
         if cont is not None:
             out["contention"] = cont
-            train = cont.get("training") or {}
-            if "one_rank_step_s" in train:  # contention() says why this bounds the point
+            train = cont.get("training")
+            # contention() says why this bounds the point; it sets it only from a one-rank step
+            # of the same micro-batches, so one_rank exists
+            if train is not None and "one_rank_step_s" in train:
+                assert one_rank is not None
                 one_rank[train["microbatches"]] = train["one_rank_step_s"]
         if "tp_layer" in c:
             out["tp_layer"] = c.pop("tp_layer")
@@ -247,12 +263,13 @@ def profile(
             else "comm: too few points"
         )
     if one_rank:
+        assert params is not None  # burst() sets it with every one-rank burst
         predicted = runtime_overhead.predicted_steps(out, model, device.type, list(one_rank))
-        out["runtime"] = runtime_overhead.overheads(one_rank, predicted, params)
-        out["runtime"]["bursts"] = [{str(k): t for k, t in sorted(b.items())} for b in bursts]
+        rt = out["runtime"] = runtime_overhead.overheads(one_rank, predicted, params)
+        rt["bursts"] = [{str(k): t for k, t in sorted(b.items())} for b in bursts]
         bar.step(
-            f"runtime {out['runtime']['per_microbatch_s'] * 1e3:.2f} ms/micro-batch + "
-            f"{out['runtime']['per_step_s'] * 1e3:.2f} ms/step"
+            f"runtime {rt['per_microbatch_s'] * 1e3:.2f} ms/micro-batch + "
+            f"{rt['per_step_s'] * 1e3:.2f} ms/step"
         )
     else:
         bar.step("runtime overheads skipped")
@@ -267,11 +284,11 @@ def profile(
 
 
 def contention(
-    cont: dict[str, Any],
-    ref: Mapping[str, Any] | None,
+    cont: ContentionProbe,
+    ref: LayerRecord | None,
     one_rank: Mapping[int, float] | None,
-    comm_result: Mapping[str, Any],
-) -> dict[str, Any] | None:
+    comm_result: CommRecord,
+) -> ContentionRecord | None:
     """The profile's `contention` entry. Preferred: the runtime's own data-parallel step on
     `procs` processes, less its gradient all-reduce (the measured curve, fp32 gradients), over the
     one-rank step with the same micro-batches (`one_rank`: {micro-batches: fastest step}); else
@@ -288,7 +305,7 @@ def contention(
     train = cont.pop("training", None)
     one = (one_rank or {}).get(train["microbatches"]) if train else None
     curve = [(p["bytes"], p["s"]) for p in comm_result.get("allreduce", [])]
-    if one and len(curve) >= 2:
+    if train and one and len(curve) >= 2:
         sync = _loglog(curve, 4 * train["params"])
         alone = min(one, train["step_s"] - sync)
         train.update(

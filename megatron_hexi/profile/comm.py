@@ -28,6 +28,15 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from megatron_hexi.profile.records import (
+        BurstDone,
+        CommRecord,
+        CommResult,
+        CurvePoint,
+        LayerRuns,
+        TPLayerRow,
+        TrainingStep,
+    )
     from planner.models import ModelSpec
 
 
@@ -61,7 +70,7 @@ def _time(fn: Callable[[], object], reps: int, device: torch.device) -> float:
 
 
 def fit_ring(
-    points: Sequence[Mapping[str, float]], lat_coef: float, byte_coef: float
+    points: Sequence[CurvePoint], lat_coef: float, byte_coef: float
 ) -> dict[str, float] | None:
     """(bandwidth, latency) of the ring model t = lat_coef*lat + byte_coef*bytes/bw: latency from
     the smallest message, bandwidth from the largest (where bytes dominate)."""
@@ -117,7 +126,7 @@ def _worker(
         "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=procs
     )
     singles = [dist.new_group([r]) for r in range(procs)]
-    bursts = []  # data-parallel Trainer steps, on the parent's requests
+    bursts: list[TrainingStep] = []  # data-parallel Trainer steps, on the parent's requests
 
     def burst(n: int) -> None:
         if layer_job is not None and layer_job.contention:
@@ -140,7 +149,7 @@ def _worker(
             break
         burst(n)
     deadline = cmd["deadline"]
-    res = {"allreduce": [], "allgather": [], "p2p": []}
+    res: CommResult = {"allreduce": [], "allgather": [], "p2p": []}
     for nbytes in sizes:
         # every rank must stop at the same size: rank 0's clock decides (at least 3 sizes)
         stop = torch.tensor([float(time.time() > deadline and len(res["p2p"]) >= 3)], device=device)
@@ -210,8 +219,8 @@ def _layer_runs(
     dtype_name: str,
     contention: int,
     attention_backend: str,
-    earlier: Sequence[Mapping[str, Any]] = (),
-) -> dict[str, Any]:
+    earlier: Sequence[TrainingStep] = (),
+) -> LayerRuns:
     """Layer timings that only exist with `procs` processes running at once.
 
     - contention (CPU; `contention` is the TP width of the reference shard): a layer stage of
@@ -236,7 +245,7 @@ def _layer_runs(
     seed_rng(1234, 0)
     dtype = getattr(torch, dtype_name)
     layers = 2
-    out = {}
+    out: LayerRuns = {}
     if contention:
         ref = Stage(
             model,
@@ -288,7 +297,7 @@ def _layer_runs(
                     group=single,
                     attention_backend=attention_backend,
                 )
-        got = {k: [] for k in runs}
+        got: dict[tuple[int, str, bool], list[tuple[float, float]]] = {k: [] for k in runs}
         per_round = max(2, reps // 2)
         for i in range(2 + 3 * per_round):  # 2 warm-up passes, then 3 rounds over all points,
             for k, st in runs.items():  # so that a slow spell hits one round of each
@@ -297,7 +306,7 @@ def _layer_runs(
                 if i >= 2:
                     got[k].append(r)
         best = {k: [min(r[j] for r in v) / layers for j in (0, 1)] for k, v in got.items()}
-        rows = []
+        rows: list[TPLayerRow] = []
         for b in mbss:
             vals = _max_over_ranks(
                 best[(b, "tp", False)]
@@ -392,17 +401,18 @@ class CommJob:
                 os.environ.pop("OMP_NUM_THREADS", None)
             else:
                 os.environ["OMP_NUM_THREADS"] = env_threads
-        self.ready = None
+        self.ready: BurstDone | None = None
 
     def _alive(self) -> bool:
         return not self._ctx.join(timeout=0)  # raises, with the cause, if a process failed
 
-    def wait_ready(self, seconds: float = 300.0) -> dict[str, Any]:
+    def wait_ready(self, seconds: float = 300.0) -> BurstDone:
         """Block until the processes have started (and trained their first burst)."""
-        self.ready = _wait_for(self.files["done"].format(0), seconds, self._alive)
-        return self.ready
+        ready: BurstDone = _wait_for(self.files["done"].format(0), seconds, self._alive)
+        self.ready = ready
+        return ready
 
-    def _command(self, **cmd: Any) -> None:
+    def _command(self, **cmd: str | float) -> None:
         self.commands += 1
         _write(self.files["cmd"].format(self.commands), cmd)
 
@@ -412,9 +422,10 @@ class CommJob:
         if self.ready is None:
             self.wait_ready()
         self._command(op="burst")
-        return _wait_for(self.files["done"].format(self.commands), seconds, self._alive)["step_s"]
+        done: BurstDone = _wait_for(self.files["done"].format(self.commands), seconds, self._alive)
+        return done["step_s"]
 
-    def finish(self, max_seconds: float) -> dict[str, Any]:
+    def finish(self, max_seconds: float) -> CommRecord:
         """Let the processes measure (collective sizes stop at `max_seconds`), wait, return
         {"procs", "backend", curves, fits[, "contention", "tp_layer"]}."""
         if self.ready is None:
@@ -424,7 +435,7 @@ class CommJob:
             while not self._ctx.join(timeout=1.0):
                 pass
             with open(self.files["result"]) as fh:
-                res = json.load(fh)
+                res: CommResult = json.load(fh)
         finally:
             self.close()
         n = self.procs
@@ -433,7 +444,7 @@ class CommJob:
             "allgather": fit_ring(res["allgather"], n - 1, (n - 1) / n),
             "p2p": fit_ring(res["p2p"], 1, 1),
         }
-        out = {
+        out: CommRecord = {
             "procs": n,
             "backend": "nccl" if self.device_type == "cuda" else "gloo",
             "allreduce": res["allreduce"],
@@ -441,9 +452,10 @@ class CommJob:
             "p2p": res["p2p"],
             "fit": fits,
         }
-        for key in ("contention", "tp_layer"):
-            if key in res:
-                out[key] = res[key]
+        if "contention" in res:
+            out["contention"] = res["contention"]
+        if "tp_layer" in res:
+            out["tp_layer"] = res["tp_layer"]
         return out
 
     def close(self) -> None:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import statistics
 import time
-import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -31,6 +31,7 @@ from megatron_hexi.fusions import stage_fusions
 from megatron_hexi.grad_sync import FP32MainGrads, param_grad
 from megatron_hexi.loss import sharded_cross_entropy
 from megatron_hexi.model import build_stage_model, stage_config
+from megatron_hexi.profile.records import EndRecord, LayerRecord, OptimizerRecord
 from planner.attention import CLI_DEFAULT_BACKEND
 from planner.plan import Training
 
@@ -39,8 +40,8 @@ DEFAULT_ATTENTION_BACKEND = CLI_DEFAULT_BACKEND
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from megatron_hexi.model import StageView
     from planner.models import ModelSpec
-    from planner.plan import RankView
 
 
 def _world() -> dist.ProcessGroup:
@@ -48,7 +49,10 @@ def _world() -> dist.ProcessGroup:
 
     if not dist.is_initialized() or dist.get_world_size() != 1:
         raise RuntimeError("profile stages need a one-rank process group (Stage(group=...))")
-    return dist.group.WORLD
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError("profile stages need the default process group to exist")
+    return world
 
 
 def sync(device: torch.device) -> None:
@@ -56,17 +60,42 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass(frozen=True)
+class ProfilePlan:
+    """What the stage builders read of a plan (megatron_hexi.model.StagePlan): the model, and a
+    plan's training defaults (eager layers, as a profile measures them)."""
+
+    model: ModelSpec
+    training: Training
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """What the stage builders read of a rank's view (megatron_hexi.model.StageView), for a
+    stage built and run on its own: one pipeline stage, no sequence parallelism."""
+
+    tp_size: int
+    layers: tuple[int, int]  # [first, last)
+    query_groups: tuple[int, int]  # (count, offset), as planner.plan.RankView
+    heads: tuple[int, int]
+    ffn: tuple[int, int]
+    vocab: tuple[int, int] | None  # held with the embedding or the output layer
+    holds_embedding: bool
+    holds_output: bool
+    sequence_parallel: bool = False
+    num_stages: int = 1
+
+
 def shard_view(
     model: ModelSpec, t: int, layers: int, first: bool = False, last: bool = False
-) -> types.SimpleNamespace:
-    """A RankView stand-in for TP rank 0 of an even t-way stage, built as a one-rank stage (only
-    the fields the model builders read). Query groups and FFN columns are 1/t of the model's (at
-    least one)."""
+) -> ShardView:
+    """The view of TP rank 0 of an even t-way stage, built as a one-rank stage. Query groups and
+    FFN columns are 1/t of the model's (at least one)."""
     g, hpg = model.num_query_groups, model.num_attention_heads // model.num_query_groups
     q = max(1, g // t)
     f = max(1, model.ffn_hidden_size // t)
     v = max(1, model.vocab_size // t)
-    return types.SimpleNamespace(
+    return ShardView(
         tp_size=1,
         layers=(0, layers),
         query_groups=(q, 0),
@@ -75,7 +104,6 @@ def shard_view(
         vocab=(v, 0) if (first or last) else None,
         holds_embedding=first,
         holds_output=last,
-        sequence_parallel=False,
     )
 
 
@@ -84,12 +112,12 @@ def splits_evenly(model: ModelSpec, t: int) -> bool:
     return model.num_query_groups % t == 0 and model.ffn_hidden_size % t == 0
 
 
-def tp_view(model: ModelSpec, t: int, rank: int, layers: int) -> types.SimpleNamespace:
-    """A RankView stand-in for TP rank `rank` of an even t-way middle stage run over a real
+def tp_view(model: ModelSpec, t: int, rank: int, layers: int) -> ShardView:
+    """The view of TP rank `rank` of an even t-way middle stage run over a real
     t-process group: the layers run their all-reduces, as in training."""
     g, hpg = model.num_query_groups, model.num_attention_heads // model.num_query_groups
     q, f = g // t, model.ffn_hidden_size // t
-    return types.SimpleNamespace(
+    return ShardView(
         tp_size=t,
         layers=(0, layers),
         query_groups=(q, rank * q),
@@ -108,7 +136,7 @@ class Stage:
     def __init__(
         self,
         model: ModelSpec,
-        view: RankView | types.SimpleNamespace,
+        view: StageView,
         mbs: int,
         device: torch.device,
         dtype: torch.dtype,
@@ -117,8 +145,7 @@ class Stage:
         *,
         attention_backend: str,
     ) -> None:
-        # a plan's defaults for the rest: eager layers, as a profile measures them
-        plan = types.SimpleNamespace(model=model, training=Training(global_batch_size=mbs))
+        plan = ProfilePlan(model, Training(global_batch_size=mbs))
         bf16 = dtype == torch.bfloat16
         # the fused kernels training runs on this device (megatron_hexi.fusions)
         fusions = stage_fusions(
@@ -231,16 +258,17 @@ def layer_entry(
     layers: int = 2,
     *,
     attention_backend: str,
-) -> dict[str, float]:
+) -> LayerRecord:
     """Per-layer seconds of a 1/t shard: forward, backward, backward under full recompute, and
     the host's part of the forward and backward (`Stage.run`; the planner's host time per
     layer pass, planner.host)."""
     view = shard_view(model, t, layers)
-    kw = {"attention_backend": attention_backend}
-    stage = Stage(model, view, mbs, device, dtype, **kw)
+    stage = Stage(model, view, mbs, device, dtype, attention_backend=attention_backend)
     f, b = stage.time(reps)
     hf, hb = stage.host_time(reps)
-    _, brc = Stage(model, view, mbs, device, dtype, recompute=True, **kw).time(reps)
+    _, brc = Stage(
+        model, view, mbs, device, dtype, recompute=True, attention_backend=attention_backend
+    ).time(reps)
     return {
         "tp": t,
         "query_groups": view.query_groups[0],
@@ -264,28 +292,33 @@ def end_entries(
     warmup: int = 2,
     *,
     attention_backend: str,
-) -> dict[str, dict[str, float]]:
+) -> dict[str, EndRecord]:
     """Embedding stage and head stage costs: a one-layer first / last stage minus a one-layer
     middle stage (same stage machinery, so per-stage overheads cancel). The three stages run in
     turn and each difference is taken within one round, so a slow spell of the machine hits both
     sides of it; the median over rounds is kept."""
-    kw = {"attention_backend": attention_backend}
-    stages = {"middle": Stage(model, shard_view(model, t, 1), mbs, device, dtype, **kw)}
-    for kind, first, last in (("embedding", True, False), ("head", False, True)):
-        stages[kind] = Stage(
-            model, shard_view(model, t, 1, first=first, last=last), mbs, device, dtype, **kw
-        )
-    diffs = {"embedding": [], "head": []}
+    views = {
+        "middle": shard_view(model, t, 1),
+        "embedding": shard_view(model, t, 1, first=True),
+        "head": shard_view(model, t, 1, last=True),
+    }
+    stages = {
+        kind: Stage(model, view, mbs, device, dtype, attention_backend=attention_backend)
+        for kind, view in views.items()
+    }
+    diffs: dict[str, list[list[float]]] = {"embedding": [], "head": []}
     for i in range(warmup + reps):
         times = {k: st.run() for k, st in stages.items()}
         if i >= warmup:
             for kind in diffs:
                 diffs[kind].append([a - b for a, b in zip(times[kind], times["middle"])])
-    out = {}
+    out: dict[str, EndRecord] = {}
     for kind, d in diffs.items():
+        vocab = views[kind].vocab
+        assert vocab is not None  # shard_view: a first or last stage holds vocabulary rows
         out[kind] = {
             "tp": t,
-            "vocab": stages[kind].view.vocab[0],
+            "vocab": vocab[0],
             "mbs": mbs,
             "fwd_s": max(statistics.median(x[0] for x in d), 0.0),
             "bwd_s": max(statistics.median(x[1] for x in d), 0.0),
@@ -316,16 +349,22 @@ def matmul_tflops(
 
 
 class _AllOwned:
-    """Stands in for a GradientSync whose rank owns every gradient: what the optimizer's exact
-    norm reads (a single rank holds the whole stage)."""
+    """The gradient sync of a rank that owns every gradient (megatron_hexi.optimizer.OwnedGrads,
+    what the optimizer's exact norm reads): a single rank holds the whole stage."""
 
-    norm_group = None  # the norm sums over the world, which is this one rank
+    norm_group: dist.ProcessGroup | None = None  # the world, which is this one rank
 
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
         self.params = params
 
     def owned_grads(self) -> list[torch.Tensor]:
-        return [param_grad(p) for p in self.params]
+        grads = []
+        for p in self.params:
+            g = param_grad(p)
+            if g is None:
+                raise RuntimeError("optimizer_entry sets every parameter's gradient")
+            grads.append(g)
+        return grads
 
 
 def optimizer_entry(
@@ -334,7 +373,7 @@ def optimizer_entry(
     dtype: torch.dtype,
     reps: int,
     layer_counts: Sequence[int] = (1, 3),
-) -> dict[str, Any]:
+) -> OptimizerRecord:
     """The runtime's optimizer step (megatron-core FP32Optimizer/Float16 wrapper around AdamW,
     exact grad norm over the world, clipping) on stage models of two sizes: fit fixed + per param.
     Needs an initialised process group (one rank is enough)."""
@@ -392,16 +431,28 @@ def optimizer_entry(
     }
 
 
-def combine(
-    entries: Sequence[Mapping[str, Any]], statistic: Callable[[Iterable[float]], float]
-) -> dict[str, Any]:
+# the time fields of each record (the rest say which point it is)
+LAYER_TIMES: tuple[Literal["fwd_s", "bwd_s", "bwd_recompute_s", "host_fwd_s", "host_bwd_s"], ...]
+LAYER_TIMES = ("fwd_s", "bwd_s", "bwd_recompute_s", "host_fwd_s", "host_bwd_s")
+END_TIMES: tuple[Literal["fwd_s", "bwd_s"], ...] = ("fwd_s", "bwd_s")
+Statistic = Callable[[Iterable[float]], float]
+
+
+def combine_layers(entries: Sequence[LayerRecord], statistic: Statistic) -> LayerRecord:
     """One grid entry from several rounds' entries of the same point: `statistic` (min for the
-    layer times; median for the embedding/head differences, which are taken within a round, so a
-    spell is mostly divided out) of each time."""
-    out = dict(entries[0])
-    for k in out:
-        if k.endswith("_s"):
-            out[k] = statistic(e[k] for e in entries)
+    layer times) of each time."""
+    out = entries[0].copy()
+    for k in LAYER_TIMES:
+        out[k] = statistic(e[k] for e in entries)
+    return out
+
+
+def combine_ends(entries: Sequence[EndRecord], statistic: Statistic) -> EndRecord:
+    """combine_layers for the embedding/head entries (median: their differences are taken within
+    a round, so a spell is mostly divided out)."""
+    out = entries[0].copy()
+    for k in END_TIMES:
+        out[k] = statistic(e[k] for e in entries)
     return out
 
 

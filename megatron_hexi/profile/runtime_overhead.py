@@ -14,12 +14,13 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
     from megatron_hexi.config import RunConfig
+    from megatron_hexi.profile.records import Profile, RuntimeRecord, TrainingStep
     from planner.cluster import ClusterSpec
     from planner.models import ModelSpec
     from planner.plan import Plan
@@ -124,7 +125,7 @@ def data_parallel_step(
     procs: int,
     attention_backend: str,
     k: int = 4,
-) -> dict[str, Any]:
+) -> TrainingStep:
     """Fastest step of `procs` one-stage pipelines training at once (k micro-batches of 1 each),
     run inside a `procs`-process group: against the one-rank step with the same micro-batches it
     gives the slowdown of the runtime itself when `procs` ranks share the node."""
@@ -144,7 +145,7 @@ def step_points(
 
 
 def predicted_steps(
-    profile: Mapping[str, Any], model: ModelSpec, device_type: str, microbatches: Iterable[int]
+    profile: Profile, model: ModelSpec, device_type: str, microbatches: Iterable[int]
 ) -> dict[int, float]:
     """{k: the planner's step time for the one-rank plan of k micro-batches of 1}, from this
     profile without its runtime overheads (pure planner code; no torch)."""
@@ -170,7 +171,7 @@ def predicted_steps(
 
 def overheads(
     points: Mapping[int, float], predicted: Mapping[int, float], params: int
-) -> dict[str, Any]:
+) -> RuntimeRecord:
     """The profile's `runtime` entry: {"per_microbatch_s", "per_step_s", ...} from measured
     one-rank steps `points` {k: s} and the planner's `predicted` {k: s} for the same plans. Both
     terms are clamped at zero: where the planner predicts more than ran, it stays conservative."""
