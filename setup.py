@@ -39,6 +39,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=8,<10",
+            "pytest-xdist>=3.6,<4",  # tools/test.sh runs the suite on two workers
             "jsonschema>=4.18,<5",
             "matplotlib>=3.8,<4",
             "sentencepiece>=0.2.1,<0.3",

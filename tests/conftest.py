@@ -88,3 +88,60 @@ def hexi_search(hexi_plan, examples_dir):
         )
 
     return run
+
+
+# ---- parallel runs (pytest-xdist; tools/test.sh passes `-n 2 --dist loadfile`) ----
+
+# Folders whose test files share session fixtures: all their tests run on one worker, so that
+# what the fixture makes is made once (tests/slurm: the one localhost Slurm, whose fixed ports
+# two workers could not both bind; tests/data: the preprocessed corpora).
+SHARED_SESSION = ("tests/slurm/", "tests/data/")
+# The longest units, longest first (a unit's tests together took 30 to 190 s on a 2-core machine),
+# handed out before the others so that the workers finish together instead of one waiting on the
+# other's last long unit. Only an order: a unit missing here runs after these, as xdist orders it.
+LONGEST_FIRST = (
+    "tests/planner/test_neighbour_consistency.py",
+    "tests/data/",
+    "tests/planner/test_search.py",
+    "tests/slurm/",
+    "tests/runtime/test_elastic.py",
+    "tests/runtime/test_islands.py",
+    "tests/foundation/test_broken_inputs.py",
+    "tests/profiling/test_profile.py",
+    "tests/test_gpu_check.py",
+    "tests/foundation/test_readme_commands.py",
+    "tests/runtime/test_p2p_order.py",
+    "tests/launch/test_elastic_launch.py",
+    "tests/launch/test_launch.py",
+    "tests/test_harness.py",
+    "tests/runtime/test_fp16.py",
+)
+
+
+def _unit(nodeid):
+    """The unit of work a worker takes whole: a test file, or a SHARED_SESSION folder."""
+    path = nodeid.split("::", 1)[0]
+    return next((folder for folder in SHARED_SESSION if path.startswith(folder)), path)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With `--dist loadfile`: xdist's file-by-file scheduling, with the units of `_unit` (a
+    file's module fixtures are made once, a SHARED_SESSION folder's session fixtures too) and the
+    LONGEST_FIRST units first."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return _unit(nodeid)
+
+        def _assign_work_unit(self, node):
+            for unit in LONGEST_FIRST:
+                if unit in self.workqueue:
+                    self.workqueue.move_to_end(unit, last=False)
+                    break
+            super()._assign_work_unit(node)
+
+    return Scheduling(config, log)

@@ -32,6 +32,7 @@ import multiprocessing
 import os
 import pickle
 import queue as queue_module
+import random
 import signal
 import socket
 import subprocess
@@ -71,11 +72,45 @@ class DistributedTimeout(DistributedTestError):
         self.stdout, self.stderr = stdout, stderr
 
 
+# The ports `free_port` hands out lie below the kernel's ephemeral range (32768-60999 on Linux,
+# where bind(0) and every outgoing connection take theirs), so a port chosen here is not taken by
+# some connection before the rank that is given it binds it. Parallel test workers (pytest-xdist)
+# each take their own slice, so no two of them hand out the same port. The localhost Slurm's ports
+# (17001-17003, 17817-17818) and its jobs' (25000-29999) lie outside.
+PORT_RANGE = (20000, 25000)
+_next_port = None
+
+
+def _port_slice():
+    """[first, end) of this process's ports: PORT_RANGE, or this xdist worker's share of it."""
+    first, end = PORT_RANGE
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker.startswith("gw") and worker[2:].isdigit() and count > 1:
+        width = (end - first) // count
+        first += int(worker[2:]) * width
+        end = first + width
+    return first, end
+
+
 def free_port():
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that is free right now (nothing listens on it, on any address), from this
+    process's slice of PORT_RANGE. Successive calls walk the slice from a random start, so a port
+    comes back only after all the others (not while a closed connection on it lingers), and two
+    test runs on one machine rarely try the same port at the same time."""
+    global _next_port
+    first, end = _port_slice()
+    if _next_port is None or not first <= _next_port < end:
+        _next_port = first + random.SystemRandom().randrange(end - first)
+    for _ in range(end - first):
+        port, _next_port = _next_port, first + (_next_port + 1 - first) % (end - first)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"free_port: no free TCP port in {first}..{end - 1}")
 
 
 def _function_ref(fn):

@@ -8,10 +8,10 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-# megatron-core and torch are found, not imported: importing them takes seconds, and this runs
-# before every test run (and twice in the README's test).
+# megatron-core, torch and pytest-xdist are found, not imported: importing them takes seconds, and
+# this runs before every test run (and twice in the README's test).
 if ! .venv/bin/python -c "import megatron_hexi, planner, pytest, jsonschema, importlib.util as u, sys
-sys.exit(not all(u.find_spec(m) for m in ('megatron.core', 'torch')))" 2>/dev/null \
+sys.exit(not all(u.find_spec(m) for m in ('megatron.core', 'torch', 'xdist')))" 2>/dev/null \
    || [ setup.py -nt .venv/.hexi-installed ] || [ tools/constraints-cpu.txt -nt .venv/.hexi-installed ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
   .venv/bin/python -m pip install -q -c tools/constraints-cpu.txt -e ".[test]"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up, check lint, format and types, and run the whole test suite (CPU only; starts a
-# localhost Slurm for the Slurm tests).
+# Set up, check lint, format and types, and run the whole test suite (CPU only, on two workers;
+# starts a localhost Slurm for the Slurm tests).
 #   bash tools/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,4 +20,8 @@ if [ "$status" != 0 ]; then
   echo "tools/test.sh: lint, format or type check failed (above)" >&2
   exit 1
 fi
-exec .venv/bin/python -m pytest tests -q "$@"
+# Two pytest-xdist workers: much of a multi-process test's time is waiting (rendezvous, restarts,
+# the localhost Slurm), which the other worker fills. `--dist loadfile` keeps each file's tests on
+# one worker, and tests/conftest.py keeps tests/slurm and tests/data whole (their session
+# fixtures). Later options win: `-n 0` runs the suite serially in this process.
+exec .venv/bin/python -m pytest tests -q -n 2 --dist loadfile "$@"

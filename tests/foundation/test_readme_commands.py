@@ -32,11 +32,11 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from harness import free_port
 from launch.hexi_launch_helpers import run_with_stub_slurm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,12 +99,6 @@ def fresh_env(home):
     # MASTER_PORT, torchrun reads PET_MASTER_PORT for its --master-port default.
     env["MASTER_PORT"], env["PET_MASTER_PORT"] = str(free_port()), str(free_port())
     return env
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_readme_commands_in_a_fresh_shell(tmp_path):

@@ -9,6 +9,7 @@ import sys
 import pytest
 import yaml
 
+from harness import free_port
 from launch.hexi_launch_helpers import cluster_dict, hexi_launch, make_plan
 from megatron_hexi.cluster_tools import detect as det
 from planner.cluster import load_cluster_dict
@@ -117,11 +118,7 @@ def test_bench_two_nodes_locally(tmp_path):
     groups = [("a100", 2, 1), ("rtx4090", 1, 1)]
     make_plan(plan_path, groups)
     d, links = tmp_path / "nodes", tmp_path / "links.yaml"
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     r = hexi_launch(
         "torchrun",
         plan_path,

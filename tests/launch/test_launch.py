@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import free_port
 from launch.hexi_launch_helpers import (
     FAKE_TRAIN,
     REPO,
@@ -543,7 +544,7 @@ def test_torchrun_scripts_run_locally(het_plan, tmp_path):
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         "--timeout-s",
         "90",
         "--entry",
@@ -574,14 +575,6 @@ def test_torchrun_scripts_run_locally(het_plan, tmp_path):
     assert all(
         x["how"] == "HEXI_PLAN_NODE" and x["extra_args"] == ["--x", "a b"] for x in res["ranks"]
     )
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_example_template_runs_with_stub_slurm(tmp_path):
