@@ -12,7 +12,7 @@ The bound is the planner's target: no searched plan below 0.999x of a neighbour'
 under its setting. With the kernel model (planner.kernels) the 25 Gbit/s plan re-costed at
 10 Gbit/s made 11,403 tokens/s against the 10 Gbit/s plan's own 11,395 (0.9993): the search ranks
 pipeline layouts by a cheap objective before the simulator scores the finalists. The search now
-also lays out its finalists for links half and twice as fast (planner.neighbours.LINK_SCALES) and
+also lays out its best partitions for other link speeds (planner.neighbours.LINK_SCALES) and
 scores them on the real links: the 10 Gbit/s search returns that layout (11,403), and each plan
 is at least as good as the others at its own speed.
 """
