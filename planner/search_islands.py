@@ -207,10 +207,10 @@ def outer_interval(plan: Plan, share: float, max_interval: int = MAX_OUTER_INTER
         )
 
     hi = 1
-    while not ok(hi) and hi < max_interval:
+    while not ok(hi):
+        if hi >= max_interval:
+            return max_interval
         hi = min(2 * hi, max_interval)
-    if hi == max_interval and not ok(hi):
-        return hi
     lo = hi // 2 + 1 if hi > 1 else 1
     while lo < hi:
         mid = (lo + hi) // 2
@@ -280,13 +280,13 @@ def islands_plan(
     reason = (
         f"islands by site (batch {'/'.join(str(p.global_batch_size) for p in plans)}, H={h}: "
         f"outer sync {share:.1%} of the step"
-        + ("" if given_h else _limit_text(share, h, request))
+        + ("" if given_h else _limit_text(share, request))
         + ")"
     )
     return plan, reason
 
 
-def _limit_text(share: float, h: int, request: IslandRequest) -> str:
+def _limit_text(share: float, request: IslandRequest) -> str:
     """What bounded the chosen H: the comm share, or the interval cap where the share is not
     met within it."""
     if share <= request.max_comm_share:

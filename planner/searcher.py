@@ -416,7 +416,7 @@ class Searcher:
         the 5.96 s of the 2-pipeline plan that won before."""
         if not finals:
             return []
-        bound = min(self.proxy(c) for c in finals)
+        bound = self.proxy(finals[0])  # the finalists come ranked by the proxy
         chosen = {id(c) for c in finals}
         groups: dict[tuple[int, int], list[Candidate]] = {}
         for k, v in per_k.items():
