@@ -15,6 +15,7 @@ backend everywhere.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -73,6 +74,7 @@ class MeasuredCosts:
         m = self.m
         g, f = m.num_query_groups, m.ffn_hidden_size
         cf = cb = 0.0
+        least_f = least_b = math.inf  # the least loaded rank's compute
         for q, x, dev, pd, host in zip(qg, ffn, self.devices, self.measured, self.host):
             if pd is not None:
                 s = pd.profile.share(q / g, x / f)
@@ -93,10 +95,18 @@ class MeasuredCosts:
                     hf, hb = host.layer_pass(recompute)
                     fw, bw = max(fw, hf), max(bw, hb)
             cf, cb = max(cf, fw), max(cb, bw)
+            least_f, least_b = min(least_f, fw), min(least_b, bw)
         t, prof = len(self.devices), self.comm
         if t > 1 and prof.in_situ_tp(m, t, self.tp_link):
-            tb = prof.tp_comm("bwd_recompute_s" if recompute else "bwd_s", mbs)
-            return cf, prof.tp_comm("fwd_s", mbs), cb, tb
+            # the in-situ runs are even: their comm holds the wait for a partner's jitter, which
+            # a rank with less to compute than the slowest absorbs (it waits anyway)
+            field = "bwd_recompute_s" if recompute else "bwd_s"
+            tf, tb = prof.tp_comm("fwd_s", mbs), prof.tp_comm(field, mbs)
+            ready = prof.tp_ready_allreduce(mbs)
+            if ready is not None:
+                tf = skew_absorbed(tf, 2 * ready, cf - least_f)
+                tb = skew_absorbed(tb, (4 if recompute else 2) * ready, cb - least_b)
+            return cf, tf, cb, tb
         ar = tp_allreduce(prof, m, mbs, t, self.tp_link)
         return cf, 2 * ar, cb, (4 if recompute else 2) * ar
 
@@ -135,6 +145,18 @@ class MeasuredCosts:
                 ef = max(ef, pd.profile.embedding("fwd_s", share, mbs) * pd.slowdown)
                 eb = max(eb, pd.profile.embedding("bwd_s", share, mbs) * pd.slowdown)
         return ef + over, eb
+
+
+def skew_absorbed(in_situ: float, ready: float, imbalance: float) -> float:
+    """A layer pass's TP comm seconds on a group whose slowest rank computes `imbalance` seconds
+    longer than its least loaded one, from the comm measured in situ on even shards.
+
+    Stated model: the even runs' comm is the all-reduces' own cost (`ready`: what they take
+    with the partners already waiting, at most the in-situ figure) plus the wait for whichever
+    partner ran late (the skew). A rank with less to compute arrives early at every all-reduce,
+    so the slowest rank never waits for it: the skew shrinks by the imbalance, down to none."""
+    base = min(ready, in_situ)
+    return base + max(in_situ - base - imbalance, 0.0)
 
 
 def tp_allreduce(

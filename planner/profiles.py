@@ -215,6 +215,12 @@ class DeviceProfile:
             k: [max(r[k] - self.layer(k, 1.0 / r["tp"], r["mbs"]) * slow, 0.0) for r in rows]
             for k in ("fwd_s", "bwd_s", "bwd_recompute_s")
         }
+        # one activation's all-reduce with the partners already in it (profiles before it was
+        # measured: None, and the in-situ comm is charged whole)
+        ready = [r.get("allreduce_ready_s") for r in rows]
+        self.tp_ready: list[float] | None = (
+            [float(x) for x in ready if x is not None] if rows and None not in ready else None
+        )
 
     def share(self, qf: float, ff: float) -> float:
         """FLOP-weighted share of a layer held by a rank with these query-group / FFN fractions."""
@@ -251,6 +257,11 @@ class DeviceProfile:
         "bwd_recompute_s"), measured in situ: the layer over a real group minus the compute this
         model predicts for its even shard."""
         return _interp(self.tp_mbs, self.tp_comm_rows[field], mbs)
+
+    def tp_ready_allreduce(self, mbs: float) -> float | None:
+        """Seconds of one in-situ TP all-reduce of an activation whose partners already wait in
+        it, at this micro-batch size; None where the profile did not measure it."""
+        return None if self.tp_ready is None else _interp(self.tp_mbs, self.tp_ready, mbs)
 
     def allreduce(self, nbytes: float, n: int, link: tuple[float, ...]) -> float:
         """Seconds of an all-reduce of nbytes over n ranks: measured curve inside the node."""

@@ -187,6 +187,39 @@ def _max_over_ranks(values: Sequence[float]) -> list[float]:
     return t.tolist()
 
 
+def _ready_allreduce(
+    model: ModelSpec, mbs: int, dtype: torch.dtype, device: torch.device, rank: int, reps: int
+) -> float:
+    """Seconds of a TP all-reduce of one activation [s, b, h] when the other ranks already wait
+    in it: rank 0 joins READY_DELAY_S after them and times its call (the other ranks return 0).
+    What a rank with the most to compute pays at each of a layer's all-reduces when its
+    partners have less (planner.measured_costs.skew_absorbed)."""
+    x = torch.zeros(model.seq_length * mbs * model.hidden_size, dtype=dtype, device=device)
+    out = []
+    for i in range(reps + 2):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if rank:
+            dist.all_reduce(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            continue
+        time.sleep(READY_DELAY_S)
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            out.append(time.perf_counter() - t0)
+    return min(out) if out else 0.0
+
+
+# how long rank 0 waits before joining a "ready" all-reduce: long enough for the others to be
+# inside theirs (a process that leaves a barrier is there within a millisecond on a busy VM)
+READY_DELAY_S = 0.005
+
+
 def _write(path: str, obj: object) -> None:
     """Write JSON so that a reader never sees half of it."""
     with open(path + ".part", "w") as fh:
@@ -233,10 +266,11 @@ def _layer_runs(
       (hexi-profile's runtime runs) gives the slowdown as training meets it, collectives and all;
     - in-situ TP (when the model splits evenly `procs` ways): for each micro-batch size, a
       two-layer middle stage over a real `procs`-way TP group (the runtime's layers with their
-      all-reduces) and, alternately, the same shard as a one-rank stage on every process at once.
+      all-reduces) and, alternately, the same shard as a one-rank stage on every process at once,
+      micro-batches back to back as training runs them.
       The planner takes the TP layer's time beyond its own compute estimate as the TP comm:
       gloo on shared cores, or NCCL beside the kernels, costs more than an idle all-reduce curve.
-    Times are per layer, the fastest run (measure.py says why); a group waits for its slowest
+    Times are per layer, the fastest round (measure.py says why); a group waits for its slowest
     rank, so each is the max over ranks.
     """
     from megatron_hexi.model import seed_rng
@@ -298,13 +332,25 @@ def _layer_runs(
                     attention_backend=attention_backend,
                 )
         got: dict[tuple[int, str, bool], list[tuple[float, float]]] = {k: [] for k in runs}
-        per_round = max(2, reps // 2)
-        for i in range(2 + 3 * per_round):  # 2 warm-up passes, then 3 rounds over all points,
-            for k, st in runs.items():  # so that a slow spell hits one round of each
+        # micro-batches back to back, as the schedule runs them: a pass that starts right after a
+        # barrier meets its partner in step at the first all-reduce, and so hides the skew that
+        # training's all-reduces wait out (the fidelity model's TP2 layer, forward + backward at
+        # micro-batch 2: 19.6-22.8 ms the fastest barrier-started pass, 25.2-26.5 ms the fastest
+        # mean of 4 back to back; its shard alone 16.5 ms either way). Per point, a warm-up
+        # burst, then 3 rounds over all points (a slow spell hits one round of each), each a
+        # burst of `burst` passes whose mean is the round's time.
+        burst = max(3, reps // 2)
+        for i in range(4):
+            for k, st in runs.items():
                 dist.barrier()
-                r = st.run()
-                if i >= 2:
-                    got[k].append(r)
+                passes = [st.run() for _ in range(burst)]
+                if i:
+                    got[k].append(
+                        (
+                            statistics.fmean(r[0] for r in passes),
+                            statistics.fmean(r[1] for r in passes),
+                        )
+                    )
         best = {k: [min(r[j] for r in v) / layers for j in (0, 1)] for k, v in got.items()}
         rows: list[TPLayerRow] = []
         for b in mbss:
@@ -313,6 +359,7 @@ def _layer_runs(
                 + best[(b, "tp", True)][1:]
                 + best[(b, "shard", False)]
                 + best[(b, "shard", True)][1:]
+                + [_ready_allreduce(model, b, dtype, device, rank, reps)]
             )
             rows.append(
                 {
@@ -324,6 +371,7 @@ def _layer_runs(
                     "compute_fwd_s": vals[3],
                     "compute_bwd_s": vals[4],
                     "compute_bwd_recompute_s": vals[5],
+                    "allreduce_ready_s": vals[6],
                 }
             )
         out["tp_layer"] = rows

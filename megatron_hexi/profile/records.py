@@ -75,6 +75,7 @@ class TPLayerRow(TypedDict):
     compute_fwd_s: float
     compute_bwd_s: float
     compute_bwd_recompute_s: float
+    allreduce_ready_s: float  # one activation's all-reduce, the others already waiting in it
 
 
 class _TrainingStep(TypedDict):

@@ -91,6 +91,7 @@ def test_profile_contents(tiny_profile):
     for r in data["tp_layer"]:
         for k in ("fwd_s", "bwd_s", "bwd_recompute_s"):
             assert r[k] > 0 and r["compute_" + k] > 0
+        assert 0 < r["allreduce_ready_s"] < r["fwd_s"]
     # contention from the runtime's own 2-rank data-parallel step against the one-rank step
     cont = data["contention"]
     train = cont["training"]
@@ -204,7 +205,7 @@ def test_planner_uses_profile(tiny_profile, tmp_path):
     assert prof.layer("fwd_s", 1.0, 2 * top) > prof.layer("fwd_s", 1.0, top) > 0
 
 
-def _synthetic_profile(tmp_path, slowdown=1.5):
+def _synthetic_profile(tmp_path, slowdown=1.5, ready=None, cores=2):
     """A detailed profile of `tiny` with round numbers: every layer pass costs 10 ms x shard x
     micro-batch, and the in-situ 2-way TP layer 8 ms (fwd) / 14 ms (bwd) / 20 ms (recompute bwd)
     per micro-batch sample."""
@@ -232,6 +233,7 @@ def _synthetic_profile(tmp_path, slowdown=1.5):
             "compute_fwd_s": 0.005 * b,
             "compute_bwd_s": 0.01 * b,
             "compute_bwd_recompute_s": 0.015 * b,
+            **({} if ready is None else {"allreduce_ready_s": ready * b}),
         }
         for b in (1, 2)
     ]
@@ -241,7 +243,7 @@ def _synthetic_profile(tmp_path, slowdown=1.5):
         "device": "CPU",
         "dtype": "float32",
         "threads": 1,
-        "cpu_cores": 2,
+        "cpu_cores": cores,
         "matmul_tflops": 0.1,
         "model": model.__dict__,
         "layer": layer,
@@ -299,6 +301,106 @@ def test_in_situ_tp_comm(tmp_path):
         1, [1] * 4, [64] * 4, False
     )
     assert tf4 == pytest.approx(2 * prof.allreduce(nbytes, 4, prof.link)) and tf4 > 0
+
+
+def test_uneven_shards_absorb_the_skew(tmp_path):
+    """The in-situ comm of even shards holds the wait for a late partner; a rank with less to
+    compute arrives early at every all-reduce, so an uneven group pays the all-reduces alone
+    (`allreduce_ready_s`) once its imbalance exceeds that wait, and part of the wait below."""
+    import types
+
+    from planner.measured_costs import MeasuredCosts, skew_absorbed
+    from planner.profiles import DeviceProfile, ProfiledDevice
+
+    assert skew_absorbed(3.0, 1.0, 0.0) == 3.0  # even: the in-situ figure
+    assert skew_absorbed(3.0, 1.0, 0.5) == 2.5
+    assert skew_absorbed(3.0, 1.0, 5.0) == 1.0  # the all-reduces alone
+    assert skew_absorbed(3.0, 4.0, 5.0) == 3.0  # never above the in-situ figure
+
+    def comm(ready, qg, ffn):
+        path, model = _synthetic_profile(tmp_path, slowdown=1.0, ready=ready)
+        prof = DeviceProfile(json.loads(path.read_text()), str(path))
+        dev = types.SimpleNamespace(name="CPU", profile=ProfiledDevice(prof, 1.0), flops=1e11)
+        return MeasuredCosts(model, [dev, dev], prof.link).layer_times(1, qg, ffn, False)
+
+    # even shards: 8 ms measured, 5 ms computed -> 3 ms of comm, with or without the ready figure
+    even = comm(0.0004, [2, 2], [128, 128])
+    assert even[1] == pytest.approx(0.003) == comm(None, [2, 2], [128, 128])[1]
+    # 3:1 shards: the busy rank computes 7.5 ms against 2.5 ms: the two all-reduces alone
+    cf, tf, _, _ = comm(0.0004, [3, 1], [192, 64])
+    assert cf == pytest.approx(0.0075) and tf == pytest.approx(0.0008)
+    # a profile without the ready figure charges the in-situ comm whole, as before
+    assert comm(None, [3, 1], [192, 64])[1] == pytest.approx(0.003)
+
+
+def _cpu_node(path, procs=2):
+    return {
+        "name": "cpu",
+        "gpu": "CPU",
+        "gpus_per_node": procs,
+        "intra_node": "host",
+        "nic": "10 Gbit/s",
+        "profile": str(path),
+    }
+
+
+def test_uneven_tp_rank_computes_under_partial_contention(tmp_path):
+    """A TP rank with a quarter of the layer waits in the all-reduces most of the time: its
+    partner computes under the contention of 1 + a third of a process, not of two."""
+    from planner.simulator import _shared_node_slowdowns, layouts_of
+    from planner.topology import Topology
+
+    path, model = _synthetic_profile(tmp_path, slowdown=1.5)
+    cluster = load_cluster_dict({"name": "cpu-2", "nodes": [_cpu_node(path)]})
+    stage = {"ranks": [0, 1], "layers": [0, model.num_layers]}
+    shards = {"query_groups": [3, 1], "ffn": [192, 64], "vocab": [96, 32]}
+    plans = {
+        name: build_plan(
+            cluster,
+            model,
+            4,
+            [{"micro_batch_size": 1, "num_microbatches": 4, "stages": [dict(stage, **extra)]}],
+        )
+        for name, extra in (("even", {}), ("uneven", {"shards": shards}))
+    }
+    topo = Topology(cluster)
+    for name, plan in plans.items():
+        est = simulate(plan)
+        period = est.pipeline_time_s[0]
+        slow = _shared_node_slowdowns(model, topo, layouts_of(plan), est.stages, [(1, 4)], period)
+        if name == "even":  # both compute all the time: the full contention stays
+            assert slow == {}
+        else:  # rank 1 computes a third of rank 0's time: 1 + 0.5 x 1/3; rank 0 all of it
+            assert slow[0] == pytest.approx(1 + 0.5 / 3, rel=0.02) and 1 not in slow
+
+
+def test_overlap_hides_nothing_where_the_processes_take_every_core(tmp_path):
+    """Two data-parallel processes on a 2-core CPU node: the overlapped gradient sync costs
+    what the serial one does (gloo's work takes the cores the backward runs on); with a core
+    to spare it hides part of the sync again."""
+    model = load_model("tiny")
+
+    def step(cores, overlap):
+        path, _ = _synthetic_profile(tmp_path / f"{cores}{overlap}", slowdown=1.0, cores=cores)
+        cluster = load_cluster_dict({"name": "cpu", "nodes": [_cpu_node(path)]})
+        pipelines = [
+            {
+                "micro_batch_size": 1,
+                "num_microbatches": 4,
+                "stages": [{"ranks": [r], "layers": [0, model.num_layers]}],
+            }
+            for r in (0, 1)
+        ]
+        training = {"overlap_grad_reduce": True} if overlap else {}
+        # buckets of 20,000 elements: the sync can start during the backward
+        est = simulate(build_plan(cluster, model, 8, pipelines, **training), bucket_elements=20_000)
+        return est.iteration_time_s, est.grad_sync_time_s
+
+    for d in ("2True", "2False", "4True", "4False"):
+        (tmp_path / d).mkdir()
+    assert step(2, True) == pytest.approx(step(2, False), rel=1e-12)
+    hidden, serial = step(4, True), step(4, False)
+    assert serial[1] > 0 and hidden[1] < serial[1]
 
 
 def test_contention_only_while_the_others_compute(tmp_path):
