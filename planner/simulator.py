@@ -12,7 +12,8 @@ against the device's capacity.
 CPU contention (profiled CPU nodes only): processes that share a node slow each other only while
 they compute. The pipelines are evaluated once at the node's full contention; each rank then
 gets the contention of 1 + the share of the step its node's other processes compute (their
-stages' forward + backward time over the iteration), and the pipelines are evaluated again.
+stages' forward + backward time over the iteration), and the pipelines are evaluated again. An
+overlapped sync hides only what a free core can run there (planner/cpu_sharing.py).
 
 Distributed optimizer: each rank holds the fp32 master and Adam state of the elements
 planner.layout.optimizer_elements gives it (the runtime's own split; counted here by its fast
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from planner.attention import PLAN_DEFAULT_BACKEND
 from planner.costmodel import stage_cost
+from planner.cpu_sharing import busy_shares, overlap_paid, shared_node_slowdowns
 from planner.devices import Device, optimizer_step_time
 from planner.estimate import Estimate, StageReport
 from planner.flops import model_flops_per_sample
@@ -211,7 +213,8 @@ def simulate_layout(
     )
     if overlapped:
         colls = collectives(m, layouts, distributed_optimizer)
-        cores_full = _cores_full(topo, ranks_all)
+        # on CPU nodes whose cores are all busy, the hidden part of the sync is paid for anyway
+        paid = overlap_paid(topo, busy_shares(m, topo, layouts, reports, batches, max(ptimes)))
 
         def overlapped_sync() -> tuple[float, float, tuple[float, tuple[int, ...]]]:
             timing = stage_timings(layouts, ends, [x[0] for x in scheds], [x[1] for x in scheds])
@@ -225,7 +228,7 @@ def simulate_layout(
                 overlap_param_gather,
                 bucket_elements,
             )
-            exposed = got.serial if cores_full else got.exposed
+            exposed = got.exposed + paid * (got.serial - got.exposed)
             return exposed, got.serial, got.worst
 
         sync, serial, worst_sync = overlapped_sync()
@@ -234,7 +237,9 @@ def simulate_layout(
             rank_sets(m, layouts, distributed_optimizer), topo, distributed_optimizer
         )
         serial = sync
-    slow = _shared_node_slowdowns(m, topo, layouts, reports, batches, max(ptimes) + sync)
+    slow = shared_node_slowdowns(
+        topo, busy_shares(m, topo, layouts, reports, batches, max(ptimes) + sync)
+    )
     if slow:
         ptimes, reports, ranks_all, mems_all, scheds, ends = _pipelines(
             m,
@@ -411,62 +416,6 @@ def _pipelines(
             ranks_all.extend(st.ranks)
         mems_all.extend(mems)
     return ptimes, reports, ranks_all, mems_all, scheds, ends
-
-
-def _cores_full(topo: Topology, ranks: Sequence[int]) -> bool:
-    """Whether every rank runs on a profiled CPU node whose processes take all its cores. There
-    an overlapped gradient sync hides nothing: the collective's own work (gloo reduces and copies
-    on the CPU) takes the cores the backward runs on. Measured on the 2-core VM (fidelity bench,
-    two processes): the data-parallel plans with the sync overlapped stepped as slow as without
-    it or slower (292 against 286 ms, 269 against 262), where hiding it predicted them 8-10 %
-    fast."""
-    for n in {topo.node_of[r] for r in ranks}:
-        pd = topo.devices[n].profile
-        if pd is None or not pd.profile.is_cpu:
-            return False
-        prof = pd.profile
-        if topo.nodes[n].gpus_per_node < max(prof.cores // max(prof.threads, 1), 1):
-            return False
-    return True
-
-
-def _shared_node_slowdowns(
-    m: ModelSpec,
-    topo: Topology,
-    layouts: Layout,
-    reports: Sequence[StageReport],
-    batches: Sequence[tuple[int, int]],
-    period: float,
-) -> dict[int, float]:
-    """{rank: slowdown} on profiled CPU nodes where the node's other processes compute for only
-    part of the `period` (module docstring); {} when no rank is affected. A TP rank with a
-    smaller shard than its stage's largest computes for that fraction of the stage's time (it
-    waits in the all-reduces for the rest)."""
-    busy: dict[int, float] = {}
-    on_node: dict[int, list[int]] = {}
-    g, f = m.num_query_groups, m.ffn_hidden_size
-    for rep in reports:
-        share = min((rep.fwd + rep.bwd) * batches[rep.pipeline][1] / period, 1.0)
-        st = layouts[rep.pipeline][rep.stage]
-        pd = topo.device_of(rep.ranks[0]).profile
-        work = [
-            1.0 if pd is None else pd.profile.share(q / g, x / f)
-            for q, x in zip(st.query_groups, st.ffn)
-        ]
-        for r, w in zip(rep.ranks, work):
-            busy[r] = share * w / max(work)
-            on_node.setdefault(topo.node_of[r], []).append(r)
-    out = {}
-    for n, ranks in on_node.items():
-        pd = topo.devices[n].profile
-        if pd is None or pd.slowdown <= 1.0 or len(ranks) < 2:
-            continue
-        total = sum(busy[r] for r in ranks)
-        for r in ranks:
-            s = pd.profile.contention(1.0 + total - busy[r])
-            if s < pd.slowdown:
-                out[r] = s
-    return out
 
 
 def _device(topo: Topology, rank: int, slow: Mapping[int, float] | None) -> Device:

@@ -40,6 +40,12 @@ if TYPE_CHECKING:
     from planner.models import ModelSpec
 
 
+# Rounds of the in-situ TP runs: the TP layer's comm on gloo is the noisiest figure of a CPU
+# profile (the fastest of 3 rounds moved 22.0 -> 25.6 ms per layer pass between two profiles of
+# the fidelity model, its compute 16.8 -> 17.5 ms); the fastest of more rounds moves less.
+TP_ROUNDS = 6
+
+
 class LayerJob(NamedTuple):
     """What the job's processes time besides collectives (_layer_runs)."""
 
@@ -337,10 +343,10 @@ def _layer_runs(
         # training's all-reduces wait out (the fidelity model's TP2 layer, forward + backward at
         # micro-batch 2: 19.6-22.8 ms the fastest barrier-started pass, 25.2-26.5 ms the fastest
         # mean of 4 back to back; its shard alone 16.5 ms either way). Per point, a warm-up
-        # burst, then 3 rounds over all points (a slow spell hits one round of each), each a
-        # burst of `burst` passes whose mean is the round's time.
+        # burst, then TP_ROUNDS rounds over all points (a slow spell hits one round of each),
+        # each a burst of `burst` passes whose mean is the round's time.
         burst = max(3, reps // 2)
-        for i in range(4):
+        for i in range(1 + TP_ROUNDS):
             for k, st in runs.items():
                 dist.barrier()
                 passes = [st.run() for _ in range(burst)]
