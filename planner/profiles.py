@@ -13,7 +13,9 @@ A node group's `profile: path.json` (planner/devices.device_for) may be
   the ring-model fit of the measured curves). A TP group as wide as the profile's in-situ runs
   (`tp_layer`, inside the profiled node) takes its all-reduce cost from those runs instead: the
   layer over a real group minus the compute predicted for its shard, which includes what the
-  all-reduces lose to the compute beside them (and what compute loses to polling collectives).
+  all-reduces lose to the compute beside them (and what compute loses to polling collectives);
+  on uneven shards less the wait for a late partner that the imbalance absorbs, down to the
+  measured all-reduce with the partner already waiting (planner.measured_costs.skew_absorbed).
   For another model it falls back to `matmul_tflops`.
 
 CPU contention (stated model): a node of a CPU profile runs `gpus_per_node` processes of `threads`
