@@ -8,6 +8,12 @@ every other warning is left alone.
 import logging
 import warnings
 
+from megatron_hexi import lazy_jit
+
+# megatron-core's fused functions compile when first called: their import does not pull in
+# torch's compiler (lazy_jit says why)
+lazy_jit.install()
+
 for _message in (
     r".*Transformer Engine and Apex are not installed.*",
     r".*Apex is not installed.*",
