@@ -78,23 +78,31 @@ def shared_node_slowdowns(topo: Topology, busy: Mapping[int, float]) -> dict[int
     return out
 
 
-def overlap_paid(topo: Topology, busy: Mapping[int, float]) -> float:
-    """The share of an overlapped gradient sync's hidden part that the step pays anyway: on
-    profiled CPU nodes whose processes fill the cores, how busy the busiest rank's neighbours
-    keep the cores it does not use (the largest over such nodes); 0 where any rank is on a GPU
-    or a catalog device, or a node has a core to spare."""
-    paid = 0.0
-    for n, ranks in _by_node(topo, busy).items():
+def cores_taken(topo: Topology, ranks: Iterable[int]) -> bool:
+    """Whether every node of these ranks is a profiled CPU node whose processes fill its cores
+    (no core to spare for the collectives): where `overlap_paid` applies."""
+    for n in _by_node(topo, ranks):
         pd = topo.devices[n].profile
         if pd is None or not pd.profile.is_cpu:
-            return 0.0
+            return False
         prof = pd.profile
-        free_cores = max(prof.cores // max(prof.threads, 1), 1) - 1
-        if topo.nodes[n].gpus_per_node <= free_cores:
-            return 0.0  # a core to spare for the collectives
+        if topo.nodes[n].gpus_per_node < max(prof.cores // max(prof.threads, 1), 1):
+            return False
+    return True
+
+
+def overlap_paid(topo: Topology, busy: Mapping[int, float]) -> float:
+    """The share of an overlapped gradient sync's hidden part that the step pays anyway, on
+    nodes where `cores_taken` holds: how busy the busiest rank's neighbours keep the cores it
+    does not use (the largest over the nodes)."""
+    paid = 0.0
+    for n, ranks in _by_node(topo, busy).items():
+        prof = topo.devices[n].profile
+        assert prof is not None  # cores_taken: profiled CPU nodes only
+        others = max(prof.profile.cores // max(prof.profile.threads, 1), 1) - 1
         shares = sorted((busy[r] for r in ranks), reverse=True)
-        paid = max(paid, min(sum(shares[1:]) / max(free_cores, 1), 1.0))
+        paid = max(paid, min(sum(shares[1:]) / max(others, 1), 1.0))
     return paid
 
 
-__all__ = ["busy_shares", "overlap_paid", "shared_node_slowdowns"]
+__all__ = ["busy_shares", "cores_taken", "overlap_paid", "shared_node_slowdowns"]

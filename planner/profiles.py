@@ -221,7 +221,7 @@ class DeviceProfile:
         # measured: None, and the in-situ comm is charged whole)
         ready = [r.get("allreduce_ready_s") for r in rows]
         self.tp_ready: list[float] | None = (
-            [float(x) for x in ready if x is not None] if rows and None not in ready else None
+            [float(x) for x in ready] if rows and None not in ready else None
         )
 
     def share(self, qf: float, ff: float) -> float:

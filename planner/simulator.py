@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from planner.attention import PLAN_DEFAULT_BACKEND
 from planner.costmodel import stage_cost
-from planner.cpu_sharing import busy_shares, overlap_paid, shared_node_slowdowns
+from planner.cpu_sharing import busy_shares, cores_taken, overlap_paid, shared_node_slowdowns
 from planner.devices import Device, optimizer_step_time
 from planner.estimate import Estimate, StageReport
 from planner.flops import model_flops_per_sample
@@ -214,7 +214,11 @@ def simulate_layout(
     if overlapped:
         colls = collectives(m, layouts, distributed_optimizer)
         # on CPU nodes whose cores are all busy, the hidden part of the sync is paid for anyway
-        paid = overlap_paid(topo, busy_shares(m, topo, layouts, reports, batches, max(ptimes)))
+        paid = (
+            overlap_paid(topo, busy_shares(m, topo, layouts, reports, batches, max(ptimes)))
+            if cores_taken(topo, ranks_all)
+            else 0.0
+        )
 
         def overlapped_sync() -> tuple[float, float, tuple[float, tuple[int, ...]]]:
             timing = stage_timings(layouts, ends, [x[0] for x in scheds], [x[1] for x in scheds])

@@ -193,6 +193,11 @@ def _max_over_ranks(values: Sequence[float]) -> list[float]:
     return t.tolist()
 
 
+# how long rank 0 waits before joining a "ready" all-reduce: long enough for the others to be
+# inside theirs (a process that leaves a barrier is there within a millisecond on a busy VM)
+READY_DELAY_S = 0.005
+
+
 def _ready_allreduce(
     model: ModelSpec, mbs: int, dtype: torch.dtype, device: torch.device, rank: int, reps: int
 ) -> float:
@@ -200,30 +205,21 @@ def _ready_allreduce(
     in it: rank 0 joins READY_DELAY_S after them and times its call (the other ranks return 0).
     What a rank with the most to compute pays at each of a layer's all-reduces when its
     partners have less (planner.measured_costs.skew_absorbed)."""
+    from megatron_hexi.profile.measure import sync
+
     x = torch.zeros(model.seq_length * mbs * model.hidden_size, dtype=dtype, device=device)
     out = []
     for i in range(reps + 2):
         dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if rank:
-            dist.all_reduce(x)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            continue
-        time.sleep(READY_DELAY_S)
+        sync(device)
+        if rank == 0:
+            time.sleep(READY_DELAY_S)
         t0 = time.perf_counter()
         dist.all_reduce(x)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= 2:
+        sync(device)
+        if rank == 0 and i >= 2:
             out.append(time.perf_counter() - t0)
     return min(out) if out else 0.0
-
-
-# how long rank 0 waits before joining a "ready" all-reduce: long enough for the others to be
-# inside theirs (a process that leaves a barrier is there within a millisecond on a busy VM)
-READY_DELAY_S = 0.005
 
 
 def _write(path: str, obj: object) -> None:

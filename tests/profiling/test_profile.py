@@ -430,21 +430,7 @@ def test_contention_only_while_the_others_compute(tmp_path):
 
     def times(slowdown, *nmbs):
         path, _ = _synthetic_profile(tmp_path / str(slowdown), slowdown)
-        cluster = load_cluster_dict(
-            {
-                "name": "cpu-2",
-                "nodes": [
-                    {
-                        "name": "cpu",
-                        "gpu": "CPU",
-                        "gpus_per_node": 2,
-                        "intra_node": "host",
-                        "nic": "10 Gbit/s",
-                        "profile": str(path),
-                    }
-                ],
-            }
-        )
+        cluster = load_cluster_dict({"name": "cpu-2", "nodes": [_cpu_node(path)]})
         return simulate(build_plan(cluster, model, sum(nmbs), pipelines(*nmbs))).pipeline_time_s
 
     for d in ("1.0", "1.5"):
