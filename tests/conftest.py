@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# `--cpu-top N` (tests/cpu_time.py): hooks a conftest at the tests' root may define
+from cpu_time import pytest_addoption, pytest_configure  # noqa: F401
+
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 TESTS = Path(__file__).resolve().parent

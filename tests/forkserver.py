@@ -18,14 +18,15 @@ import-time setting) is started the ordinary way by its caller (`spawn`, a subpr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import multiprocessing
 import os
+import pkgutil
 import subprocess
 import sys
-import importlib.util
-import pkgutil
 from unittest import mock
+
 
 def _submodules(package):
     """The modules of a package, found without importing it (this one imports torch)."""

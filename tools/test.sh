@@ -23,5 +23,7 @@ fi
 # Two pytest-xdist workers: much of a multi-process test's time is waiting (rendezvous, restarts,
 # the localhost Slurm), which the other worker fills. `--dist loadfile` keeps each file's tests on
 # one worker, and tests/conftest.py keeps tests/slurm and tests/data whole (their session
-# fixtures). Later options win: `-n 0` runs the suite serially in this process.
-exec .venv/bin/python -m pytest tests -q -n 2 --dist loadfile "$@"
+# fixtures). Later options win: `-n 0` runs the suite serially in this process. `--cpu-top 25`
+# lists the tests that used the most CPU (tests/cpu_time.py): on two cores the suite's time is
+# its CPU, which the wall-clock durations above it do not show.
+exec .venv/bin/python -m pytest tests -q -n 2 --dist loadfile --cpu-top 25 "$@"
