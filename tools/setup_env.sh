@@ -14,7 +14,11 @@ if ! .venv/bin/python -c "import megatron_hexi, planner, pytest, jsonschema, imp
 sys.exit(not all(u.find_spec(m) for m in ('megatron.core', 'torch', 'xdist')))" 2>/dev/null \
    || [ setup.py -nt .venv/.hexi-installed ] || [ tools/constraints-cpu.txt -nt .venv/.hexi-installed ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -c tools/constraints-cpu.txt -e ".[test]"
+  # pip compiles what it installs one file after another; compileall does the same files on
+  # every core (about 20 s less on 2 cores). Like pip, it leaves a file that does not compile to
+  # the interpreter, hence `|| true`.
+  .venv/bin/python -m pip install -q --no-compile -c tools/constraints-cpu.txt -e ".[test]"
+  .venv/bin/python -m compileall -q -j 0 .venv/lib >/dev/null || true
   touch .venv/.hexi-installed
 fi
 # The checkout's bytecode, written once: the editable install leaves it uncompiled, and an
