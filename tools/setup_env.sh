@@ -23,6 +23,6 @@ sys.exit(not all(u.find_spec(m) for m in ('megatron.core', 'torch', 'xdist')))" 
 fi
 # The checkout's bytecode, written once: the editable install leaves it uncompiled, and an
 # environment with PYTHONDONTWRITEBYTECODE=1 would otherwise compile every imported module in
-# every fresh interpreter (each rank, each CLI call; about 0.5 CPU s each). compileall rewrites
+# every fresh interpreter (each rank, each CLI call; about 0.6 CPU s each). compileall rewrites
 # only what changed, and Python checks each file's size and mtime before it uses its bytecode.
 .venv/bin/python -m compileall -q megatron_hexi planner patches tests tools pretrain_gpt.py >/dev/null

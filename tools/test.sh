@@ -20,10 +20,10 @@ if [ "$status" != 0 ]; then
   echo "tools/test.sh: lint, format or type check failed (above)" >&2
   exit 1
 fi
-# Two pytest-xdist workers: much of a multi-process test's time is waiting (rendezvous, restarts,
-# the localhost Slurm), which the other worker fills. `--dist loadfile` keeps each file's tests on
-# one worker, and tests/conftest.py keeps tests/slurm and tests/data whole (their session
-# fixtures). Later options win: `-n 0` runs the suite serially in this process. `--cpu-top 25`
-# lists the tests that used the most CPU (tests/cpu_time.py): on two cores the suite's time is
-# its CPU, which the wall-clock durations above it do not show.
+# Two pytest-xdist workers: while one worker's test waits (rendezvous, restarts, the localhost
+# Slurm), the other's computes; a third makes the suite slower (its CPU is the limit).
+# `--dist loadfile` keeps each file's tests on one worker, and tests/conftest.py keeps tests/slurm
+# and tests/data whole (their session fixtures). Later options win: `-n 0` runs the suite
+# serially in this process. `--cpu-top 25` lists the tests that used the most CPU
+# (tests/cpu_time.py): the wall-clock durations above it do not show where the CPU goes.
 exec .venv/bin/python -m pytest tests -q -n 2 --dist loadfile --cpu-top 25 "$@"
