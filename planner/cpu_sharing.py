@@ -85,8 +85,7 @@ def cores_taken(topo: Topology, ranks: Iterable[int]) -> bool:
         pd = topo.devices[n].profile
         if pd is None or not pd.profile.is_cpu:
             return False
-        prof = pd.profile
-        if topo.nodes[n].gpus_per_node < max(prof.cores // max(prof.threads, 1), 1):
+        if topo.nodes[n].gpus_per_node < pd.profile.process_slots:
             return False
     return True
 
@@ -99,7 +98,7 @@ def overlap_paid(topo: Topology, busy: Mapping[int, float]) -> float:
     for n, ranks in _by_node(topo, busy).items():
         prof = topo.devices[n].profile
         assert prof is not None  # cores_taken: profiled CPU nodes only
-        others = max(prof.profile.cores // max(prof.profile.threads, 1), 1) - 1
+        others = prof.profile.process_slots - 1
         shares = sorted((busy[r] for r in ranks), reverse=True)
         paid = max(paid, min(sum(shares[1:]) / max(others, 1), 1.0))
     return paid

@@ -235,12 +235,17 @@ class DeviceProfile:
                 return False
         return True
 
+    @property
+    def process_slots(self) -> int:
+        """How many processes of `threads` threads the node's cores hold at once."""
+        return max(self.cores // max(self.threads, 1), 1)
+
     def contention(self, procs: float) -> float:
         """Compute slowdown with `procs` processes on the node (1.0 on GPUs)."""
         if not self.is_cpu or procs <= 1:
             return 1.0
         cp, sd = self.contention_procs, self.contention_slowdown
-        fit_cores = max(self.cores // max(self.threads, 1), 1)
+        fit_cores = self.process_slots
         if cp and cp > 1:
             at = 1.0 + (sd - 1.0) * (min(procs, cp) - 1) / (cp - 1)
         else:

@@ -22,7 +22,8 @@ import resource
 import pytest
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-_KEY = "cpu_s"
+_KEY = "cpu_s"  # the user property a teardown report carries
+_START = pytest.StashKey[float]()  # a test's CPU seconds when it started
 
 
 def pytest_addoption(parser):
@@ -109,6 +110,3 @@ class CpuTop:
         )
         for cpu, nodeid in sorted(self.rows, reverse=True)[: self.top]:
             terminalreporter.write_line(f"{cpu:8.1f}s {nodeid}")
-
-
-_START = pytest.StashKey[float]()
