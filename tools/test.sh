@@ -26,4 +26,7 @@ fi
 # and tests/data whole (their session fixtures). Later options win: `-n 0` runs the suite
 # serially in this process. `--cpu-top 25` lists the tests that used the most CPU
 # (tests/cpu_time.py): the wall-clock durations above it do not show where the CPU goes.
+# Bytecode writing on: a module that tools/setup_env.sh did not compile is compiled by its first
+# importer instead of by every process that imports it.
+unset PYTHONDONTWRITEBYTECODE
 exec .venv/bin/python -m pytest tests -q -n 2 --dist loadfile --cpu-top 25 "$@"
