@@ -166,6 +166,15 @@ class NeighbourContexts(Generic[C]):
             # the distributed optimizer flipped alone changes only memory limits: the requested
             # setting's stage and boundary times are reused
             same_times = n.sequence_parallel == s.sequence_parallel and n.link_scale == 1.0
+            # other links between machines change no stage (a TP group inside one machine): the
+            # stages of the same setting at the file's speed are reused
+            stages = None
+            if n.link_scale != 1.0:
+                at_file_speed = Neighbour(n.sequence_parallel, n.distributed_optimizer)
+                own = (s.sequence_parallel, s.dist_opt) == at_file_speed[:2]
+                stages = s.context(mbs, rc, K) if own else self.context(at_file_speed, mbs, rc, K)
+                if stages.optimizer_fraction != fraction:
+                    stages = None
             got = self._contexts[key] = Context(
                 s.model,
                 self.topology(n.link_scale),
@@ -177,6 +186,7 @@ class NeighbourContexts(Generic[C]):
                 n.sequence_parallel,
                 s.layer_impl,
                 s.context(mbs, rc, K) if same_times else None,
+                stages,
             )
         return got
 

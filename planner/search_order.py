@@ -15,10 +15,12 @@ from typing import NamedTuple
 from planner.search_pipeline import (
     Context,
     MachineChunk,
+    OrderKey,
     PipelineDraft,
     build_pipeline,
     chunk_stage_options,
     layout_template,
+    order_key,
 )
 
 # Pipelines of at most this many chunks also get a per-chunk pass over stage counts.
@@ -50,10 +52,15 @@ class _Scored(NamedTuple):
 
 
 def _score(
-    ctx: Context, order: Sequence[MachineChunk], ks: Sequence[int], m_est: int
+    ctx: Context,
+    order: Sequence[MachineChunk],
+    ks: tuple[int, ...],
+    m_est: int,
+    okey: OrderKey | None = None,
 ) -> _Scored | None:
-    """_Scored or None: what the search compares, without building the draft."""
-    tpl = layout_template(ctx, order, ks, m_est)
+    """_Scored or None: what the search compares, without building the draft. `okey`: the
+    order's `order_key`, for callers that score many stage counts of one order."""
+    tpl = layout_template(ctx, order, ks, m_est, okey)
     return None if tpl is None else _Scored(tpl.obj, _Choice(order, ks))
 
 
@@ -257,11 +264,13 @@ def _coordinate_descent(
     if chosen is not None:
         starts.append({k: chosen[k] for k in keys})
     cache: dict[tuple[int, ...], _Scored | None] = {}
+    okey = order_key(order)
+    order_keys = okey[0]
 
     def score(sel: Mapping[tuple[str, int], int]) -> _Scored | None:
-        ks = tuple(sel[ch.key] for ch in order)
+        ks = tuple(map(sel.__getitem__, order_keys))
         if ks not in cache:
-            cache[ks] = _score(ctx, order, ks, m_est)
+            cache[ks] = _score(ctx, order, ks, m_est, okey)
         return cache[ks]
 
     for sel in starts:
@@ -287,7 +296,7 @@ def _coordinate_descent(
                         continue
                     cand = tuple(ks[:i] + [x] + ks[i + 1 :])
                     if cand not in cache:
-                        cache[cand] = _score(ctx, order, cand, m_est)
+                        cache[cand] = _score(ctx, order, cand, m_est, okey)
                     got = cache[cand]
                     if got is not None and got.obj < cur.obj - 1e-12:
                         cur, ks = got, list(cand)
@@ -300,7 +309,7 @@ def _coordinate_descent(
                     swapped[i], swapped[j] = ks[j], ks[i]
                     cand = tuple(swapped)
                     if cand not in cache:
-                        cache[cand] = _score(ctx, order, cand, m_est)
+                        cache[cand] = _score(ctx, order, cand, m_est, okey)
                     got = cache[cand]
                     if got is not None and got.obj < cur.obj - 1e-12:
                         cur, ks = got, list(cand)

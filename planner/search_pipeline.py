@@ -12,7 +12,9 @@ which order and counts to take is planner/search_order.py's choice (`best_pipeli
 
 from __future__ import annotations
 
+import functools
 import heapq
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -44,18 +46,28 @@ class MachineChunk:
     key: tuple[str, int]  # interchangeability signature (group or node name, size)
 
 
-def chunk_stage_options(n: int, model: ModelSpec, sequence_parallel: bool = False) -> list[int]:
+def chunk_stage_options(
+    n: int, model: ModelSpec, sequence_parallel: bool = False
+) -> tuple[int, ...]:
     """Stage counts a chunk of n GPUs may host: k stages of n/k GPUs (k divides n). Under
     sequence parallelism a TP degree t > 1 must also divide seq_length (the plan's rule: the
     sequence is cut evenly over the TP ranks); k = n (TP 1) is always there."""
+    seq = model.seq_length if sequence_parallel else 0
+    return _stage_options(n, model.num_query_groups, model.ffn_hidden_size, seq)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_options(n: int, query_groups: int, ffn: int, seq: int) -> tuple[int, ...]:
+    """chunk_stage_options by the numbers it reads (seq: 0 without sequence parallelism); the
+    search asks it for every chunk of every order it scores."""
     out = []
     for k in range(1, n + 1):
         t = n // k
-        if n % k == 0 and t <= model.num_query_groups and t <= model.ffn_hidden_size:
-            if sequence_parallel and t > 1 and model.seq_length % t:
+        if n % k == 0 and t <= query_groups and t <= ffn:
+            if seq and t > 1 and seq % t:
                 continue
             out.append(k)
-    return out
+    return tuple(out)
 
 
 @dataclass
@@ -115,7 +127,11 @@ class Context:
 
     `timings`: a context whose stage and boundary times are this one's (same model, topology,
     micro-batch, recompute and settings that set times; another optimizer share changes only
-    memory limits): its times are reused and only the layers that fit are computed here."""
+    memory limits): its times are reused and only the layers that fit are computed here.
+
+    `stages`: a context whose stages are this one's (same model, machines, micro-batch,
+    recompute, optimizer share and settings; only the links between machines differ, which a
+    stage, one machine's TP group, never uses): its stage cache is shared."""
 
     def __init__(
         self,
@@ -129,6 +145,7 @@ class Context:
         sequence_parallel: bool = False,
         layer_impl: LayerImpl = EAGER_LOCAL,
         timings: Context | None = None,
+        stages: Context | None = None,
     ):
         self.model, self.topo, self.mbs, self.recompute = model, topo, mbs, recompute
         self.layer_impl = layer_impl
@@ -143,9 +160,10 @@ class Context:
         self._chunk_stage: dict[tuple[Any, ...], StageDraft] = {}
         self._chunk_boundary: dict[tuple[Any, ...], BoundaryTimes] = {}
         self._fit: dict[tuple[Any, ...], int] = {}  # layers_that_fit by its arguments
-        # build_pipeline templates by (chunk kinds, node pattern, ks, m)
+        # layouts by ((chunk kinds, node pattern), ks, m): `layout_template`
         self._pipes: dict[tuple[Any, ...], _Template | None] = {}
         self._rows: dict[tuple[Any, ...], _Rows] = {}  # their stages, by all of that but m
+        self._blocks: dict[tuple[Any, ...], _Block] = {}  # a chunk's stages at one place
         self.timings = timings
         if timings is not None:
             same = (mbs, recompute, attention_backend, sequence_parallel, layer_impl)
@@ -158,6 +176,17 @@ class Context:
                 timings.layer_impl,
             )
             self._boundary, self._chunk_boundary = timings._boundary, timings._chunk_boundary
+        if stages is not None:
+            assert stages.model is model and stages.layer_impl == layer_impl
+            assert (mbs, recompute, optimizer_fraction, attention_backend, sequence_parallel) == (
+                stages.mbs,
+                stages.recompute,
+                stages.optimizer_fraction,
+                stages.attention_backend,
+                stages.sequence_parallel,
+            )
+            self._stage, self._chunk_stage = stages._stage, stages._chunk_stage
+            self._fit = stages._fit
 
     def stage(
         self, ranks: Sequence[int], first: bool, last: bool, position: int, num_stages: int
@@ -316,7 +345,7 @@ def assign_layers(
     if p > L:
         return None
     hi = L - p + 1
-    nmax = [min(int(x), hi) for x in nmax]
+    nmax = [x if x < hi else hi for x in map(int, nmax)]
     if min(nmax) < 1 or sum(nmax) < L:
         return None
     if order is None:
@@ -339,8 +368,9 @@ def assign_layers(
     unbounded = fill(nmax)
     if m <= 1:
         return unbounded[0]
-    lo = max(ck + ek for ck, ek in zip(c, e))
-    caps = [min(nmax[k], max(1, int((lo - e[k]) / c[k] + 1e-9))) for k in range(p)]
+    lo = max(map(operator.add, c, e))
+    caps = [int((lo - ek) / ck + 1e-9) for ck, ek in zip(c, e)]
+    caps = [1 if x < 1 else (x if x < cap else cap) for x, cap in zip(caps, nmax)]
     heap = [((caps[k] + 1) * c[k] + e[k], k) for k in range(p) if caps[k] < nmax[k]]
     heapq.heapify(heap)
     total = sum(caps)
@@ -384,7 +414,7 @@ def build_pipeline(
     Solved once per (chunk kinds in order, which chunks share a machine, stage counts, m): pipelines
     on identical machines get the same layout, re-mapped to their own ranks.
     """
-    tpl = layout_template(ctx, chunks, ks, m_est)
+    tpl = layout_template(ctx, chunks, tuple(ks), m_est)
     if tpl is None:
         return None
     groups = _tp_groups(chunks, ks)
@@ -408,18 +438,33 @@ class _Template:
         self.rows, self.layers, self.obj = rows, layers, obj
 
 
-def layout_template(
-    ctx: Context, chunks: Sequence[MachineChunk], ks: Sequence[int], m_est: int
-) -> _Template | None:
-    """The memoised PipelineDraft (ranks of whichever chunks built it first; `obj` set) or None."""
-    if sum(ks) > ctx.model.num_layers:
-        return None
+OrderKey: TypeAlias = tuple[tuple[tuple[str, int], ...], tuple[int, ...]]
+
+
+def order_key(chunks: Sequence[MachineChunk]) -> OrderKey:
+    """What a layout of chunks in this order depends on besides the stage counts: the chunk
+    kinds in order, and which of them share a machine (each machine numbered by its first
+    chunk). Callers that score many stage counts for one order compute it once."""
     seen: dict[int, int] = {}
     pattern = tuple(seen.setdefault(ch.node, len(seen)) for ch in chunks)
-    key = (tuple(ch.key for ch in chunks), pattern, tuple(ks), m_est)
+    return tuple(ch.key for ch in chunks), pattern
+
+
+def layout_template(
+    ctx: Context,
+    chunks: Sequence[MachineChunk],
+    ks: tuple[int, ...],
+    m_est: int,
+    okey: OrderKey | None = None,
+) -> _Template | None:
+    """The memoised layout of chunks in this order hosting ks[i] stages each, for m_est
+    micro-batches (`obj` set), or None where it cannot fit. `okey`: `order_key(chunks)`."""
+    if sum(ks) > ctx.model.num_layers:
+        return None
+    rkey = (order_key(chunks) if okey is None else okey, ks)
+    key = (rkey, m_est)
     tpl = ctx._pipes.get(key, _MISSING)
     if tpl is _MISSING:
-        rkey = key[:3]
         rows = ctx._rows.get(rkey)
         if rows is None:
             rows = ctx._rows[rkey] = _build_rows(ctx, chunks, ks)
@@ -458,17 +503,59 @@ class _Rows:
     ):
         self.shards, self.cf, self.cb, self.ef, self.eb, self.nmax = shards, cf, cb, ef, eb, nmax
         self.xf, self.xb = xf, xb
-        self.c = [f + b for f, b in zip(cf, cb)]
-        self.e = [f + b for f, b in zip(ef, eb)]
+        self.c = list(map(operator.add, cf, cb))
+        self.e = list(map(operator.add, ef, eb))
         self.order = sorted(range(len(cf)), key=self.c.__getitem__)  # cheapest first
-        self.x = [f + b for f, b in zip(xf, xb)]
+        self.x = list(map(operator.add, xf, xb))
         self.sxf, self.sxb = sum(xf), sum(xb)
 
 
+class _Block:
+    """The stages one chunk hosts at one place in a pipeline (`_build_rows`' unit): their rows
+    with the boundaries between them applied, those boundaries' transfers, and the TP size. The
+    first stage's forward extra and the last one's backward extra still lack the boundaries to
+    the chunks before and after it. A machine of 8 GPUs at TP 1 hosts 8 stages: one lookup
+    instead of 8."""
+
+    __slots__ = ("t", "shards", "cf", "cb", "ef", "eb", "nmax", "xf", "xb")
+
+    def __init__(self, ctx: Context, ch: MachineChunk, k: int, i0: int, p: int):
+        t = self.t = len(ch.ranks) // k
+        self.shards: list[dict[str, tuple[int, ...]]] = []
+        self.cf: list[float] = []
+        self.cb: list[float] = []
+        self.ef: list[float] = []
+        self.eb: list[float] = []
+        self.nmax: list[int] = []
+        self.xf: list[float] = []
+        self.xb: list[float] = []
+        inner: BoundaryTimes | None = None  # between two TP groups of this chunk
+        for j in range(k):
+            i = i0 + j
+            st = ctx.chunk_stage(ch, ch.ranks[j * t : (j + 1) * t], i == 0, i == p - 1, i, p)
+            ef_j = st.ef
+            if j:
+                if inner is None:
+                    a, b = ch.ranks[(j - 1) * t : j * t], ch.ranks[j * t : (j + 1) * t]
+                    inner = ctx.chunk_boundary(ch, a, ch, b)
+                (tf, gf), (tb, gb) = inner
+                self.xf.append(tf)
+                self.xb.append(tb)
+                ef_j += gf
+                self.eb[-1] += gb
+            self.shards.append(st.shards)
+            self.cf.append(st.cf)
+            self.cb.append(st.cb)
+            self.ef.append(ef_j)
+            self.eb.append(st.eb)
+            self.nmax.append(st.nmax)
+
+
 def _build_rows(ctx: Context, chunks: Sequence[MachineChunk], ks: Sequence[int]) -> _Rows:
-    """_Rows for chunks in this order hosting ks[i] stages each (at most L stages)."""
+    """_Rows for chunks in this order hosting ks[i] stages each (at most L stages): each
+    chunk's _Block, joined by the boundaries between chunks."""
     p = sum(ks)
-    stage_cache, boundary_cache = ctx._chunk_stage, ctx._chunk_boundary
+    blocks, boundary_cache = ctx._blocks, ctx._chunk_boundary
     shards: list[dict[str, tuple[int, ...]]] = []
     cf: list[float] = []
     cb: list[float] = []
@@ -478,49 +565,34 @@ def _build_rows(ctx: Context, chunks: Sequence[MachineChunk], ks: Sequence[int])
     xf: list[float] = []
     xb: list[float] = []
     i = 0
-    prev: tuple[MachineChunk, int] | None = (
-        None  # (chunk, TP size) of the previous chunk's last stage
-    )
+    prev: tuple[MachineChunk, int] | None = None  # the previous chunk and its TP size
     for ch, k in zip(chunks, ks):
-        t = len(ch.ranks) // k
-        inner: BoundaryTimes | None = None  # between two TP groups of this chunk
-        for j in range(k):
-            first, last = i == 0, i == p - 1
-            st = stage_cache.get((ch.key, t, first, last, p - i))
-            if st is None:
-                st = ctx.chunk_stage(ch, ch.ranks[j * t : (j + 1) * t], first, last, i, p)
-            ef_i = st.ef
-            if i:
-                if j:
-                    if inner is None:
-                        got = boundary_cache.get((ch.key, t, ch.key, t, True))
-                        if got is None:
-                            a, b = ch.ranks[(j - 1) * t : j * t], ch.ranks[j * t : (j + 1) * t]
-                            got = ctx.chunk_boundary(ch, a, ch, b)
-                        inner = got
-                    bd = inner
-                else:
-                    assert prev is not None
-                    pu, pt = prev
-                    got = boundary_cache.get((pu.key, pt, ch.key, t, pu.node == ch.node))
-                    if got is None:
-                        pj = len(pu.ranks) // pt - 1
-                        got = ctx.chunk_boundary(
-                            pu, pu.ranks[pj * pt : (pj + 1) * pt], ch, ch.ranks[:t]
-                        )
-                    bd = got
-                (tf, gf), (tb, gb) = bd
-                xf.append(tf)
-                xb.append(tb)
-                ef_i += gf
-                eb[-1] += gb
-            shards.append(st.shards)
-            cf.append(st.cf)
-            cb.append(st.cb)
-            ef.append(ef_i)
-            eb.append(st.eb)
-            nmax.append(st.nmax)
-            i += 1
+        key = (ch.key, k, i == 0, i + k == p, p - i)
+        blk = blocks.get(key)
+        if blk is None:
+            blk = blocks[key] = _Block(ctx, ch, k, i, p)
+        t = blk.t
+        ef.extend(blk.ef)
+        if i:
+            assert prev is not None
+            pu, pt = prev
+            got = boundary_cache.get((pu.key, pt, ch.key, t, pu.node == ch.node))
+            if got is None:
+                pj = len(pu.ranks) // pt - 1
+                got = ctx.chunk_boundary(pu, pu.ranks[pj * pt : (pj + 1) * pt], ch, ch.ranks[:t])
+            (tf, gf), (tb, gb) = got
+            xf.append(tf)
+            xb.append(tb)
+            ef[i] += gf
+            eb[-1] += gb
+        shards.extend(blk.shards)
+        cf.extend(blk.cf)
+        cb.extend(blk.cb)
+        eb.extend(blk.eb)
+        nmax.extend(blk.nmax)
+        xf.extend(blk.xf)
+        xb.extend(blk.xb)
+        i += k
         prev = (ch, t)
     return _Rows(shards, cf, cb, ef, eb, nmax, xf, xb)
 

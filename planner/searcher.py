@@ -164,6 +164,7 @@ class Searcher:
         self.max_chunks = max(n.gpus_per_node for n in self.topo.nodes)
         # caches of this search
         self._contexts: dict[tuple[int, bool, float], Context] = {}
+        self._timings: dict[tuple[int, bool], Context] = {}  # the first context per knob
         self._fits: Fits = {}  # schedule fits by stage times
         self.simulations = SimulationCache()
         self.neighbours = NeighbourContexts(self, FINALISTS)
@@ -176,7 +177,10 @@ class Searcher:
             fraction *= 1 + OUTER_BYTES_PER_PARAM / OPTIMIZER_BYTES_PER_PARAM
         key = (mbs, rc, fraction)
         if key not in self._contexts:
-            self._contexts[key] = Context(
+            # another optimizer share changes only memory limits: the stage and boundary times
+            # of the first share asked for are reused
+            timings = self._timings.get((mbs, rc))
+            self._contexts[key] = got = Context(
                 self.model,
                 self.topo,
                 mbs,
@@ -186,7 +190,10 @@ class Searcher:
                 self.attention_backend,
                 self.sequence_parallel,
                 self.layer_impl,
+                timings,
             )
+            if timings is None:
+                self._timings[(mbs, rc)] = got
         return self._contexts[key]
 
     def chunk_levels(self) -> list[int]:

@@ -214,11 +214,11 @@ def test_flipping_the_field_cuts_activations_on_tp_stages(backend):
 
 def test_unit_options_skip_tp_degrees_that_do_not_divide_the_sequence():
     m30 = with_seq_length(TINY, 30)  # 30 = 2 x 15: TP 2 and 1 only
-    assert chunk_stage_options(4, m30) == [1, 2, 4]
-    assert chunk_stage_options(4, m30, True) == [2, 4]
-    assert chunk_stage_options(3, TINY) == [1, 3]
-    assert chunk_stage_options(3, TINY, True) == [3]  # TP 1 always remains
-    assert chunk_stage_options(4, TINY, True) == [1, 2, 4]
+    assert chunk_stage_options(4, m30) == (1, 2, 4)
+    assert chunk_stage_options(4, m30, True) == (2, 4)
+    assert chunk_stage_options(3, TINY) == (1, 3)
+    assert chunk_stage_options(3, TINY, True) == (3,)  # TP 1 always remains
+    assert chunk_stage_options(4, TINY, True) == (1, 2, 4)
 
 
 def test_searched_plan_records_sp_and_uses_only_dividing_tp_degrees():
