@@ -86,6 +86,9 @@ def elastic_setup(
     # only the layout counts here (nodes and processes); each start's workers choose the
     # transformer implementation where they run, which changes no layout
     inputs = planning_inputs(args, cuda=False)
+    in_file = len(inputs.cluster.nodes)
+    if min_nodes is not None and not 1 <= min_nodes <= in_file:  # said before any search
+        raise LaunchError(f"--min-nodes {min_nodes}: must be 1..{in_file} (the cluster's nodes)")
     if min_nodes is None:  # its search plans the whole cluster too
         fit = smallest_fitting_nodes(inputs.cluster, inputs.model, inputs.options)
         plan = fit.whole

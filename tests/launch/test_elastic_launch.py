@@ -118,7 +118,7 @@ def test_elastic_scripts_and_given_min(tmp_path):
                 *TRAINING,
                 *RESUME,
             ],
-            "--min-nodes 5: must be 1..4 (the job's nodes)",
+            "--min-nodes 5: must be 1..4 (the cluster's nodes)",
         ),  # fmt: skip
         (
             [
