@@ -152,11 +152,13 @@ def test_elastic_errors_are_one_line(args, message):
 
 
 def test_elastic_launch_does_not_import_torch():
+    """The whole elastic path (arguments, the smallest fitting nodes, the commands) without
+    torch: the tiny model, whose searches take a fraction of a second, takes the same path."""
     code = textwrap.dedent(f"""
         import sys, contextlib, io
         from megatron_hexi.launch.cli import main
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            assert main(["torchrun", "--elastic", {str(CLUSTER)!r}, "--model", "llama2-7b",
+            assert main(["torchrun", "--elastic", {str(CLUSTER)!r}, "--model", "tiny",
                          "--", *{TRAINING + RESUME!r}]) == 0
         assert "torch" not in sys.modules, "launch imported torch"
     """)
