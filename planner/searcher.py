@@ -164,7 +164,6 @@ class Searcher:
         self.max_chunks = max(n.gpus_per_node for n in self.topo.nodes)
         # caches of this search
         self._contexts: dict[tuple[int, bool, float], Context] = {}
-        self._timings: dict[tuple[int, bool], Context] = {}  # the first context per knob
         self._fits: Fits = {}  # schedule fits by stage times
         self.simulations = SimulationCache()
         self.neighbours = NeighbourContexts(self, FINALISTS)
@@ -178,9 +177,9 @@ class Searcher:
         key = (mbs, rc, fraction)
         if key not in self._contexts:
             # another optimizer share changes only memory limits: the stage and boundary times
-            # of the first share asked for are reused
-            timings = self._timings.get((mbs, rc))
-            self._contexts[key] = got = Context(
+            # of the knob's first context are reused
+            timings = next((c for k, c in self._contexts.items() if k[:2] == key[:2]), None)
+            self._contexts[key] = Context(
                 self.model,
                 self.topo,
                 mbs,
@@ -192,8 +191,6 @@ class Searcher:
                 self.layer_impl,
                 timings,
             )
-            if timings is None:
-                self._timings[(mbs, rc)] = got
         return self._contexts[key]
 
     def chunk_levels(self) -> list[int]:

@@ -18,47 +18,17 @@ import-time setting) is started the ordinary way by its caller (`spawn`, a subpr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing
 import os
-import pkgutil
 import subprocess
 import sys
 from unittest import mock
 
+from megatron_hexi.rank_imports import rank_modules
 
-def _submodules(package):
-    """The modules of a package, found without importing it (this one imports torch)."""
-    spec = importlib.util.find_spec(package)
-    assert spec is not None and spec.submodule_search_locations, package
-    return [f"{package}.{m.name}" for m in pkgutil.iter_modules(spec.submodule_search_locations)]
-
-
-# Imported once in the server. A module missing here (renamed, moved) is imported by the job
-# itself, only slower.
-PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "megatron.core",
-    "megatron.core.parallel_state",
-    "megatron.core.models.gpt",
-    "megatron.core.optimizer",
-    "megatron.core.pipeline_parallel",
-    "megatron_hexi.training",
-    "megatron_hexi.checkpoint",
-    "megatron_hexi.model",
-    "megatron_hexi.data",
-    "megatron_hexi.gather",
-    "megatron_hexi.distributed_optimizer",
-    "megatron.core.datasets.gpt_dataset",
-    "megatron.core.datasets.blended_megatron_dataset_builder",
-    "safetensors.torch",
-    "planner.plan",
-    # every CPU rank imports them when it patches megatron-core (nothing is patched on import)
-    "megatron_hexi.patches",
-    *_submodules("megatron_hexi.patches"),
-]
+# Imported once in the server (megatron_hexi.rank_imports, which tools/setup_env.sh compiles).
+PRELOAD = rank_modules()
 # The server's environment when it starts: its torch sees no GPU and runs one compute thread.
 SERVER_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
