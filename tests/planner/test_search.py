@@ -73,8 +73,8 @@ def test_hexi_close_to_exhaustive(seed):
 
 def test_deterministic_for_a_seed(monkeypatch):
     """Two searches with one seed give one plan; the second simulates every layout afresh,
-    without `Searcher.simulate`'s memo, which therefore changes no plan (it answered 190 of
-    this search's 359 calls)."""
+    without `Searcher.simulate`'s memo, which therefore changes no plan (the search repeats 190
+    of its 359 simulations)."""
     from planner.searcher import Searcher
 
     cluster = random_cluster(7)

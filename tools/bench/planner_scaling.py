@@ -13,7 +13,7 @@ its own process so that peak memory is its own. `cpu s` is the CPU time of the p
 time far more than CPU time) and `load` the 1-minute load average before the run. `yard s` is the
 CPU time of a fixed pure-Python workload (yardstick.py), the mean of runs just before and just
 after the search in the same process, and `cpu/yard` the search's CPU time in its units: this
-machine's speed moves by up to 1.8x between days, the ratio moves only with the code.
+machine's speed moves by up to 1.8x between days, the ratio far less.
 Targets: <= 10 CPU s at 1024 GPUs (both shapes), <= 60 CPU s for 8192 mixed, near-linear growth.
 
     python tools/bench/planner_scaling.py [--sizes 64 256 1024 4096 8192] [--clusters scaled mixed]
