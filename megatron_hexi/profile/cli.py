@@ -40,6 +40,11 @@ if TYPE_CHECKING:
     )
     from planner.models import ModelSpec
 
+# The share of --max-seconds kept for what runs after the grid (optimizer, bursts, the comm
+# job's measuring): a grid point after the first, or a burst between rounds, starts only while
+# this much of the budget is left.
+GRID_RESERVE = 0.45
+
 
 class Progress:
     """A one-line progress bar on stderr."""
@@ -206,7 +211,7 @@ def profile(
     got: dict[tuple[int, int], list[tuple[LayerRecord, dict[str, EndRecord]]]] = {}
     for rnd in range(rounds):
         for t, b in points:
-            if bar.left() < max_seconds * 0.45 and got:
+            if bar.left() < max_seconds * GRID_RESERVE and got:
                 break
             e = measure.layer_entry(
                 model, t, b, device, dtype, reps or 4, attention_backend=attention_backend
@@ -219,7 +224,7 @@ def profile(
                 f"round {rnd + 1} layer tp{t} mbs{b}: fwd {e['fwd_s'] * 1e3:.2f} ms bwd "
                 f"{e['bwd_s'] * 1e3:.2f} ms"
             )
-        if runtime and rnd < rounds - 1 and bar.left() > max_seconds * 0.45:
+        if runtime and rnd < rounds - 1 and bar.left() > max_seconds * GRID_RESERVE:
             burst(f"after round {rnd + 1}")
     complete = len(got) == len(points)
     median = statistics.median
