@@ -2,10 +2,12 @@
 
     python tools/bench/fidelity.py [--profile cpu.json] [--steps 8] [--warmup 3] [--rounds 3]
         [--png docs/fidelity.png] [--device cpu|cuda] [--max-profile-seconds 120]
+        [--profile-passes 2]
 
 1. Profile the local device with `hexi-profile` (the bench model, --comm-procs 2, the runtime's
    thread setting: OMP_NUM_THREADS=1 per process, as torchrun and the test harness run ranks),
-   unless --profile gives one.
+   unless --profile gives one: once before the plans run and once after them
+   (--profile-passes), keeping the pass whose one-rank steps ran fastest (`least_disturbed`).
 2. For each plan below (all fit 2 cores: at most 2 processes; the two data-parallel ones also
    with `overlap_grad_reduce`), build the plan over a one-node
    cluster whose group references the profile (gpus_per_node = the plan's processes, which sets
@@ -327,6 +329,28 @@ def _world(pipelines):
     return 1 + max(r for p in pipelines for s in p["stages"] for r in s["ranks"])
 
 
+def one_rank_seconds(profile):
+    """The profile's one-rank Trainer steps added up (`runtime.points`, each the fastest of the
+    profile's bursts), or None where it has none: how fast the machine ran while it profiled."""
+    points = json.loads(Path(profile).read_text()).get("runtime", {}).get("points")
+    return sum(p["step_s"] for p in points) if points else None
+
+
+def least_disturbed(profiles):
+    """Of several profiles of the same model, the one whose one-rank steps ran fastest (the
+    first where none has them). The plans' steps are the fastest of rounds spread over the
+    bench; a profile taken once can fall in a slow spell that every prediction then carries
+    (the 14.3 % run on the benchmark page), so it is taken more than once and the
+    least disturbed pass kept, by the same rule as the steps."""
+    timed = [(s, i) for i, p in enumerate(profiles) if (s := one_rank_seconds(p)) is not None]
+    for i, p in enumerate(profiles):
+        s = one_rank_seconds(p)
+        print(f"profile pass {i + 1}: one-rank steps {'-' if s is None else f'{s * 1e3:.1f} ms'}")
+    kept = min(timed)[1] if timed else 0
+    print(f"kept profile pass {kept + 1}", flush=True)
+    return profiles[kept]
+
+
 def _profile(model_path, out, seconds, device):
     cmd = [
         sys.executable,
@@ -391,6 +415,13 @@ def main(argv=None):
     ap.add_argument("--profile", default=None, help="use this profile instead of measuring one")
     ap.add_argument("--save-profile", default=None, help="keep the measured profile here")
     ap.add_argument("--max-profile-seconds", type=float, default=120)
+    ap.add_argument(
+        "--profile-passes",
+        type=int,
+        default=2,
+        help="hexi-profile runs: one before the plans, the others after them; the pass whose "
+        "one-rank steps ran fastest is kept (ignored with --profile)",
+    )
     ap.add_argument("--steps", type=int, default=8, help="timed steps per plan")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument(
@@ -424,11 +455,9 @@ def main(argv=None):
         model_path = tmp / "model.yaml"
         model_path.write_text(yaml.safe_dump(MODEL))
         model = load_model(str(model_path))
-        prof = Path(a.profile).resolve() if a.profile else tmp / "profile.json"
+        prof = Path(a.profile).resolve() if a.profile else tmp / "profile-1.json"
         if not a.profile:
             _profile(model_path, prof, a.max_profile_seconds, a.device)
-            if a.save_profile:
-                Path(a.save_profile).write_text(prof.read_text())
         rows = []
         names = a.plans or list(PLANS)
         launches = {name: [] for name in names}
@@ -469,29 +498,54 @@ def main(argv=None):
                     f"{time.monotonic() - t:4.1f} s, load {loads[-1]:.1f})",
                     flush=True,
                 )
-        for name in names:
+        if not a.profile:
+            # the later passes run after the plans, so that the profile's samples span the
+            # bench as the plans' rounds do; the least disturbed pass is kept
+            passes = [prof]
+            for i in range(2, a.profile_passes + 1):
+                passes.append(tmp / f"profile-{i}.json")
+                _profile(model_path, passes[-1], a.max_profile_seconds, a.device)
+            prof = this.least_disturbed(passes)
+            if a.save_profile:
+                Path(a.save_profile).write_text(prof.read_text())
+        else:
+            passes = [prof]
+
+        def predicted(name, profile):
+            """Bench plan `name` over a cluster that uses `profile` (None: the catalog
+            figures), and its estimate."""
             pipelines, recompute = PLANS[name]
-            world = _world(pipelines)
-            plan = plans[name]
-            est = simulate(plan, bucket_elements=_bucket_size(name) or BUCKET_ELEMENTS)
-            cat_plan = build_plan(
-                _cluster(world, None),
+            plan = build_plan(
+                _cluster(_world(pipelines), profile),
                 model,
                 GLOBAL_BATCH,
                 pipelines,
                 recompute=recompute,
                 **_training(name),
             )
-            catalog = simulate(
-                cat_plan, bucket_elements=_bucket_size(name) or BUCKET_ELEMENTS
-            ).iteration_time_s
+            return plan, simulate(plan, bucket_elements=_bucket_size(name) or BUCKET_ELEMENTS)
+
+        def fastest(name):
+            # step_time_s is the max over ranks already
+            return min(s for run in launches[name] for s in run[0]["step_s"][a.warmup :])
+
+        for i, p in enumerate(passes if len(passes) > 1 else []):
+            errs = [abs(predicted(n, p)[1].iteration_time_s / fastest(n) - 1) for n in names]
+            print(
+                f"with profile pass {i + 1} alone: mean |error| {statistics.mean(errs):.1%}, "
+                f"max {max(errs):.1%}",
+                flush=True,
+            )
+        for name in names:
+            world = _world(PLANS[name][0])
+            plan, est = predicted(name, prof)
+            catalog = predicted(name, None)[1].iteration_time_s
             if not rows:
                 for line in cost_sources(Topology(plan.cluster), model).values():
                     print(f"cost source: {line}", flush=True)
             per_rank = launches[name][0]  # the first round also measured memory
-            # step_time_s is the max over ranks already
             steps = [s for run in launches[name] for s in run[0]["step_s"][a.warmup :]]
-            measured, median = min(steps), statistics.median(steps)
+            measured, median = fastest(name), statistics.median(steps)
             err = (est.iteration_time_s - measured) / measured
             mem = []
             for r in sorted(per_rank, key=lambda x: x["rank"]):
@@ -533,7 +587,8 @@ def main(argv=None):
     med_errs = [abs(r["median_error"]) for r in rows]
     print(
         f"\nstep time: mean |error| {mean:.1%} (target <= 10 %), max |error| {mx:.1%} "
-        f"(target <= 20 %): {'OK' if mean <= 0.10 and mx <= 0.20 else 'MISSED'}"
+        f"(target <= 20 %): {'OK' if mean <= 0.10 and mx <= 0.20 else 'MISSED'}; the "
+        f"planner's targets (5 % / 10 %): {'met' if mean <= 0.05 and mx <= 0.10 else 'missed'}"
     )
     print(
         f"against the median step instead: mean |error| {statistics.mean(med_errs):.1%}, max "
