@@ -436,6 +436,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write the rows as JSON")
     ap.add_argument("--timeout", type=float, default=300)
     a = ap.parse_args(argv)
+    if a.profile_passes < 1:
+        ap.error(f"--profile-passes {a.profile_passes}: needs at least 1")
     import yaml
 
     import fidelity as this
