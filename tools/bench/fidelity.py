@@ -332,7 +332,9 @@ def _world(pipelines):
 def one_rank_seconds(profile):
     """The profile's one-rank Trainer steps added up (`runtime.points`, each the fastest of the
     profile's bursts), or None where it has none: how fast the machine ran while it profiled."""
-    points = json.loads(Path(profile).read_text()).get("runtime", {}).get("points")
+    from planner.profiles import read_profile
+
+    points = read_profile(str(profile)).get("runtime", {}).get("points")
     return sum(p["step_s"] for p in points) if points else None
 
 
@@ -342,10 +344,10 @@ def least_disturbed(profiles):
     bench; a profile taken once can fall in a slow spell that every prediction then carries
     (the 14.3 % run on the benchmark page), so it is taken more than once and the
     least disturbed pass kept, by the same rule as the steps."""
-    timed = [(s, i) for i, p in enumerate(profiles) if (s := one_rank_seconds(p)) is not None]
-    for i, p in enumerate(profiles):
-        s = one_rank_seconds(p)
+    seconds = [one_rank_seconds(p) for p in profiles]
+    for i, s in enumerate(seconds):
         print(f"profile pass {i + 1}: one-rank steps {'-' if s is None else f'{s * 1e3:.1f} ms'}")
+    timed = [(s, i) for i, s in enumerate(seconds) if s is not None]
     kept = min(timed)[1] if timed else 0
     print(f"kept profile pass {kept + 1}", flush=True)
     return profiles[kept]
@@ -531,8 +533,9 @@ def main(argv=None):
             # step_time_s is the max over ranks already
             return min(s for run in launches[name] for s in run[0]["step_s"][a.warmup :])
 
+        estimates = {p: {n: predicted(n, p) for n in names} for p in passes}
         for i, p in enumerate(passes if len(passes) > 1 else []):
-            errs = [abs(predicted(n, p)[1].iteration_time_s / fastest(n) - 1) for n in names]
+            errs = [abs(estimates[p][n][1].iteration_time_s / fastest(n) - 1) for n in names]
             print(
                 f"with profile pass {i + 1} alone: mean |error| {statistics.mean(errs):.1%}, "
                 f"max {max(errs):.1%}",
@@ -540,7 +543,7 @@ def main(argv=None):
             )
         for name in names:
             world = _world(PLANS[name][0])
-            plan, est = predicted(name, prof)
+            plan, est = estimates[prof][name]
             catalog = predicted(name, None)[1].iteration_time_s
             if not rows:
                 for line in cost_sources(Topology(plan.cluster), model).values():
