@@ -271,7 +271,9 @@ class Context:
         memoised: many stages of one search share a GPU type, shards and position. `tp`: the
         stage's TP degree (the sequence split under sequence parallelism)."""
         split = sequence_split(tp, self.sequence_parallel)
-        key = (capacity, qg, ffn, vocab, first, last, position, num_stages, split)
+        # memory reads the place only as the micro-batches in flight there (num_stages -
+        # position under 1F1B): stages that many from the end share one answer
+        key = (capacity, qg, ffn, vocab, first, last, num_stages - position, split)
         got = self._fit.get(key)
         if got is None:
             shape = RankShape(
@@ -375,28 +377,35 @@ def assign_layers(
     heapq.heapify(heap)
     total = sum(caps)
 
-    def advance(v: float) -> None:  # raise the bound to v: every stage whose next value is <= v
-        nonlocal total
+    pop, push = heapq.heappop, heapq.heappush
+    # raise the bound to v (first lo, then the heap's next value until every layer fits): every
+    # stage whose next value is <= v takes one more layer (inlined: the search's hottest loop)
+    v = lo
+    while True:
         lim = v + abs(v) * 1e-12 + 1e-15
         while heap and heap[0][0] <= lim:
-            _, k = heapq.heappop(heap)
-            caps[k] += 1
+            k = pop(heap)[1]
+            x = caps[k] = caps[k] + 1
             total += 1
-            if caps[k] < nmax[k]:
-                heapq.heappush(heap, ((caps[k] + 1) * c[k] + e[k], k))
-
-    advance(lo)
-    while total < L:  # smallest feasible bound
+            if x < nmax[k]:
+                push(heap, ((x + 1) * c[k] + e[k], k))
+        if total >= L:  # the smallest feasible bound
+            break
         if not heap:
             return None
-        advance(heap[0][0])
+        v = heap[0][0]
     best_n, best, _ = fill(caps)
     s_inf = unbounded[2]
     while heap:
         v = heap[0][0]
         if (m - 1) * v + s_inf >= best:
             break
-        advance(v)
+        lim = v + abs(v) * 1e-12 + 1e-15
+        while heap and heap[0][0] <= lim:
+            k = pop(heap)[1]
+            x = caps[k] = caps[k] + 1
+            if x < nmax[k]:
+                push(heap, ((x + 1) * c[k] + e[k], k))
         n, J, _ = fill(caps)
         if J < best:
             best_n, best = n, J
@@ -465,10 +474,19 @@ def layout_template(
     key = (rkey, m_est)
     tpl = ctx._pipes.get(key, _MISSING)
     if tpl is _MISSING:
-        rows = ctx._rows.get(rkey)
-        if rows is None:
-            rows = ctx._rows[rkey] = _build_rows(ctx, chunks, ks)
-        tpl = ctx._pipes[key] = _lay_out(ctx, rows, m_est)
+        rows = ctx._rows.get(rkey, _MISSING)
+        if rows is _MISSING:
+            blocks = _blocks_of(ctx, chunks, ks)
+            # assign_layers' own test, from the blocks' sums: about 40 % of the stage counts a
+            # search tries give some stage no room for a layer or all stages too little; their
+            # rows are never built
+            fits = min(b.nmin for b in blocks) >= 1
+            if fits and sum(b.nsum for b in blocks) >= ctx.model.num_layers:
+                rows = _build_rows(ctx, chunks, ks, blocks)
+            else:
+                rows = None
+            ctx._rows[rkey] = rows
+        tpl = ctx._pipes[key] = None if rows is None else _lay_out(ctx, rows, m_est)
     return tpl
 
 
@@ -517,7 +535,7 @@ class _Block:
     the chunks before and after it. A machine of 8 GPUs at TP 1 hosts 8 stages: one lookup
     instead of 8."""
 
-    __slots__ = ("t", "shards", "cf", "cb", "ef", "eb", "nmax", "xf", "xb")
+    __slots__ = ("t", "shards", "cf", "cb", "ef", "eb", "nmax", "xf", "xb", "nmin", "nsum")
 
     def __init__(self, ctx: Context, ch: MachineChunk, k: int, i0: int, p: int):
         t = self.t = len(ch.ranks) // k
@@ -530,9 +548,12 @@ class _Block:
         self.xf: list[float] = []
         self.xb: list[float] = []
         inner: BoundaryTimes | None = None  # between two TP groups of this chunk
+        stages = ctx._chunk_stage  # read in place: `chunk_stage` would copy each one
         for j in range(k):
             i = i0 + j
-            st = ctx.chunk_stage(ch, ch.ranks[j * t : (j + 1) * t], i == 0, i == p - 1, i, p)
+            st = stages.get((ch.key, t, i == 0, i == p - 1, p - i))
+            if st is None:
+                st = ctx.chunk_stage(ch, ch.ranks[j * t : (j + 1) * t], i == 0, i == p - 1, i, p)
             ef_j = st.ef
             if j:
                 if inner is None:
@@ -549,13 +570,39 @@ class _Block:
             self.ef.append(ef_j)
             self.eb.append(st.eb)
             self.nmax.append(st.nmax)
+        # what `layout_template` checks before it joins the blocks: do the layers fit at all
+        self.nmin, self.nsum = min(self.nmax), sum(self.nmax)
 
 
-def _build_rows(ctx: Context, chunks: Sequence[MachineChunk], ks: Sequence[int]) -> _Rows:
-    """_Rows for chunks in this order hosting ks[i] stages each (at most L stages): each
-    chunk's _Block, joined by the boundaries between chunks."""
+def _blocks_of(ctx: Context, chunks: Sequence[MachineChunk], ks: Sequence[int]) -> list[_Block]:
+    """Each chunk's _Block for chunks in this order hosting ks[i] stages each (cached: a block
+    depends on its chunk's kind, stage count, and where it stands from either end)."""
     p = sum(ks)
-    blocks, boundary_cache = ctx._blocks, ctx._chunk_boundary
+    cache = ctx._blocks
+    out = []
+    i = 0
+    for ch, k in zip(chunks, ks):
+        key = (ch.key, k, i == 0, i + k == p, p - i)
+        blk = cache.get(key)
+        if blk is None:
+            blk = cache[key] = _Block(ctx, ch, k, i, p)
+        out.append(blk)
+        i += k
+    return out
+
+
+def _build_rows(
+    ctx: Context,
+    chunks: Sequence[MachineChunk],
+    ks: Sequence[int],
+    blocks: Sequence[_Block] | None = None,
+) -> _Rows:
+    """_Rows for chunks in this order hosting ks[i] stages each (at most L stages): each
+    chunk's _Block (`blocks`, when the caller has them), joined by the boundaries between
+    chunks."""
+    if blocks is None:
+        blocks = _blocks_of(ctx, chunks, ks)
+    boundary_cache = ctx._chunk_boundary
     shards: list[dict[str, tuple[int, ...]]] = []
     cf: list[float] = []
     cb: list[float] = []
@@ -566,11 +613,7 @@ def _build_rows(ctx: Context, chunks: Sequence[MachineChunk], ks: Sequence[int])
     xb: list[float] = []
     i = 0
     prev: tuple[MachineChunk, int] | None = None  # the previous chunk and its TP size
-    for ch, k in zip(chunks, ks):
-        key = (ch.key, k, i == 0, i + k == p, p - i)
-        blk = blocks.get(key)
-        if blk is None:
-            blk = blocks[key] = _Block(ctx, ch, k, i, p)
+    for ch, k, blk in zip(chunks, ks, blocks):
         t = blk.t
         ef.extend(blk.ef)
         if i:
