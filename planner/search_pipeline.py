@@ -352,24 +352,33 @@ def assign_layers(
         return None
     if order is None:
         order = sorted(range(p), key=c.__getitem__)  # cheapest first (stable)
+    # the stages renumbered cheapest first: `fill` walks them in that order with zip
+    c = [c[k] for k in order]
+    e = [e[k] for k in order]
+    nmax = [nmax[k] for k in order]
 
     def fill(cp: Sequence[int]) -> tuple[list[int], float, float]:
-        left, n, T, S = L - p, [1] * p, 0.0, 0.0
-        for k in order:
-            x = cp[k] - 1
-            if x > left:
-                x = left
-            left -= x
-            n[k] += x
-            t = n[k] * c[k] + e[k]
+        left, n, T, S = L - p, [], 0.0, 0.0
+        for x, ck, ek in zip(cp, c, e):
+            if x - 1 > left:
+                x = left + 1
+            left -= x - 1
+            n.append(x)
+            t = x * ck + ek
             S += t
             if t > T:
                 T = t
         return n, (m - 1) * T + S, S
 
+    def numbered(n: list[int]) -> list[int]:  # back to the callers' stage order
+        out = [0] * p
+        for k, x in zip(order, n):
+            out[k] = x
+        return out
+
     unbounded = fill(nmax)
     if m <= 1:
-        return unbounded[0]
+        return numbered(unbounded[0])
     lo = max(map(operator.add, c, e))
     caps = [int((lo - ek) / ck + 1e-9) for ck, ek in zip(c, e)]
     caps = [1 if x < 1 else (x if x < cap else cap) for x, cap in zip(caps, nmax)]
@@ -379,7 +388,8 @@ def assign_layers(
 
     pop, push = heapq.heappop, heapq.heappush
     # raise the bound to v (first lo, then the heap's next value until every layer fits): every
-    # stage whose next value is <= v takes one more layer (inlined: the search's hottest loop)
+    # stage whose next value is <= v takes one more layer (inlined: the search's hottest loop).
+    # What a raise leaves does not depend on the order of equal values in the heap.
     v = lo
     while True:
         lim = v + abs(v) * 1e-12 + 1e-15
@@ -409,7 +419,7 @@ def assign_layers(
         n, J, _ = fill(caps)
         if J < best:
             best_n, best = n, J
-    return best_n
+    return numbered(best_n)
 
 
 _MISSING: Any = object()  # a sentinel: the cached template may be None
@@ -431,7 +441,7 @@ def build_pipeline(
     stages = [
         StageDraft(g, sh, f, b, ef, eb, n, x)
         for g, sh, f, b, ef, eb, n, x in zip(
-            groups, r.shards, r.cf, r.cb, r.ef, r.eb, r.nmax, tpl.layers
+            groups, r.shards(), r.cf, r.cb, r.ef, r.eb, r.nmax, tpl.layers
         )
     ]
     return PipelineDraft(stages, r.xf, r.xb, chunks=tuple(chunks), ks=tuple(ks))
@@ -500,17 +510,18 @@ def _tp_groups(chunks: Sequence[MachineChunk], ks: Sequence[int]) -> list[tuple[
 
 class _Rows:
     """A pipeline's stages before layers are assigned (whatever the micro-batch count): per
-    stage its shards, per-layer seconds, extras (the boundary all-gathers around it included)
-    and the most layers that fit; the boundary transfers; and the sums the layer assignment and
-    the objective read (per layer, per stage, per boundary both ways)."""
+    stage its per-layer seconds, extras (the boundary all-gathers around it included) and the
+    most layers that fit; the boundary transfers; the sums the layer assignment and the
+    objective read (per layer, per stage, per boundary both ways); and the chunks' blocks, whose
+    shards only the chosen layout reads (`shards`)."""
 
     __slots__ = (
-        "shards", "cf", "cb", "ef", "eb", "nmax", "xf", "xb", "c", "e", "order", "x", "sxf", "sxb",
+        "blocks", "cf", "cb", "ef", "eb", "nmax", "xf", "xb", "c", "e", "order", "x", "sxf", "sxb",
     )  # fmt: skip
 
     def __init__(
         self,
-        shards: list[dict[str, tuple[int, ...]]],
+        blocks: Sequence[_Block],
         cf: list[float],
         cb: list[float],
         ef: list[float],
@@ -519,13 +530,17 @@ class _Rows:
         xf: list[float],
         xb: list[float],
     ):
-        self.shards, self.cf, self.cb, self.ef, self.eb, self.nmax = shards, cf, cb, ef, eb, nmax
+        self.blocks, self.cf, self.cb, self.ef, self.eb, self.nmax = blocks, cf, cb, ef, eb, nmax
         self.xf, self.xb = xf, xb
         self.c = list(map(operator.add, cf, cb))
         self.e = list(map(operator.add, ef, eb))
         self.order = sorted(range(len(cf)), key=self.c.__getitem__)  # cheapest first
         self.x = list(map(operator.add, xf, xb))
         self.sxf, self.sxb = sum(xf), sum(xb)
+
+    def shards(self) -> list[dict[str, tuple[int, ...]]]:
+        """Each stage's shards, in pipeline order."""
+        return [sh for blk in self.blocks for sh in blk.shards]
 
 
 class _Block:
@@ -603,7 +618,6 @@ def _build_rows(
     if blocks is None:
         blocks = _blocks_of(ctx, chunks, ks)
     boundary_cache = ctx._chunk_boundary
-    shards: list[dict[str, tuple[int, ...]]] = []
     cf: list[float] = []
     cb: list[float] = []
     ef: list[float] = []
@@ -628,7 +642,6 @@ def _build_rows(
             xb.append(tb)
             ef[i] += gf
             eb[-1] += gb
-        shards.extend(blk.shards)
         cf.extend(blk.cf)
         cb.extend(blk.cb)
         eb.extend(blk.eb)
@@ -637,7 +650,7 @@ def _build_rows(
         xb.extend(blk.xb)
         i += k
         prev = (ch, t)
-    return _Rows(shards, cf, cb, ef, eb, nmax, xf, xb)
+    return _Rows(blocks, cf, cb, ef, eb, nmax, xf, xb)
 
 
 def _lay_out(ctx: Context, r: _Rows, m_est: int) -> _Template | None:
