@@ -131,7 +131,7 @@ class Context:
 
     `stages`: a context whose stages are this one's (same model, machines, micro-batch,
     recompute, optimizer share and settings; only the links between machines differ, which a
-    stage, one machine's TP group, never uses): its stage cache is shared."""
+    stage, one machine's TP group, never uses): its stage and block caches are shared."""
 
     def __init__(
         self,
@@ -187,6 +187,8 @@ class Context:
             )
             self._stage, self._chunk_stage = stages._stage, stages._chunk_stage
             self._fit = stages._fit
+            # a block's inner boundaries join TP groups of one machine, whose links stay
+            self._blocks = stages._blocks
 
     def stage(
         self, ranks: Sequence[int], first: bool, last: bool, position: int, num_stages: int
