@@ -131,7 +131,7 @@ class Context:
 
     `stages`: a context whose stages are this one's (same model, machines, micro-batch,
     recompute, optimizer share and settings; only the links between machines differ, which a
-    stage, one machine's TP group, never uses): its stage and block caches are shared."""
+    stage, one machine's TP group, never uses): its stage cache is shared."""
 
     def __init__(
         self,
@@ -187,8 +187,6 @@ class Context:
             )
             self._stage, self._chunk_stage = stages._stage, stages._chunk_stage
             self._fit = stages._fit
-            # a block's inner boundaries join TP groups of one machine, whose links stay
-            self._blocks = stages._blocks
 
     def stage(
         self, ranks: Sequence[int], first: bool, last: bool, position: int, num_stages: int
@@ -273,9 +271,7 @@ class Context:
         memoised: many stages of one search share a GPU type, shards and position. `tp`: the
         stage's TP degree (the sequence split under sequence parallelism)."""
         split = sequence_split(tp, self.sequence_parallel)
-        # memory reads the place only as the micro-batches in flight there (num_stages -
-        # position under 1F1B): stages that many from the end share one answer
-        key = (capacity, qg, ffn, vocab, first, last, num_stages - position, split)
+        key = (capacity, qg, ffn, vocab, first, last, position, num_stages, split)
         got = self._fit.get(key)
         if got is None:
             shape = RankShape(
@@ -354,33 +350,24 @@ def assign_layers(
         return None
     if order is None:
         order = sorted(range(p), key=c.__getitem__)  # cheapest first (stable)
-    # the stages renumbered cheapest first: `fill` walks them in that order with zip
-    c = [c[k] for k in order]
-    e = [e[k] for k in order]
-    nmax = [nmax[k] for k in order]
 
     def fill(cp: Sequence[int]) -> tuple[list[int], float, float]:
-        left, n, T, S = L - p, [], 0.0, 0.0
-        for x, ck, ek in zip(cp, c, e):
-            if x - 1 > left:
-                x = left + 1
-            left -= x - 1
-            n.append(x)
-            t = x * ck + ek
+        left, n, T, S = L - p, [1] * p, 0.0, 0.0
+        for k in order:
+            x = cp[k] - 1
+            if x > left:
+                x = left
+            left -= x
+            n[k] += x
+            t = n[k] * c[k] + e[k]
             S += t
             if t > T:
                 T = t
         return n, (m - 1) * T + S, S
 
-    def numbered(n: list[int]) -> list[int]:  # back to the callers' stage order
-        out = [0] * p
-        for k, x in zip(order, n):
-            out[k] = x
-        return out
-
     unbounded = fill(nmax)
     if m <= 1:
-        return numbered(unbounded[0])
+        return unbounded[0]
     lo = max(map(operator.add, c, e))
     caps = [int((lo - ek) / ck + 1e-9) for ck, ek in zip(c, e)]
     caps = [1 if x < 1 else (x if x < cap else cap) for x, cap in zip(caps, nmax)]
@@ -388,40 +375,32 @@ def assign_layers(
     heapq.heapify(heap)
     total = sum(caps)
 
-    pop, push = heapq.heappop, heapq.heappush
-    # raise the bound to v (first lo, then the heap's next value until every layer fits): every
-    # stage whose next value is <= v takes one more layer (inlined: the search's hottest loop).
-    # What a raise leaves does not depend on the order of equal values in the heap.
-    v = lo
-    while True:
+    def advance(v: float) -> None:  # raise the bound to v: every stage whose next value is <= v
+        nonlocal total
         lim = v + abs(v) * 1e-12 + 1e-15
         while heap and heap[0][0] <= lim:
-            k = pop(heap)[1]
-            x = caps[k] = caps[k] + 1
+            _, k = heapq.heappop(heap)
+            caps[k] += 1
             total += 1
-            if x < nmax[k]:
-                push(heap, ((x + 1) * c[k] + e[k], k))
-        if total >= L:  # the smallest feasible bound
-            break
+            if caps[k] < nmax[k]:
+                heapq.heappush(heap, ((caps[k] + 1) * c[k] + e[k], k))
+
+    advance(lo)
+    while total < L:  # smallest feasible bound
         if not heap:
             return None
-        v = heap[0][0]
+        advance(heap[0][0])
     best_n, best, _ = fill(caps)
     s_inf = unbounded[2]
     while heap:
         v = heap[0][0]
         if (m - 1) * v + s_inf >= best:
             break
-        lim = v + abs(v) * 1e-12 + 1e-15
-        while heap and heap[0][0] <= lim:
-            k = pop(heap)[1]
-            x = caps[k] = caps[k] + 1
-            if x < nmax[k]:
-                push(heap, ((x + 1) * c[k] + e[k], k))
+        advance(v)
         n, J, _ = fill(caps)
         if J < best:
             best_n, best = n, J
-    return numbered(best_n)
+    return best_n
 
 
 _MISSING: Any = object()  # a sentinel: the cached template may be None
@@ -443,7 +422,7 @@ def build_pipeline(
     stages = [
         StageDraft(g, sh, f, b, ef, eb, n, x)
         for g, sh, f, b, ef, eb, n, x in zip(
-            groups, r.shards(), r.cf, r.cb, r.ef, r.eb, r.nmax, tpl.layers
+            groups, r.shards, r.cf, r.cb, r.ef, r.eb, r.nmax, tpl.layers
         )
     ]
     return PipelineDraft(stages, r.xf, r.xb, chunks=tuple(chunks), ks=tuple(ks))
@@ -486,19 +465,10 @@ def layout_template(
     key = (rkey, m_est)
     tpl = ctx._pipes.get(key, _MISSING)
     if tpl is _MISSING:
-        rows = ctx._rows.get(rkey, _MISSING)
-        if rows is _MISSING:
-            blocks = _blocks_of(ctx, chunks, ks)
-            # assign_layers' own test, from the blocks' sums: about 40 % of the stage counts a
-            # search tries give some stage no room for a layer or all stages too little; their
-            # rows are never built
-            fits = min(b.nmin for b in blocks) >= 1
-            if fits and sum(b.nsum for b in blocks) >= ctx.model.num_layers:
-                rows = _build_rows(ctx, chunks, ks, blocks)
-            else:
-                rows = None
-            ctx._rows[rkey] = rows
-        tpl = ctx._pipes[key] = None if rows is None else _lay_out(ctx, rows, m_est)
+        rows = ctx._rows.get(rkey)
+        if rows is None:
+            rows = ctx._rows[rkey] = _build_rows(ctx, chunks, ks)
+        tpl = ctx._pipes[key] = _lay_out(ctx, rows, m_est)
     return tpl
 
 
@@ -512,18 +482,17 @@ def _tp_groups(chunks: Sequence[MachineChunk], ks: Sequence[int]) -> list[tuple[
 
 class _Rows:
     """A pipeline's stages before layers are assigned (whatever the micro-batch count): per
-    stage its per-layer seconds, extras (the boundary all-gathers around it included) and the
-    most layers that fit; the boundary transfers; the sums the layer assignment and the
-    objective read (per layer, per stage, per boundary both ways); and the chunks' blocks, whose
-    shards only the chosen layout reads (`shards`)."""
+    stage its shards, per-layer seconds, extras (the boundary all-gathers around it included)
+    and the most layers that fit; the boundary transfers; and the sums the layer assignment and
+    the objective read (per layer, per stage, per boundary both ways)."""
 
     __slots__ = (
-        "blocks", "cf", "cb", "ef", "eb", "nmax", "xf", "xb", "c", "e", "order", "x", "sxf", "sxb",
+        "shards", "cf", "cb", "ef", "eb", "nmax", "xf", "xb", "c", "e", "order", "x", "sxf", "sxb",
     )  # fmt: skip
 
     def __init__(
         self,
-        blocks: Sequence[_Block],
+        shards: list[dict[str, tuple[int, ...]]],
         cf: list[float],
         cb: list[float],
         ef: list[float],
@@ -532,17 +501,13 @@ class _Rows:
         xf: list[float],
         xb: list[float],
     ):
-        self.blocks, self.cf, self.cb, self.ef, self.eb, self.nmax = blocks, cf, cb, ef, eb, nmax
+        self.shards, self.cf, self.cb, self.ef, self.eb, self.nmax = shards, cf, cb, ef, eb, nmax
         self.xf, self.xb = xf, xb
         self.c = list(map(operator.add, cf, cb))
         self.e = list(map(operator.add, ef, eb))
         self.order = sorted(range(len(cf)), key=self.c.__getitem__)  # cheapest first
         self.x = list(map(operator.add, xf, xb))
         self.sxf, self.sxb = sum(xf), sum(xb)
-
-    def shards(self) -> list[dict[str, tuple[int, ...]]]:
-        """Each stage's shards, in pipeline order."""
-        return [sh for blk in self.blocks for sh in blk.shards]
 
 
 class _Block:
@@ -552,7 +517,7 @@ class _Block:
     the chunks before and after it. A machine of 8 GPUs at TP 1 hosts 8 stages: one lookup
     instead of 8."""
 
-    __slots__ = ("t", "shards", "cf", "cb", "ef", "eb", "nmax", "xf", "xb", "nmin", "nsum")
+    __slots__ = ("t", "shards", "cf", "cb", "ef", "eb", "nmax", "xf", "xb")
 
     def __init__(self, ctx: Context, ch: MachineChunk, k: int, i0: int, p: int):
         t = self.t = len(ch.ranks) // k
@@ -565,12 +530,9 @@ class _Block:
         self.xf: list[float] = []
         self.xb: list[float] = []
         inner: BoundaryTimes | None = None  # between two TP groups of this chunk
-        stages = ctx._chunk_stage  # read in place: `chunk_stage` would copy each one
         for j in range(k):
             i = i0 + j
-            st = stages.get((ch.key, t, i == 0, i == p - 1, p - i))
-            if st is None:
-                st = ctx.chunk_stage(ch, ch.ranks[j * t : (j + 1) * t], i == 0, i == p - 1, i, p)
+            st = ctx.chunk_stage(ch, ch.ranks[j * t : (j + 1) * t], i == 0, i == p - 1, i, p)
             ef_j = st.ef
             if j:
                 if inner is None:
@@ -587,39 +549,14 @@ class _Block:
             self.ef.append(ef_j)
             self.eb.append(st.eb)
             self.nmax.append(st.nmax)
-        # what `layout_template` checks before it joins the blocks: do the layers fit at all
-        self.nmin, self.nsum = min(self.nmax), sum(self.nmax)
 
 
-def _blocks_of(ctx: Context, chunks: Sequence[MachineChunk], ks: Sequence[int]) -> list[_Block]:
-    """Each chunk's _Block for chunks in this order hosting ks[i] stages each (cached: a block
-    depends on its chunk's kind, stage count, and where it stands from either end)."""
-    p = sum(ks)
-    cache = ctx._blocks
-    out = []
-    i = 0
-    for ch, k in zip(chunks, ks):
-        key = (ch.key, k, i == 0, i + k == p, p - i)
-        blk = cache.get(key)
-        if blk is None:
-            blk = cache[key] = _Block(ctx, ch, k, i, p)
-        out.append(blk)
-        i += k
-    return out
-
-
-def _build_rows(
-    ctx: Context,
-    chunks: Sequence[MachineChunk],
-    ks: Sequence[int],
-    blocks: Sequence[_Block] | None = None,
-) -> _Rows:
+def _build_rows(ctx: Context, chunks: Sequence[MachineChunk], ks: Sequence[int]) -> _Rows:
     """_Rows for chunks in this order hosting ks[i] stages each (at most L stages): each
-    chunk's _Block (`blocks`, when the caller has them), joined by the boundaries between
-    chunks."""
-    if blocks is None:
-        blocks = _blocks_of(ctx, chunks, ks)
-    boundary_cache = ctx._chunk_boundary
+    chunk's _Block, joined by the boundaries between chunks."""
+    p = sum(ks)
+    blocks, boundary_cache = ctx._blocks, ctx._chunk_boundary
+    shards: list[dict[str, tuple[int, ...]]] = []
     cf: list[float] = []
     cb: list[float] = []
     ef: list[float] = []
@@ -629,7 +566,11 @@ def _build_rows(
     xb: list[float] = []
     i = 0
     prev: tuple[MachineChunk, int] | None = None  # the previous chunk and its TP size
-    for ch, k, blk in zip(chunks, ks, blocks):
+    for ch, k in zip(chunks, ks):
+        key = (ch.key, k, i == 0, i + k == p, p - i)
+        blk = blocks.get(key)
+        if blk is None:
+            blk = blocks[key] = _Block(ctx, ch, k, i, p)
         t = blk.t
         ef.extend(blk.ef)
         if i:
@@ -644,6 +585,7 @@ def _build_rows(
             xb.append(tb)
             ef[i] += gf
             eb[-1] += gb
+        shards.extend(blk.shards)
         cf.extend(blk.cf)
         cb.extend(blk.cb)
         eb.extend(blk.eb)
@@ -652,7 +594,7 @@ def _build_rows(
         xb.extend(blk.xb)
         i += k
         prev = (ch, t)
-    return _Rows(blocks, cf, cb, ef, eb, nmax, xf, xb)
+    return _Rows(shards, cf, cb, ef, eb, nmax, xf, xb)
 
 
 def _lay_out(ctx: Context, r: _Rows, m_est: int) -> _Template | None:
