@@ -11,7 +11,9 @@ things must be true for that, and this module makes them so:
   captured layer draws from generator states the graph registers;
 * megatron-core's global pipeline size is the stage's pipeline depth: the manager reuses one set
   of graphs for every micro-batch only when there is no pipelining (micro-batches run one at a
-  time), and keeps one per in-flight micro-batch otherwise;
+  time), and keeps one per in-flight micro-batch otherwise; and its global pipeline rank is the
+  stage's, because each graph runner asks megatron-core's layer-offset helpers (which read that
+  rank when no process group is given) whether its layer is the first or last of the stage;
 * the run is on CUDA: the check refuses anything else before a process group exists.
 
 `transformer_engine` graphs (TE's make_graphed_callables, driven by megatron-core's
@@ -89,18 +91,24 @@ class PipelineDepth(Protocol):
     profiler's stand-alone stage view)."""
 
     @property
+    def stage(self) -> int: ...
+
+    @property
     def num_stages(self) -> int: ...
 
 
 def set_megatron_globals(config: TransformerConfig, view: PipelineDepth) -> None:
     """Before a stage with local graphs is built: megatron-core's global pipeline size, which
     CudaGraphManager reads to decide whether one set of graphs serves every micro-batch (it does
-    only without pipelining)."""
+    only without pipelining), and pipeline rank, which each graph runner reads through
+    get_transformer_layer_offset (the stage's config is a one-stage pipeline, so its layers are
+    numbered from 1 within the stage whatever the rank)."""
     if config.cuda_graph_impl != "local":
         return
     from megatron.core import parallel_state
 
     parallel_state.set_pipeline_model_parallel_world_size(view.num_stages)
+    parallel_state.set_pipeline_model_parallel_rank(view.stage)
 
 
 __all__ = [

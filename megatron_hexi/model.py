@@ -66,6 +66,9 @@ class StageView(Protocol):
     def tp_size(self) -> int: ...
 
     @property
+    def stage(self) -> int: ...  # megatron_hexi.cuda_graphs.set_megatron_globals
+
+    @property
     def num_stages(self) -> int: ...  # megatron_hexi.cuda_graphs.set_megatron_globals
 
     @property

@@ -83,6 +83,7 @@ class ShardView:
     holds_embedding: bool
     holds_output: bool
     sequence_parallel: bool = False
+    stage: int = 0
     num_stages: int = 1
 
 

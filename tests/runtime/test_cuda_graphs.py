@@ -5,6 +5,7 @@ TransformerConfig carries the plan's graphs, and the RNG tracker is graph-safe u
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -210,14 +211,28 @@ def test_local_graphs_set_megatron_cores_pipeline_size(plan_path, monkeypatch):
 
     plan = load_plan(plan_path)
     assert sorted({plan.rank_view(r).num_stages for r in range(plan.world_size)}) == [1, 2]
+    from megatron.core.transformer.cuda_graphs import (
+        _determine_if_first_last_layer_of_this_vp_chunk as first_last,
+    )
+
     for rank in range(plan.world_size):
         monkeypatch.setattr(parallel_state, "_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", None)
+        monkeypatch.setattr(parallel_state, "_MPU_PIPELINE_MODEL_PARALLEL_RANK", None)
         view = plan.rank_view(rank)
         cuda_graphs.set_megatron_globals(stage_config(plan, view), view)
         assert parallel_state._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE is None
+        assert parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK is None
         graphs = _with_graphs(plan, "local")
-        cuda_graphs.set_megatron_globals(stage_config(graphs, view), view)
+        config = stage_config(graphs, view)
+        cuda_graphs.set_megatron_globals(config, view)
         assert parallel_state.get_pipeline_model_parallel_world_size() == view.num_stages
+        assert parallel_state.get_pipeline_model_parallel_rank() == view.stage
+        # what each graph runner asks when it is made (no process group of megatron-core's
+        # exists): whether its layer, numbered from 1 within the stage, is the stage's first
+        # or last
+        n = view.layers[1] - view.layers[0]
+        ends = [first_last(SimpleNamespace(config=config, layer_number=i)) for i in (1, n)]
+        assert ends == [(True, n == 1), (n == 1, True)]
 
 
 def test_checkpoint_rng_state_of_a_graph_safe_tracker(monkeypatch):
