@@ -16,6 +16,15 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+# Losses of the performance cases compared on CUDA. Measured on one H200 (docs/results/gpu/
+# 2026-12-04-nvidia-h200-a.json): the 1.1B model's first Adam step moves every weight by about
+# the learning rate whatever its gradient's size, so bf16 rounding differences in near-zero
+# gradients (other kernels, other micro-batch shapes) become whole-step differences, and the runs
+# part ways from the third loss on (megatron-core alone: 1x8 against 8x1 8e-4 at loss 3, 2e-2 at
+# loss 5). The first two losses and the first gradient norm agree within 2e-3.
+PERF_LOSSES_COMPARED = 2
+
+
 def evaluate(result):
     """The list of checks (name, ok, detail) for a result dict."""
     device, tol, cfg = result["device"], result["tolerances"], result["config"]
@@ -63,20 +72,20 @@ def evaluate(result):
         ca, cb = case_config(cfg, a), case_config(cfg, b)
         return ca[0] == cb[0] and ca[1] * ca[2] == cb[1] * cb[2]
 
-    def compare(name, a, b, tolerance, first_only=False, key="lm_loss"):
+    def compare(name, a, b, tolerance, first_only=False, key="lm_loss", upto=None):
         if a not in runs or b not in runs or not same_run(a, b):
             return  # not selected, skipped, or another model (the correctness model on CUDA)
         if not (complete.get(a) and complete.get(b)):
             add(name, False, f"{a} or {b} did not finish")
             return
         pairs = list(zip(values(a, key), values(b, key)))
-        pairs = pairs[:1] if first_only else pairs
+        pairs = pairs[:1] if first_only else pairs[:upto]
         worst = max(rel(x, y) for x, y in pairs)
         what = "iteration 1" if first_only else f"iterations 1-{len(pairs)}"
         add(name, worst <= tolerance, f"{what}: max rel diff {worst:.2e} (tolerance {tolerance:g})")
 
-    def both(name, a, b, tolerance, grad_tolerance):
-        compare(name, a, b, tolerance)
+    def both(name, a, b, tolerance, grad_tolerance, upto=None):
+        compare(name, a, b, tolerance, upto=upto)
         compare(f"{name}, grad norm", a, b, grad_tolerance, first_only=True, key="grad_norm")
 
     compare("bf16 vs fp32", "bf16", "fp32", tol["bf16_vs_fp32"], first_only=True)
@@ -87,10 +96,14 @@ def evaluate(result):
     compare("fused attention vs bf16", "hexi-eager-1x8", "bf16", tol["bf16_vs_fp32"], True)
     # one global batch in 8 micro-batches of 1 or 1 of 8: the same gradient, up to the bf16
     # rounding of other matrix shapes (measured 1.1e-5 on the gradient norm on CPU)
+    # The performance model on CUDA is compared on its first PERF_LOSSES_COMPARED losses only
+    # (the first gradient norm as everywhere): past them its bf16 runs part ways whatever the
+    # kernels (docs/benchmarks.md, GPU check).
+    upto = PERF_LOSSES_COMPARED if device == "cuda" else None
     for variant in VARIANTS:
         for impl in IMPLS:
             a, b = f"{impl}-{variant}-1x8", f"{impl}-{variant}-8x1"
-            both(f"{a} vs {b}", a, b, tol["same_math"], tol["same_math"])
+            both(f"{a} vs {b}", a, b, tol["same_math"], tol["same_math"], upto)
     for impl in IMPLS:
         if device == "cuda":  # on CPU every fusion is off: the two runs are one
             both(
@@ -99,6 +112,7 @@ def evaluate(result):
                 f"{impl}-eager-1x8",
                 tol["other_kernels"],
                 tol["other_kernels"],
+                upto,
             )
         # graph replay runs the captured kernels: the same numbers as the eager steps
         both(
@@ -107,6 +121,7 @@ def evaluate(result):
             f"{impl}-fused-1x8",
             tol["same_math"],
             tol["same_grad"],
+            upto,
         )
         both(
             f"{impl}: Transformer Engine vs local",
@@ -114,6 +129,7 @@ def evaluate(result):
             f"{impl}-fused-1x8",
             tol["other_kernels"],
             tol["other_kernels"],
+            upto,
         )
     if "resume" in runs:
         if complete.get("save") and complete.get("resume"):
