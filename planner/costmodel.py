@@ -152,7 +152,7 @@ class AnalyticCosts:
         """A rank's attention block: kernel by kernel on a catalog GPU, else its FLOPs at the
         device's sustained rate (backward twice the forward)."""
         if dev.kernels is not None:
-            return kernel_attention_times(dev.kernels, self.m, mbs, query_groups)
+            return kernel_attention_times(dev.kernels, self.m, mbs, query_groups, not self.unfused)
         c = attention_flops(self.m, mbs) * query_groups / self.m.num_query_groups / dev.flops
         return PassTimes(c, 2 * c)
 

@@ -47,6 +47,20 @@ GEMM_TAIL_S = 5e-6
 # Shortest elementwise kernel (launch and one pass), stated assumption like GEMM_FLOOR_S.
 ELEMENTWISE_FLOOR_S = 2e-6
 
+# A fused attention kernel (FlashAttention-2, cuDNN's fused attention: what SDPA and the plan's
+# fused backends run) keeps the scores on chip and reaches a lower fraction of peak than a
+# GEMM: FlashAttention-2 reaches about 35 % of an H100's dense peak (Shah et al. 2024,
+# "FlashAttention-3", section 1), 50-73 % of an A100's forward (Dao 2023, "FlashAttention-2").
+# The H100 figure is taken for every GPU: the GPU check measured 0.5475 s per step of the 1.1B
+# model at 8 x 4,096 tokens on an H200, where this model gives 0.53 s with it and 0.70 s when
+# the scores are charged as two GEMMs writing and reading them.
+FLASH_FRACTION_OF_PEAK = 0.35
+# Causal masking skips the blocks above the diagonal: half the score FLOPs (FlashAttention-2,
+# section 3.1.1). The backward recomputes the scores and runs five products against the
+# forward's two: 2.5x the forward's FLOPs (the FLOP count FlashAttention-2's benchmarks use).
+CAUSAL_FRACTION = 0.5
+FLASH_BWD_FACTOR = 2.5
+
 # Streaming kernels reach about 0.8 of the catalog memory bandwidth (stated assumption: the
 # typical STREAM-copy fraction of HBM and GDDR peaks).
 BANDWIDTH_FRACTION = 0.8
@@ -103,28 +117,50 @@ def elementwise_time(dev: KernelDevice, nbytes: float) -> float:
     return max(ELEMENTWISE_FLOOR_S, nbytes / (dev.mem_bw * BANDWIDTH_FRACTION))
 
 
+def fused_attention_times(dev: KernelDevice, s: int, d: int, heads: int, mbs: int) -> PassTimes:
+    """One fused causal attention kernel over `mbs` x `heads` heads of length `s` and size `d`:
+    the causal half of the two score products at FLASH_FRACTION_OF_PEAK, reading q, k and v
+    and writing the output once (no s x s tensor); backward FLASH_BWD_FACTOR times the FLOPs."""
+    if heads <= 0:
+        return PassTimes(0.0, 0.0)
+    flops = CAUSAL_FRACTION * 2 * (2.0 * mbs * heads * s * s * d)
+    moved = 4 * mbs * heads * s * d * ACT_BYTES / (dev.mem_bw * BANDWIDTH_FRACTION)
+    rate = dev.peak_flops * FLASH_FRACTION_OF_PEAK
+    return PassTimes(
+        max(GEMM_FLOOR_S, flops / rate, moved),
+        max(GEMM_FLOOR_S, FLASH_BWD_FACTOR * flops / rate, 2 * moved),
+    )
+
+
 @lru_cache(maxsize=65536)
-def attention_times(dev: KernelDevice, m: LayerShape, mbs: int, query_groups: int) -> PassTimes:
+def attention_times(
+    dev: KernelDevice, m: LayerShape, mbs: int, query_groups: int, fused: bool = False
+) -> PassTimes:
     """One rank's attention block with `query_groups` of the model's groups: its input norm,
-    the q/k/v projection, rotary embedding of q and k, the two batched score products (Q.K^T and
-    P.V, as many heads as the rank holds; an unfused backend's softmax traffic is added by the
-    cost model), the output projection and the residual add."""
+    the q/k/v projection, rotary embedding of q and k, the scores (`fused`: one fused causal
+    kernel; else the two batched products Q.K^T and P.V over the whole s x s tensor, as many
+    heads as the rank holds, with the unfused backend's softmax traffic added by the cost
+    model), the output projection and the residual add."""
     s, h, d = m.seq_length, m.hidden_size, m.head_dim
     tokens = mbs * s
     heads = query_groups * m.num_attention_heads // m.num_query_groups
-    gemms = (
-        matmul_time(dev, tokens, h, (heads + 2 * query_groups) * d)
-        + matmul_time(dev, s, d, s, batch=mbs * heads)
-        + matmul_time(dev, s, s, d, batch=mbs * heads)
-        + matmul_time(dev, tokens, heads * d, h)
+    gemms = matmul_time(dev, tokens, h, (heads + 2 * query_groups) * d) + matmul_time(
+        dev, tokens, heads * d, h
     )
+    if fused:
+        scores = fused_attention_times(dev, s, d, heads, mbs)
+    else:
+        both = matmul_time(dev, s, d, s, batch=mbs * heads) + matmul_time(
+            dev, s, s, d, batch=mbs * heads
+        )
+        scores = PassTimes(both, 2 * both)
     moved = (
         elementwise_time(dev, NORM_BYTES * tokens * h)
         + elementwise_time(dev, ROPE_BYTES * tokens * heads * d)
         + elementwise_time(dev, ROPE_BYTES * tokens * query_groups * d)
         + elementwise_time(dev, ADD_BYTES * tokens * h)
     )
-    return PassTimes(gemms + moved, 2 * (gemms + moved))
+    return PassTimes(gemms + moved + scores.fwd, 2 * (gemms + moved) + scores.bwd)
 
 
 @lru_cache(maxsize=65536)
@@ -157,6 +193,9 @@ __all__ = [
     "GEMM_FRACTION_OF_PEAK",
     "GEMM_FLOOR_S",
     "GEMM_TAIL_S",
+    "FLASH_FRACTION_OF_PEAK",
+    "CAUSAL_FRACTION",
+    "FLASH_BWD_FACTOR",
     "ELEMENTWISE_FLOOR_S",
     "BANDWIDTH_FRACTION",
     "KernelDevice",
@@ -164,6 +203,7 @@ __all__ = [
     "gemm_time",
     "matmul_time",
     "elementwise_time",
+    "fused_attention_times",
     "attention_times",
     "mlp_times",
     "head_times",

@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from host_zero import zero_host_time
+from host_zero import pinned_model, zero_host_time
 
 from planner import attention, kernels
 from planner.cluster import load_cluster
@@ -76,23 +76,28 @@ def test_activation_memory_of_one_layer_by_hand(backend):
     assert rank_memory(L7, shape, 1).activations == want
 
 
-def test_unfused_time_term_by_hand():
+def test_unfused_time_term_by_hand(monkeypatch):
     """Unfused attention pays 13 B forward and 19 B backward per element of the [b, a, s, s]
-    scores at the device's memory bandwidth (A100-SXM-80GB: 2039 GB/s), on top of the FLOPs."""
+    scores at the device's memory bandwidth (A100-SXM-80GB: 2039 GB/s), on top of its score
+    products' kernels (planner.kernels: the two batched products over the whole tensor)."""
+    zero_host_time(monkeypatch)
     dev = device_for("A100-SXM-80GB")
-    assert dev.mem_bw == 2039e9
+    assert dev.mem_bw == 2039e9 and dev.kernels is not None
     elements = 1 * 32 * S * S
     xf, xb = 13 * elements / 2039e9, 19 * elements / 2039e9
     assert xf == pytest.approx(3.4229e-3, rel=1e-4)  # 3.4 ms forward per layer
+    products = kernels.attention_times(dev.kernels, L7, 1, 32, False)
+    mlp = kernels.mlp_times(dev.kernels, L7, 1, 11008)
+    ar = group_costs(L7, [dev], (1e12, 0.0), "auto").layer_times(1, [32], [11008], False)
     for rc in (False, True):
-        fused = group_costs(L7, [dev], (1e12, 0.0), "auto").layer_times(1, [32], [11008], rc)
         for backend in ("unfused", "local"):
             costs = group_costs(L7, [dev], (1e12, 0.0), backend)
             cf, tf, cb, tb = costs.layer_times(1, [32], [11008], rc)
-            assert cf - fused[0] == pytest.approx(xf, rel=1e-9)
+            assert cf == pytest.approx(products.fwd + mlp.fwd + xf, rel=1e-9)
             # full recompute repeats the forward, its traffic included
-            assert cb - fused[2] == pytest.approx(xb + (xf if rc else 0.0), rel=1e-9)
-            assert (tf, tb) == (fused[1], fused[3])
+            redo = products.fwd + mlp.fwd + xf if rc else 0.0
+            assert cb == pytest.approx(products.bwd + mlp.bwd + xb + redo, rel=1e-9)
+            assert (tf, tb) == (ar[1], ar[3] * (2 if rc else 1))
     # flash and fused cost as auto does
     for backend in ("flash", "fused"):
         got = group_costs(L7, [dev], (1e12, 0.0), backend).layer_times(1, [32], [11008], False)
@@ -115,7 +120,7 @@ def test_unfused_time_term_by_hand():
 
 @pytest.mark.parametrize("name", sorted(BEFORE))
 def test_old_plan_loads_as_unfused_and_costs_as_before(name, monkeypatch):
-    zero_host_time(monkeypatch)
+    pinned_model(monkeypatch)
     data = _example(name)
     assert "attention_backend" not in data["training"]
     plan = plan_from_dict(data)

@@ -7,7 +7,7 @@ import json
 import os
 
 import pytest
-from host_zero import zero_host_time
+from host_zero import pinned_model, zero_host_time
 
 from planner.cluster import load_cluster, load_cluster_dict
 from planner.errors import SpecError
@@ -263,7 +263,7 @@ def _example(name, dist_opt, grad=False, gather=False, attention="unfused"):
 
 @pytest.mark.parametrize("name,dist_opt", sorted(BEFORE))
 def test_overlap_off_is_the_serial_estimate(name, dist_opt, monkeypatch):
-    zero_host_time(monkeypatch)
+    pinned_model(monkeypatch)
     iteration, sync = BEFORE[name, dist_opt]
     # BEFORE predates the attention backend, whose time was then a fused one's (FLOPs only)
     est = simulate(_example(name, dist_opt, attention="auto"))

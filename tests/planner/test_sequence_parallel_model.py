@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-from host_zero import zero_host_time
+from host_zero import pinned_model
 
 from planner.cli import build_parser
 from planner.cli_args import with_seq_length
@@ -155,7 +155,7 @@ def test_boundary_leaves_out_the_all_gathers():
 
 @pytest.mark.parametrize("name,backend", sorted(BEFORE))
 def test_off_is_the_old_model(name, backend, monkeypatch):
-    zero_host_time(monkeypatch)
+    pinned_model(monkeypatch)
     data = _example(name)
     assert "sequence_parallel" not in data["training"]
     data = {**data, "training": {**data["training"], "attention_backend": backend}}
