@@ -2,9 +2,12 @@
 achieved rate growing with size, a large layer at the old flat rate, and the search choosing
 larger micro-batches where they pay and stopping where they do not."""
 
+import json
+
 import pytest
 from test_host_time import GPU_CHECK_MODEL, _one
 
+from conftest import REPO
 from planner import flops, kernels
 from planner.devices import device_for
 from planner.models import load_model, model_from_dict
@@ -87,18 +90,8 @@ def test_fused_attention_by_hand():
     m = load_model("llama2-7b")
     fused, unfused = (kernels.attention_times(K, m, 1, 32, f) for f in (True, False))
     assert fused.fwd < unfused.fwd
-    perf = model_from_dict(
-        {
-            "num_layers": 22,
-            "hidden_size": 2048,
-            "ffn_hidden_size": 5632,
-            "num_attention_heads": 32,
-            "num_query_groups": 4,
-            "vocab_size": 32000,
-            "seq_length": 4096,
-            "name": "gpu-check-1.1b",
-        }
-    )
+    run = json.loads((REPO / "docs/results/gpu/2026-12-04-nvidia-h200-b.json").read_text())
+    perf = model_from_dict(run["config"]["perf"]["model"])
     h200 = device_for("H200").kernels
     assert h200 is not None
 
