@@ -96,10 +96,10 @@ def test_fused_attention_by_hand():
     assert h200 is not None
 
     def step(fused: bool) -> float:
-        a = kernels.attention_times(h200, perf, 8, 4, fused)
-        f = kernels.mlp_times(h200, perf, 8, 5632)
-        head = kernels.head_times(h200, 8 * 4096, 2048, 32000)
-        return 22 * (a.fwd + a.bwd + f.fwd + f.bwd) + head.fwd + head.bwd
+        a = kernels.attention_times(h200, perf, 8, perf.num_query_groups, fused)
+        f = kernels.mlp_times(h200, perf, 8, perf.ffn_hidden_size)
+        head = kernels.head_times(h200, 8 * perf.seq_length, perf.hidden_size, perf.vocab_size)
+        return perf.num_layers * (a.fwd + a.bwd + f.fwd + f.bwd) + head.fwd + head.bwd
 
     assert step(True) / 0.5475 - 1 == pytest.approx(0, abs=0.06)
     assert step(False) > 0.69

@@ -447,8 +447,9 @@ def perf_fits(estimate, device):
 
 
 def launch(entry, args, env, timeout):
-    """torchrun, one process; returns (exit code, seconds, output tail). Past `timeout` the
-    launch's whole process group is killed (exit code 124)."""
+    """torchrun, one process; returns (exit code, seconds, output tail, with the checkout's
+    paths relative to it: the tail goes into a result file). Past `timeout` the launch's whole
+    process group is killed (exit code 124)."""
     cmd = [
         sys.executable,
         "-m",
@@ -481,7 +482,7 @@ def launch(entry, args, env, timeout):
         _kill_tree(proc.pid, group=True)
         out, _ = proc.communicate()
         code, out = 124, f"{out}\ntimed out after {timeout:g} s; process group killed"
-    return code, time.monotonic() - start, out[-4000:]
+    return code, time.monotonic() - start, out.replace(f"{ROOT}{os.sep}", "")[-4000:]
 
 
 def case_launch(case, device, preset, plans, work, script):
