@@ -21,7 +21,7 @@ if [ "$status" != 0 ]; then
   exit 1
 fi
 # Two pytest-xdist workers: while one worker's test waits (rendezvous, restarts, the localhost
-# Slurm), the other's computes; a third makes the suite slower (its CPU is the limit).
+# Slurm), the other's computes; a third makes the suite no faster (its CPU is the limit).
 # `--dist loadfile` keeps each file's tests on one worker, and tests/conftest.py keeps tests/slurm
 # and tests/data whole (their session fixtures). Later options win: `-n 0` runs the suite
 # serially in this process. `--cpu-top 25` lists the tests that used the most CPU
