@@ -2,14 +2,18 @@
 measurements, in the micro-batch choice, in the bottleneck text, and from a profile."""
 
 import json
-import statistics
 
 import pytest
+from gpu_runs import (
+    GPU_CHECK_MODEL,
+    PREDICTED_CASES,
+    h200_steps,
+    one_gpu_cluster,
+    single_stage_plan,
+)
 from host_zero import unfused_score_products, zero_host_time
 
-from conftest import REPO
 from planner import flops, kernels
-from planner.cluster import load_cluster_dict
 from planner.costmodel import AnalyticCosts, group_costs
 from planner.devices import device_for
 from planner.host import (
@@ -23,37 +27,8 @@ from planner.host import (
 from planner.layout import total_params
 from planner.measured_costs import MeasuredCosts
 from planner.models import load_model, model_from_dict
-from planner.plan import build_plan
 from planner.search import search_plan
 from planner.simulator import simulate
-
-
-def _one(gpu: str, per: int = 1) -> object:
-    return load_cluster_dict(
-        {
-            "name": "one",
-            "nodes": [
-                {
-                    "name": "a",
-                    "gpu": gpu,
-                    "gpus_per_node": per,
-                    "intra_node": "nvlink",
-                    "nic": "10 Gbit/s",
-                }
-            ],
-        }
-    )
-
-
-def _single(gpu, model, mbs, nmb, **kw):
-    pipes = [
-        {
-            "micro_batch_size": mbs,
-            "num_microbatches": nmb,
-            "stages": [{"ranks": [0], "layers": [0, model.num_layers]}],
-        }
-    ]
-    return build_plan(_one(gpu), model, mbs * nmb, pipes, **kw)
 
 
 def test_implementations_select_their_host_costs():
@@ -72,7 +47,7 @@ def test_single_gpu_host_bound_by_hand():
     """The tiny model on an A100: each layer pass takes the host's 2.4 / 1.9 ms (its device
     time is well under a microsecond); the LM head stays device time."""
     m = load_model("tiny")
-    est = simulate(_single("A100-SXM-80GB", m, 2, 2))
+    est = simulate(single_stage_plan("A100-SXM-80GB", m, 2, 2))
     dev = device_for("A100-SXM-80GB")
     assert dev.kernels is not None
     lf = (
@@ -123,72 +98,12 @@ def test_large_layers_are_device_bound():
     assert cf > 2 * 2.4e-3
 
 
-# The GPU check's 270M model and batch (tools/bench/gpu_check.py, PRESETS["cuda"]).
-GPU_CHECK_MODEL = {
-    "num_layers": 16,
-    "hidden_size": 1024,
-    "ffn_hidden_size": 2816,
-    "num_attention_heads": 16,
-    "num_query_groups": 8,
-    "vocab_size": 32000,
-    "seq_length": 1024,
-    "name": "gpu-check-270m",
-}
-# The plan settings of the GPU check's cases that the planner predicts: its correctness plans
-# and this runtime's performance cases with the default fusions (every-fusion-off `eager` is a
-# run flag the plan does not carry; plain megatron-core runs no plan of this project).
-PREDICTED_CASES = {
-    "bf16": {},
-    "distopt": {"use_distributed_optimizer": True},
-    "recompute": {"recompute": True},
-    "hexi-fused-1x8": {"attention_backend": "auto"},
-    "hexi-fused-8x1": {"attention_backend": "auto"},
-    "hexi-graphs-1x8": {"attention_backend": "auto", "cuda_graph_impl": "local"},
-    "hexi-graphs-8x1": {"attention_backend": "auto", "cuda_graph_impl": "local"},
-}
-# The two H200 runs made before result files were kept (docs/benchmarks.md, GPU check).
-EARLIER_H200_MEDIANS = {
-    "bf16": (0.3227, 0.279),
-    "distopt": (0.2341, 0.319),
-    "recompute": (0.3611, 0.477),
-}
-RESULTS = REPO / "docs" / "results" / "gpu"
-
-
-def _h200_steps():
-    """(source, case, model, micro-batch size, micro-batches, measured median step) of every
-    H200 step the planner predicts: the earlier runs and every result file (its timed
-    iterations: after the warm-up, the profiled one left out)."""
-    out = []
-    for case, medians in EARLIER_H200_MEDIANS.items():
-        for i, median in enumerate(medians):
-            out.append((f"earlier run {i + 1}", case, GPU_CHECK_MODEL, 2, 4, median))
-    for path in sorted(RESULTS.glob("*.json")):
-        result = json.loads(path.read_text())
-        if result["device"] != "cuda" or "H200" not in result["device_name"]:
-            continue
-        cfg = result["config"]
-        for case, run in result["cases"].items():
-            if case not in PREDICTED_CASES or not run["metrics"]:
-                continue
-            perf = case.startswith("hexi-")
-            if perf:
-                mbs, nmb = map(int, case.rsplit("-", 1)[1].split("x"))
-                model, warmup = cfg["perf"]["model"], cfg["perf"]["warmup"]
-            else:
-                mbs, nmb = cfg["micro_batch_size"], cfg["num_microbatches"]
-                model, warmup = cfg["model"], cfg["warmup"]
-            timed = [r["step_time_s"] for r in run["metrics"][warmup:] if not r.get("profiled")]
-            out.append((path.name, case, model, mbs, nmb, statistics.median(timed)))
-    return out
-
-
 def _h200_errors() -> list[tuple[str, str, float]]:
     """(source, case, relative error of `hexi-plan simulate` against the measured median) of
-    every step of _h200_steps."""
+    every step of h200_steps."""
     out = []
-    for source, case, model, mbs, nmb, median in _h200_steps():
-        plan = _single("H200", model_from_dict(model), mbs, nmb, **PREDICTED_CASES[case])
+    for source, case, model, mbs, nmb, median in h200_steps():
+        plan = single_stage_plan("H200", model_from_dict(model), mbs, nmb, **PREDICTED_CASES[case])
         out.append((source, case, simulate(plan).iteration_time_s / median - 1))
     return out
 
@@ -225,11 +140,11 @@ def test_search_takes_larger_micro_batches_on_a_host_bound_gpu():
     micro-batch, which the model predicts 1.9x faster than 4 x 2 and 7.3x faster than eight
     micro-batches of 1."""
     m = model_from_dict(GPU_CHECK_MODEL)
-    plan = search_plan(_one("H200"), m, 8, attention_backend="auto")
+    plan = search_plan(one_gpu_cluster("H200"), m, 8, attention_backend="auto")
     assert [(p.micro_batch_size, p.num_microbatches) for p in plan.pipelines] == [(8, 1)]
     t = plan.estimate["iteration_time_s"]
     for mbs, ratio in ((4, 1.9), (2, 3.7), (1, 7.3)):
-        slower = simulate(_single("H200", m, mbs, 8 // mbs, attention_backend="auto"))
+        slower = simulate(single_stage_plan("H200", m, mbs, 8 // mbs, attention_backend="auto"))
         assert slower.iteration_time_s > ratio * t, mbs
     assert plan.estimate["bottleneck"].startswith("host-bound")
 
@@ -280,16 +195,16 @@ def test_a_plan_with_cuda_graphs_is_costed_with_graph_launches():
     from planner.simulator import plan_layer_impl
 
     m = model_from_dict(GPU_CHECK_MODEL)
-    eager = simulate(_single("H200", m, 2, 4))
-    whole = _single("H200", m, 2, 4, cuda_graph_impl="local")
-    scoped = _single("H200", m, 2, 4, cuda_graph_impl="local", cuda_graph_scope=["attn"])
+    eager = simulate(single_stage_plan("H200", m, 2, 4))
+    whole = single_stage_plan("H200", m, 2, 4, cuda_graph_impl="local")
+    scoped = single_stage_plan("H200", m, 2, 4, cuda_graph_impl="local", cuda_graph_scope=["attn"])
     assert plan_layer_impl(whole) == LayerImpl("local", True)
     assert plan_layer_impl(scoped) == layer_impl("local", "none", ()) == LayerImpl()
     assert simulate(scoped).iteration_time_s == eager.iteration_time_s
     graphed = simulate(whole)
     assert graphed.iteration_time_s < eager.iteration_time_s / 3
     assert not graphed.bottleneck.startswith("host-bound")
-    plan = search_plan(_one("H200"), m, 8, micro_batch_size=2, cuda_graph_impl="local")
+    plan = search_plan(one_gpu_cluster("H200"), m, 8, micro_batch_size=2, cuda_graph_impl="local")
     assert plan.training.cuda_graph_impl == "local" and plan.training.cuda_graph_scope == ()
     assert plan.estimate["iteration_time_s"] == simulate(plan).iteration_time_s
     assert plan.estimate["iteration_time_s"] == pytest.approx(graphed.iteration_time_s)

@@ -5,7 +5,7 @@ larger micro-batches where they pay and stopping where they do not."""
 import json
 
 import pytest
-from test_host_time import GPU_CHECK_MODEL, _one
+from gpu_runs import GPU_CHECK_MODEL, one_gpu_cluster
 
 from conftest import REPO
 from planner import flops, kernels
@@ -142,10 +142,12 @@ def test_search_takes_larger_micro_batches_while_they_pay(monkeypatch, gpu, chos
 
     monkeypatch.setattr(Searcher, "context", recording)
     m = model_from_dict(GPU_CHECK_MODEL)
-    plan = search_plan(_one(gpu), m, 64, recompute="off", attention_backend="auto")
+    plan = search_plan(one_gpu_cluster(gpu), m, 64, recompute="off", attention_backend="auto")
     assert [p.micro_batch_size for p in plan.pipelines] == [chosen]
     assert sorted(set(sizes)) == tried
     # a micro-batch size asked for is the only one searched
     sizes.clear()
-    search_plan(_one(gpu), m, 64, micro_batch_size=2, recompute="off", attention_backend="auto")
+    search_plan(
+        one_gpu_cluster(gpu), m, 64, micro_batch_size=2, recompute="off", attention_backend="auto"
+    )
     assert set(sizes) == {2}

@@ -1,0 +1,103 @@
+"""The GPU check's runs as the planner tests read them: its 270M model, one-GPU clusters and
+single-stage plans, and every measured H200 step of a plan the planner predicts."""
+
+import importlib.util
+import json
+import statistics
+
+from conftest import REPO
+from planner.cluster import load_cluster_dict
+from planner.plan import build_plan
+
+# The GPU check's 270M model and batch (tools/bench/gpu_check.py, PRESETS["cuda"]).
+GPU_CHECK_MODEL = {
+    "num_layers": 16,
+    "hidden_size": 1024,
+    "ffn_hidden_size": 2816,
+    "num_attention_heads": 16,
+    "num_query_groups": 8,
+    "vocab_size": 32000,
+    "seq_length": 1024,
+    "name": "gpu-check-270m",
+}
+# The plan settings of the GPU check's cases that the planner predicts: its correctness plans
+# and this runtime's performance cases with the default fusions (every-fusion-off `eager` is a
+# run flag the plan does not carry; plain megatron-core runs no plan of this project).
+PREDICTED_CASES = {
+    "bf16": {},
+    "distopt": {"use_distributed_optimizer": True},
+    "recompute": {"recompute": True},
+    "hexi-fused-1x8": {"attention_backend": "auto"},
+    "hexi-fused-8x1": {"attention_backend": "auto"},
+    "hexi-graphs-1x8": {"attention_backend": "auto", "cuda_graph_impl": "local"},
+    "hexi-graphs-8x1": {"attention_backend": "auto", "cuda_graph_impl": "local"},
+}
+# The two H200 runs made before result files were kept (docs/benchmarks.md, GPU check).
+EARLIER_H200_MEDIANS = {
+    "bf16": (0.3227, 0.279),
+    "distopt": (0.2341, 0.319),
+    "recompute": (0.3611, 0.477),
+}
+RESULTS = REPO / "docs" / "results" / "gpu"
+
+
+def one_gpu_cluster(gpu: str, per: int = 1) -> object:
+    """One machine of `per` GPUs of type `gpu`."""
+    return load_cluster_dict(
+        {
+            "name": "one",
+            "nodes": [
+                {
+                    "name": "a",
+                    "gpu": gpu,
+                    "gpus_per_node": per,
+                    "intra_node": "nvlink",
+                    "nic": "10 Gbit/s",
+                }
+            ],
+        }
+    )
+
+
+def single_stage_plan(gpu, model, mbs, nmb, **kw):
+    """The whole model on one GPU of type `gpu`, in `nmb` micro-batches of `mbs`."""
+    pipes = [
+        {
+            "micro_batch_size": mbs,
+            "num_microbatches": nmb,
+            "stages": [{"ranks": [0], "layers": [0, model.num_layers]}],
+        }
+    ]
+    return build_plan(one_gpu_cluster(gpu), model, mbs * nmb, pipes, **kw)
+
+
+def _case_config():
+    """The GPU check's own reading of a case's model and batch from a result's config
+    (`case_config` of tools/bench/_gpu_check_cases.py)."""
+    path = REPO / "tools" / "bench" / "_gpu_check_cases.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.case_config
+
+
+def h200_steps():
+    """(source, case, model, micro-batch size, micro-batches, measured median step) of every
+    H200 step the planner predicts: the earlier runs and every result file (its timed
+    iterations: after the warm-up, the profiled one left out)."""
+    out = []
+    for case, medians in EARLIER_H200_MEDIANS.items():
+        for i, median in enumerate(medians):
+            out.append((f"earlier run {i + 1}", case, GPU_CHECK_MODEL, 2, 4, median))
+    case_config = _case_config()
+    for path in sorted(RESULTS.glob("*.json")):
+        result = json.loads(path.read_text())
+        if result["device"] != "cuda" or "H200" not in result["device_name"]:
+            continue
+        for case, run in result["cases"].items():
+            if case not in PREDICTED_CASES or not run["metrics"]:
+                continue
+            model, mbs, nmb, _, warmup = case_config(result["config"], case)
+            timed = [r["step_time_s"] for r in run["metrics"][warmup:] if not r.get("profiled")]
+            out.append((path.name, case, model, mbs, nmb, statistics.median(timed)))
+    return out
