@@ -247,3 +247,36 @@ def test_eager_flags_turn_every_fusion_off():
     assert run_config(parse_args(required)).fusions == train.fusion_config(True)
     eager = run_config(parse_args(required + list(train.EAGER_FLAGS))).fusions
     assert eager == train.fusion_config(False)
+
+
+def test_megatron_case_alone_takes_the_runtimes_fusion_choice(tmp_path):
+    """Plain megatron-core's case without the runtime's case of its variant takes the fusions
+    the runtime would choose (RoPE's is off without Transformer Engine), not FusionConfig's bare
+    defaults: megatron-core refuses `apply_rope_fusion` without TE."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check_train", REPO / "tools" / "bench" / "_gpu_check_train.py"
+    )
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    from megatron_hexi.fusions import stage_fusions
+    from planner.plan import load_plan
+    from planner.transformer_impl import te_installed
+
+    plan = load_plan(REPO / "examples" / "plans" / "hetero-4rank.json")  # its model, training
+    record = tmp_path / "fusions.json"
+    fused = train.megatron_fusions(record, True, True, plan)
+    expected = stage_fusions(
+        train.fusion_config(True),
+        True,
+        plan.model,
+        bf16=True,
+        transformer_impl=plan.training.transformer_impl,
+        holds_output=True,
+    )
+    assert fused == expected.config_fields()
+    assert fused["bias_dropout_fusion"] is True  # needs nothing beyond CUDA
+    assert fused["apply_rope_fusion"] is te_installed()
+    assert not any(train.megatron_fusions(record, False, True, plan).values())
+    assert not any(train.megatron_fusions(record, True, False, plan).values())  # CPU
+    record.write_text(json.dumps({"apply_rope_fusion": True}))  # the runtime's record wins
+    assert train.megatron_fusions(record, True, True, plan) == {"apply_rope_fusion": True}

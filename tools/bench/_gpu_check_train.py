@@ -115,9 +115,10 @@ def train_runtime(argv):
 def train_megatron(argv):
     """`gpu_check.py megatron on|off FUSIONS_JSON PROFILE_AT ARGS...`, inside torchrun: plain
     megatron-core on the plan's model, spec (transformer_impl), batch, attention and CUDA graphs,
-    with the fusion settings the runtime's case recorded in FUSIONS_JSON (FusionConfig's, `on`
-    or all off, where it has not run). Takes pretrain_gpt.py's flags of the other cases; writes
-    the metrics lines the table reads. gpu_check.py's docstring says what it builds."""
+    with the fusion settings the runtime's case recorded in FUSIONS_JSON (where it has not run,
+    those the runtime would choose: `megatron_fusions`). Takes pretrain_gpt.py's flags of the
+    other cases; writes the metrics lines the table reads. gpu_check.py's docstring says what it
+    builds."""
     import argparse
 
     from megatron_hexi.config import OptimizerConfig as RuntimeOptimizer
@@ -158,12 +159,29 @@ def train_megatron(argv):
 
         apply_cpu_patches()  # before megatron-core builds anything (as pretrain_gpt.py)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    fusions = (
-        json.loads(record.read_text())
-        if record.exists()
-        else dataclasses.asdict(fusion_config(on and device.type == "cuda"))
-    )
+    fusions = megatron_fusions(record, on, device.type == "cuda", plan)
     _megatron_loop(a, plan, device, fusions, profile_at)
+
+
+def megatron_fusions(record, on, cuda, plan):
+    """The fusion settings of plain megatron-core's case: those the runtime's case recorded in
+    `record`, else the ones the runtime would choose here for `plan`'s one stage by its own rule
+    (megatron_hexi.fusions: FusionConfig's defaults or all off, less those this process lacks
+    the kernels for, e.g. RoPE's without Transformer Engine)."""
+    if record.exists():
+        return json.loads(record.read_text())
+    from megatron_hexi.fusions import stage_fusions
+
+    training = plan.training
+    chosen = stage_fusions(
+        fusion_config(on),
+        cuda,
+        plan.model,
+        bf16=True,  # the performance cases train in bf16
+        transformer_impl=training.transformer_impl,
+        holds_output=True,  # one stage holds the whole model
+    )
+    return chosen.config_fields()
 
 
 def _megatron_loop(a, plan, device, fusions, profile_at):

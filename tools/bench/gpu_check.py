@@ -27,14 +27,15 @@ groups, vocabulary 32000, RMSNorm, SwiGLU, untied embeddings; seq 4096, bf16, fu
   SHAPE    1x8: 8 micro-batches of 1 sample; 8x1: one of 8
 
 The megatron case of a variant takes the fusion settings the runtime's TransformerConfig had in
-the hexi case (recorded by it; FusionConfig's where that case did not run), so both run the same
-kernels. Each reports the median synchronised step time, tokens/s and MFU after the warm-up
-(local graphs are captured after 3 eager steps), peak allocated memory, the host time per layer
-pass of the last step (profiled, not timed; _gpu_check_train says how) and the planner's
-prediction for the same plan (`hexi-plan simulate`), and the runtime's tokens/s over plain
-megatron-core's. TE cases need an importable Transformer Engine and are skipped with one line
-where it is not; te_graphs is skipped while the runtime refuses TE graphs; graphs are skipped on
-CPU. All performance cases are skipped when the planner predicts a peak above the GPU's memory.
+the hexi case (recorded by it; where that case did not run, the ones the runtime's rule in
+megatron_hexi.fusions would choose), so both run the same kernels. Each reports the median
+synchronised step time, tokens/s and MFU after the warm-up (local graphs are captured after 3
+eager steps), peak allocated memory, the host time per layer pass of the last step (profiled,
+not timed; _gpu_check_train says how) and the planner's prediction for the same plan (`hexi-plan
+simulate`), and the runtime's tokens/s over plain megatron-core's. TE cases need an importable
+Transformer Engine and are skipped with one line where it is not; te_graphs is skipped while the
+runtime refuses TE graphs; graphs are skipped on CPU. All performance cases are skipped when the
+planner predicts a peak above the GPU's memory.
 
 Correctness cases (a ~270M-parameter model, batch 2 x 4; on CPU every case trains one tiny model
 with the same 8-sample batch): bf16; fp32; distopt (the distributed optimizer); recompute; save
