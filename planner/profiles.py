@@ -188,6 +188,16 @@ class DeviceProfile:
             else None
         )
         self.host = _host_costs(data["layer"], path)
+        # the host's part of each layer row, where every row has it (profiles before it: None)
+        self.layer_host: _Grid | None = (
+            _Grid(
+                data["layer"],
+                lambda r: self.share(r["query_groups"] / g, r["ffn"] / f),
+                ("host_fwd_s", "host_bwd_s"),
+            )
+            if self.host is not None
+            else None
+        )
         rt = data.get("runtime") or {}
         self.per_microbatch_s = float(rt.get("per_microbatch_s", 0.0))
         self.per_step_s = float(rt.get("per_step_s", 0.0))

@@ -39,28 +39,26 @@ EARLIER_H200_MEDIANS = {
     "recompute": (0.3611, 0.477),
 }
 RESULTS = REPO / "docs" / "results" / "gpu"
+# hexi-profile of the GPU check's two models on one H200 (the local spec with the default
+# fusions, bf16, attention `auto`; docs/benchmarks.md, "GPU check"), by model name.
+H200_PROFILES = {
+    "gpu-check-270m": RESULTS / "profiles" / "2026-12-04-nvidia-h200-gpu-check-270m.json",
+    "gpu-check-1.1b": RESULTS / "profiles" / "2026-12-04-nvidia-h200-gpu-check-1.1b.json",
+}
 
 
-def one_gpu_cluster(gpu: str, per: int = 1) -> object:
-    """One machine of `per` GPUs of type `gpu`."""
-    return load_cluster_dict(
-        {
-            "name": "one",
-            "nodes": [
-                {
-                    "name": "a",
-                    "gpu": gpu,
-                    "gpus_per_node": per,
-                    "intra_node": "nvlink",
-                    "nic": "10 Gbit/s",
-                }
-            ],
-        }
-    )
+def one_gpu_cluster(gpu: str, per: int = 1, profile=None) -> object:
+    """One machine of `per` GPUs of type `gpu` (measured by the device profile `profile`)."""
+    node = {"name": "a", "gpu": gpu, "gpus_per_node": per, "intra_node": "nvlink"}
+    node["nic"] = "10 Gbit/s"
+    if profile is not None:
+        node["profile"] = str(profile)
+    return load_cluster_dict({"name": "one", "nodes": [node]})
 
 
-def single_stage_plan(gpu, model, mbs, nmb, **kw):
-    """The whole model on one GPU of type `gpu`, in `nmb` micro-batches of `mbs`."""
+def single_stage_plan(gpu, model, mbs, nmb, profile=None, **kw):
+    """The whole model on one GPU of type `gpu` (measured by `profile`), in `nmb`
+    micro-batches of `mbs`."""
     pipes = [
         {
             "micro_batch_size": mbs,
@@ -68,7 +66,7 @@ def single_stage_plan(gpu, model, mbs, nmb, **kw):
             "stages": [{"ranks": [0], "layers": [0, model.num_layers]}],
         }
     ]
-    return build_plan(one_gpu_cluster(gpu), model, mbs * nmb, pipes, **kw)
+    return build_plan(one_gpu_cluster(gpu, profile=profile), model, mbs * nmb, pipes, **kw)
 
 
 def _case_config():
