@@ -49,8 +49,13 @@ H200_PROFILES = {
 
 def one_gpu_cluster(gpu: str, per: int = 1, profile=None) -> object:
     """One machine of `per` GPUs of type `gpu` (measured by the device profile `profile`)."""
-    node = {"name": "a", "gpu": gpu, "gpus_per_node": per, "intra_node": "nvlink"}
-    node["nic"] = "10 Gbit/s"
+    node = {
+        "name": "a",
+        "gpu": gpu,
+        "gpus_per_node": per,
+        "intra_node": "nvlink",
+        "nic": "10 Gbit/s",
+    }
     if profile is not None:
         node["profile"] = str(profile)
     return load_cluster_dict({"name": "one", "nodes": [node]})
