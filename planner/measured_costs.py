@@ -101,13 +101,7 @@ class MeasuredCosts:
                     hb = host_rows("host_bwd_s", s, mbs) + (hf if recompute else 0.0)
                     fw, bw = self._graphed(dev, q, x, mbs, recompute, (fw, bw), (hf, hb))
             else:
-                fw = (attention_flops(m, mbs) * q / g + mlp_flops(m, mbs) * x / f) / dev.flops
-                bw = fw * 2
-                if self.unfused:
-                    xf, xb = unfused_attention_times(m, mbs, q, dev.mem_bw)
-                    fw, bw = fw + xf, bw + xb
-                if recompute:
-                    bw += fw
+                fw, bw = self._device_pass(dev, q, x, mbs, recompute, kernels=False)
                 if host is not None:  # a pass lasts at least its host time (planner.host)
                     hf, hb = host.layer_pass(recompute)
                     fw, bw = max(fw, hf), max(bw, hb)
@@ -127,6 +121,29 @@ class MeasuredCosts:
         ar = tp_allreduce(prof, m, mbs, t, self.tp_link)
         return cf, 2 * ar, cb, (4 if recompute else 2) * ar
 
+    def _device_pass(
+        self, dev: Device, q: int, x: int, mbs: int, recompute: bool, *, kernels: bool
+    ) -> tuple[float, float]:
+        """(forward, backward) device seconds of a rank's layer pass on `q` query groups and `x`
+        FFN columns, not measured: kernel by kernel where `kernels` and the device has a kernel
+        model, else FLOPs at its sustained rate (backward twice the forward); an unfused
+        backend's score traffic added, and the forward again under recompute."""
+        m = self.m
+        if kernels and dev.kernels is not None:
+            a = kernel_attention_times(dev.kernels, m, mbs, q, not self.unfused)
+            p = kernel_mlp_times(dev.kernels, m, mbs, x)
+            fw, bw = a.fwd + p.fwd, a.bwd + p.bwd
+        else:
+            g, f = m.num_query_groups, m.ffn_hidden_size
+            fw = (attention_flops(m, mbs) * q / g + mlp_flops(m, mbs) * x / f) / dev.flops
+            bw = fw * 2
+        if self.unfused:
+            xf, xb = unfused_attention_times(m, mbs, q, dev.mem_bw)
+            fw, bw = fw + xf, bw + xb
+        if recompute:
+            bw += fw
+        return fw, bw
+
     def _graphed(
         self,
         dev: Device,
@@ -142,20 +159,8 @@ class MeasuredCosts:
         device-bound, else the device time of its kernels (`HOST_BOUND_SHARE`) plus one graph
         launch."""
         assert self.graph_launch is not None
-        (fw, bw), (hf, hb), m = measured, host, self.m
-        if dev.kernels is not None:
-            a = kernel_attention_times(dev.kernels, m, mbs, q, not self.unfused)
-            p = kernel_mlp_times(dev.kernels, m, mbs, x)
-            df, db = a.fwd + p.fwd, a.bwd + p.bwd
-        else:
-            df = (attention_flops(m, mbs) * q / m.num_query_groups + mlp_flops(m, mbs) * x
-                  / m.ffn_hidden_size) / dev.flops  # fmt: skip
-            db = 2 * df
-        if self.unfused:
-            uf, ub = unfused_attention_times(m, mbs, q, dev.mem_bw)
-            df, db = df + uf, db + ub
-        if recompute:
-            db += df
+        (fw, bw), (hf, hb) = measured, host
+        df, db = self._device_pass(dev, q, x, mbs, recompute, kernels=True)
         lf, lb = self.graph_launch.layer_pass(recompute)
         if hf >= HOST_BOUND_SHARE * fw:
             fw = min(fw, df) + lf

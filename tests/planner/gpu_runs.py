@@ -9,17 +9,19 @@ from conftest import REPO
 from planner.cluster import load_cluster_dict
 from planner.plan import build_plan
 
-# The GPU check's 270M model and batch (tools/bench/gpu_check.py, PRESETS["cuda"]).
-GPU_CHECK_MODEL = {
-    "num_layers": 16,
-    "hidden_size": 1024,
-    "ffn_hidden_size": 2816,
-    "num_attention_heads": 16,
-    "num_query_groups": 8,
-    "vocab_size": 32000,
-    "seq_length": 1024,
-    "name": "gpu-check-270m",
-}
+
+def _gpu_check_cases():
+    """tools/bench/_gpu_check_cases.py, the GPU check's own cases and presets."""
+    path = REPO / "tools" / "bench" / "_gpu_check_cases.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_CHECK = _gpu_check_cases()
+# The GPU check's 270M model (its correctness cases, batch 2 x 4).
+GPU_CHECK_MODEL = _CHECK.PRESETS["cuda"]["model"]
 # The plan settings of the GPU check's cases that the planner predicts: its correctness plans
 # and this runtime's performance cases with the default fusions (every-fusion-off `eager` is a
 # run flag the plan does not carry; plain megatron-core runs no plan of this project).
@@ -74,16 +76,6 @@ def single_stage_plan(gpu, model, mbs, nmb, profile=None, **kw):
     return build_plan(one_gpu_cluster(gpu, profile=profile), model, mbs * nmb, pipes, **kw)
 
 
-def _case_config():
-    """The GPU check's own reading of a case's model and batch from a result's config
-    (`case_config` of tools/bench/_gpu_check_cases.py)."""
-    path = REPO / "tools" / "bench" / "_gpu_check_cases.py"
-    spec = importlib.util.spec_from_file_location("gpu_check_cases", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.case_config
-
-
 def h200_steps():
     """(source, case, model, micro-batch size, micro-batches, measured median step) of every
     H200 step the planner predicts: the earlier runs and every result file (its timed
@@ -92,7 +84,6 @@ def h200_steps():
     for case, medians in EARLIER_H200_MEDIANS.items():
         for i, median in enumerate(medians):
             out.append((f"earlier run {i + 1}", case, GPU_CHECK_MODEL, 2, 4, median))
-    case_config = _case_config()
     for path in sorted(RESULTS.glob("*.json")):
         result = json.loads(path.read_text())
         if result["device"] != "cuda" or "H200" not in result["device_name"]:
@@ -100,7 +91,7 @@ def h200_steps():
         for case, run in result["cases"].items():
             if case not in PREDICTED_CASES or not run["metrics"]:
                 continue
-            model, mbs, nmb, _, warmup = case_config(result["config"], case)
+            model, mbs, nmb, _, warmup = _CHECK.case_config(result["config"], case)
             timed = [r["step_time_s"] for r in run["metrics"][warmup:] if not r.get("profiled")]
             out.append((path.name, case, model, mbs, nmb, statistics.median(timed)))
     return out
