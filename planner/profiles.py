@@ -9,13 +9,14 @@ A node group's `profile: path.json` (planner/devices.device_for) may be
   rank's shard (FLOP-weighted share of query groups and FFN columns) and in the micro-batch size,
   the measured embedding and LM-head + loss times (by vocabulary share), the runtime's measured
   per-micro-batch and per-step overheads, the optimizer step (fixed + per parameter), and the
-  measured all-reduce curve for TP groups inside the profiled node (other links inside the node use
-  the ring-model fit of the measured curves). A TP group as wide as the profile's in-situ runs
-  (`tp_layer`, inside the profiled node) takes its all-reduce cost from those runs instead: the
-  layer over a real group minus the compute predicted for its shard, which includes what the
-  all-reduces lose to the compute beside them (and what compute loses to polling collectives);
-  on uneven shards less the wait for a late partner that the imbalance absorbs, down to the
-  measured all-reduce with the partner already waiting (planner.measured_costs.skew_absorbed).
+  measured all-reduce curve for TP groups inside the profiled node (each point at most the time
+  of every larger one; other links inside the node use the ring-model fit of the measured
+  curves). A TP group as wide as the profile's in-situ runs (`tp_layer`, inside the profiled
+  node) takes its all-reduce cost from those runs instead: the layer over a real group minus the
+  compute predicted for its shard, which includes what the all-reduces cost the compute beside
+  them; on uneven shards less the wait for a late partner that the imbalance absorbs, a wait
+  only the time inside the all-reduce calls can hold, down to the measured all-reduce with the
+  partner already waiting (planner.measured_costs.skew_absorbed).
   For another model it falls back to `matmul_tflops`.
 
 CPU contention (stated model): a node of a CPU profile runs `gpus_per_node` processes of `threads`
@@ -118,6 +119,19 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return max(y, 0.0)
 
 
+def _never_faster_when_larger(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """A measured (bytes, seconds) collective curve, sorted, each point at most the time of
+    every larger one. A collective of fewer bytes over the same group is never slower: a point
+    above a larger one is a slow call (each is timed from a barrier, and a partner that left it
+    late is waited for). Example, the fidelity bench's CPU profile of 2026-12-04: 2.59 ms for
+    1 KiB against 0.34 ms for 4 KiB; charged three times per micro-batch (the vocab-parallel
+    loss's small all-reduces), it put both TP plans 31 ms (10 %) above their measured steps."""
+    out = sorted(points)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = (out[i][0], min(out[i][1], out[i + 1][1]))
+    return out
+
+
 def _loglog(points: Sequence[tuple[float, float]], x: float) -> float:
     """Interpolate a measured (bytes, seconds) curve in log-log; linear in bytes beyond it."""
     xs = [p[0] for p in points]
@@ -207,7 +221,7 @@ class DeviceProfile:
         comm = data.get("comm") or {}
         self.comm_procs: int | None = comm.get("procs")
         self.curves: dict[str, list[tuple[float, float]]] = {
-            k: [(p["bytes"], p["s"]) for p in comm.get(k, [])]
+            k: _never_faster_when_larger([(p["bytes"], p["s"]) for p in comm.get(k, [])])
             for k in ("allreduce", "allgather", "p2p")
         }
         fit = (comm.get("fit") or {}).get("allreduce")
@@ -232,6 +246,14 @@ class DeviceProfile:
         ready = [r.get("allreduce_ready_s") for r in rows]
         self.tp_ready: list[float] | None = (
             [float(x) for x in ready] if rows and None not in ready else None
+        )
+        # the time the real group's ranks spent inside those all-reduce calls, per layer pass
+        # (profiles before it was measured: None, and the whole in-situ comm counts as calls)
+        inside = {k: [r.get("in_allreduce_" + k) for r in rows] for k in self.tp_comm_rows}
+        self.tp_inside: dict[str, list[float]] | None = (
+            {k: [float(x) for x in v] for k, v in inside.items()}
+            if rows and all(None not in v for v in inside.values())
+            else None
         )
 
     def share(self, qf: float, ff: float) -> float:
@@ -279,6 +301,11 @@ class DeviceProfile:
         """Seconds of one in-situ TP all-reduce of an activation whose partners already wait in
         it, at this micro-batch size; None where the profile did not measure it."""
         return None if self.tp_ready is None else _interp(self.tp_mbs, self.tp_ready, mbs)
+
+    def tp_in_allreduce(self, field: str, mbs: float) -> float | None:
+        """Per-layer seconds the in-situ TP ranks spent inside their all-reduce calls in a layer
+        pass ("fwd_s", "bwd_s", "bwd_recompute_s"); None where the profile did not measure it."""
+        return None if self.tp_inside is None else _interp(self.tp_mbs, self.tp_inside[field], mbs)
 
     def allreduce(self, nbytes: float, n: int, link: tuple[float, ...]) -> float:
         """Seconds of an all-reduce of nbytes over n ranks: measured curve inside the node."""

@@ -193,6 +193,62 @@ def _max_over_ranks(values: Sequence[float]) -> list[float]:
     return t.tolist()
 
 
+def _mean_over_ranks(values: Sequence[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+class _TimedWork:
+    """An asynchronous all-reduce's handle whose `wait` is timed into the clock's calls."""
+
+    def __init__(self, work: Any, calls: list[tuple[float, float]]) -> None:
+        self._work, self._calls = work, calls
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._calls.append((t0, time.perf_counter() - t0))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class AllReduceClock:
+    """While entered, every `torch.distributed.all_reduce` call (megatron-core's TP layers make
+    theirs through it) is timed, with its start, and so is the wait on an asynchronous one's
+    handle (the backward's input-gradient all-reduce runs beside the weight-gradient GEMM): how
+    much of a layer pass a rank spends inside its all-reduces (`within`), the rest being
+    compute. The in-situ TP runs use it; nothing else is timed this way."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, float]] = []  # (start, seconds)
+        self._plain = dist.all_reduce
+
+    def __enter__(self) -> AllReduceClock:
+        plain, calls = self._plain, self.calls
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                work = plain(*args, **kwargs)
+            finally:
+                calls.append((t0, time.perf_counter() - t0))
+            return work if work is None else _TimedWork(work, calls)
+
+        dist.all_reduce = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce = self._plain
+
+    def within(self, start: float, end: float) -> float:
+        """Seconds inside the all-reduces that started in [start, end)."""
+        return sum(d for t, d in self.calls if start <= t < end)
+
+
 # how long rank 0 waits before joining a "ready" all-reduce: long enough for the others to be
 # inside theirs (a process that leaves a barrier is there within a millisecond on a busy VM)
 READY_DELAY_S = 0.005
@@ -272,6 +328,8 @@ def _layer_runs(
       micro-batches back to back as training runs them.
       The planner takes the TP layer's time beyond its own compute estimate as the TP comm:
       gloo on shared cores, or NCCL beside the kernels, costs more than an idle all-reduce curve.
+      The TP passes also record the time inside their all-reduce calls (`AllReduceClock`): only
+      that part can be a wait for a late partner, which an uneven split absorbs.
     Times are per layer, the fastest round (measure.py says why); a group waits for its slowest
     rank, so each is the max over ranks.
     """
@@ -333,7 +391,9 @@ def _layer_runs(
                     group=single,
                     attention_backend=attention_backend,
                 )
-        got: dict[tuple[int, str, bool], list[tuple[float, float]]] = {k: [] for k in runs}
+        # per round: (forward, backward, forward inside all-reduces, backward inside them)
+        got: dict[tuple[int, str, bool], list[tuple[float, ...]]] = {k: [] for k in runs}
+        clock = AllReduceClock()
         # micro-batches back to back, as the schedule runs them: a pass that starts right after a
         # barrier meets its partner in step at the first all-reduce, and so hides the skew that
         # training's all-reduces wait out (the fidelity model's TP2 layer, forward + backward at
@@ -341,41 +401,52 @@ def _layer_runs(
         # mean of 4 back to back; its shard alone 16.5 ms either way). Per point, a warm-up
         # burst, then TP_ROUNDS rounds over all points (a slow spell hits one round of each),
         # each a burst of `burst` passes whose mean is the round's time.
+        # Each pass also splits its time inside the all-reduce calls from the rest (`clock`).
         burst = max(3, reps // 2)
         for i in range(1 + TP_ROUNDS):
             for k, st in runs.items():
                 dist.barrier()
-                passes = [st.run() for _ in range(burst)]
+                passes = []
+                with clock:
+                    for _ in range(burst):
+                        del clock.calls[:]
+                        fw, bw = st.run()
+                        t0, t1, t2 = st.last_bounds
+                        passes.append((fw, bw, clock.within(t0, t1), clock.within(t1, t2)))
                 if i:
-                    got[k].append(
-                        (
-                            statistics.fmean(r[0] for r in passes),
-                            statistics.fmean(r[1] for r in passes),
-                        )
-                    )
-        best = {k: [min(r[j] for r in v) / layers for j in (0, 1)] for k, v in got.items()}
+                    got[k].append(tuple(statistics.fmean(r[j] for r in passes) for j in range(4)))
+        # the fastest round of each pass, with its time inside the all-reduces
+        best: dict[tuple[int, str, bool], list[float]] = {}
+        for k, v in got.items():
+            fwd, bwd = min(v, key=lambda r: r[0]), min(v, key=lambda r: r[1])
+            best[k] = [fwd[0] / layers, bwd[1] / layers, fwd[2] / layers, bwd[3] / layers]
         rows: list[TPLayerRow] = []
         for b in mbss:
+            tp, tp_rc = best[(b, "tp", False)], best[(b, "tp", True)]
             vals = _max_over_ranks(
-                best[(b, "tp", False)]
-                + best[(b, "tp", True)][1:]
-                + best[(b, "shard", False)]
-                + best[(b, "shard", True)][1:]
+                tp[:2]
+                + tp_rc[1:2]
+                + best[(b, "shard", False)][:2]
+                + best[(b, "shard", True)][1:2]
                 + [_ready_allreduce(model, b, dtype, device, rank, reps)]
             )
-            rows.append(
-                {
-                    "tp": procs,
-                    "mbs": b,
-                    "fwd_s": vals[0],
-                    "bwd_s": vals[1],
-                    "bwd_recompute_s": vals[2],
-                    "compute_fwd_s": vals[3],
-                    "compute_bwd_s": vals[4],
-                    "compute_bwd_recompute_s": vals[5],
-                    "allreduce_ready_s": vals[6],
-                }
-            )
+            inside = _mean_over_ranks([tp[2], tp[3], tp_rc[3]])
+            row: TPLayerRow = {
+                "tp": procs,
+                "mbs": b,
+                "fwd_s": vals[0],
+                "bwd_s": vals[1],
+                "bwd_recompute_s": vals[2],
+                "compute_fwd_s": vals[3],
+                "compute_bwd_s": vals[4],
+                "compute_bwd_recompute_s": vals[5],
+                "allreduce_ready_s": vals[6],
+            }
+            if device.type == "cpu":  # records.TPLayerRow says why not on a GPU
+                row["in_allreduce_fwd_s"] = inside[0]
+                row["in_allreduce_bwd_s"] = inside[1]
+                row["in_allreduce_bwd_recompute_s"] = inside[2]
+            rows.append(row)
         out["tp_layer"] = rows
     if contention:  # and once after: the fastest burst is kept
         again = data_parallel_step(model, device, reps, procs, attention_backend)

@@ -181,6 +181,8 @@ class Stage:
         self.labels = self.tokens.clone()
         self.net.train()
         self.host_runs: list[tuple[float, float]] = []  # per run() (forward, backward) host s
+        # the last run()'s clock readings: its start, the forward's end, the backward's end
+        self.last_bounds: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def forward(self) -> torch.Tensor:
         v = self.view
@@ -218,6 +220,7 @@ class Stage:
         sync(self.device)
         t2 = time.perf_counter()
         self.host_runs.append((hf, hb))
+        self.last_bounds = (t0, t1, t2)
         return t1 - t0, t2 - t1
 
     def time(self, reps: int, warmup: int = 2) -> tuple[float, float]:

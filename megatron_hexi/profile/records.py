@@ -63,10 +63,7 @@ class RuntimeRecord(_RuntimeFit, total=False):
     bursts: list[dict[str, float]]  # each burst's {micro-batches: step s}
 
 
-class TPLayerRow(TypedDict):
-    """One `tp_layer` entry: per-layer seconds of a `tp`-way middle stage over a real group,
-    with its all-reduces, and of the same shard computed on every process at once."""
-
+class _TPLayerRow(TypedDict):
     tp: int
     mbs: int
     fwd_s: float
@@ -76,6 +73,21 @@ class TPLayerRow(TypedDict):
     compute_bwd_s: float
     compute_bwd_recompute_s: float
     allreduce_ready_s: float  # one activation's all-reduce, the others already waiting in it
+
+
+class TPLayerRow(_TPLayerRow, total=False):
+    """One `tp_layer` entry: per-layer seconds of a `tp`-way middle stage over a real group,
+    with its all-reduces, and of the same shard computed on every process at once.
+
+    On a CPU also the seconds per layer pass a rank of the real group spent inside its
+    all-reduce calls (mean over ranks): the rest of the layer's time beyond its shard's compute
+    is what the all-reduces cost the compute beside them (planner.measured_costs.skew_absorbed).
+    Not on a GPU, where a call only queues the collective and a late partner is waited for on
+    the device."""
+
+    in_allreduce_fwd_s: float
+    in_allreduce_bwd_s: float
+    in_allreduce_bwd_recompute_s: float
 
 
 class _TrainingStep(TypedDict):

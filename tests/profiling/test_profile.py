@@ -93,7 +93,13 @@ def test_profile_contents(tiny_profile):
     for r in data["tp_layer"]:
         for k in ("fwd_s", "bwd_s", "bwd_recompute_s"):
             assert r[k] > 0 and r["compute_" + k] > 0
-        assert 0 < r["allreduce_ready_s"] < r["fwd_s"]
+        # one all-reduce with the partner waiting: a time, but not ordered against a layer
+        # pass (on a loaded machine waking the partner can take longer than a tiny layer)
+        assert 0 < r["allreduce_ready_s"] < 1.0
+        # time inside the all-reduce calls (and an asynchronous one's wait): part of the pass,
+        # from the same rounds (mean over ranks, the pass the slowest rank's)
+        for k in ("fwd_s", "bwd_s", "bwd_recompute_s"):
+            assert 0 < r["in_allreduce_" + k] <= r[k]
     # contention from the runtime's own 2-rank data-parallel step against the one-rank step
     cont = data["contention"]
     train = cont["training"]
@@ -249,10 +255,11 @@ def test_planner_uses_profile(tiny_profile, tmp_path):
     assert prof.layer("fwd_s", 1.0, 2 * top) > prof.layer("fwd_s", 1.0, top) > 0
 
 
-def _synthetic_profile(tmp_path, slowdown=1.5, ready=None, cores=2):
+def _synthetic_profile(tmp_path, slowdown=1.5, ready=None, cores=2, inside=None):
     """A detailed profile of `tiny` with round numbers: every layer pass costs 10 ms x shard x
     micro-batch, and the in-situ 2-way TP layer 8 ms (fwd) / 14 ms (bwd) / 20 ms (recompute bwd)
-    per micro-batch sample."""
+    per micro-batch sample; `ready` and `inside`, where given, are the in-situ rows' ready
+    all-reduce and time inside the all-reduce calls per sample."""
     model = load_model("tiny")
     layer = [
         {
@@ -278,6 +285,13 @@ def _synthetic_profile(tmp_path, slowdown=1.5, ready=None, cores=2):
             "compute_bwd_s": 0.01 * b,
             "compute_bwd_recompute_s": 0.015 * b,
             **({} if ready is None else {"allreduce_ready_s": ready * b}),
+            **(
+                {}
+                if inside is None
+                else {
+                    f"in_allreduce_{k}": inside * b for k in ("fwd_s", "bwd_s", "bwd_recompute_s")
+                }
+            ),
         }
         for b in (1, 2)
     ]
@@ -375,6 +389,53 @@ def test_uneven_shards_absorb_the_skew(tmp_path):
     assert cf == pytest.approx(0.0075) and tf == pytest.approx(0.0008)
     # a profile without the ready figure charges the in-situ comm whole, as before
     assert comm(None, [3, 1], [192, 64])[1] == pytest.approx(0.003)
+
+
+def test_only_the_wait_inside_the_all_reduces_is_absorbed(tmp_path):
+    """Of the in-situ comm, only the time the ranks spent inside the all-reduce calls holds a
+    wait for a late partner; the rest is what the all-reduces cost the compute beside them,
+    which the busy rank of an uneven group pays too."""
+    import types
+
+    from planner.measured_costs import MeasuredCosts, skew_absorbed
+    from planner.profiles import DeviceProfile, ProfiledDevice
+
+    # 3 ms in situ, 2 ms of it inside the calls, 1 ms the all-reduces' own cost
+    assert skew_absorbed(3.0, 1.0, 0.0, 2.0) == 3.0  # even: the in-situ figure
+    assert skew_absorbed(3.0, 1.0, 0.5, 2.0) == 2.5
+    assert skew_absorbed(3.0, 1.0, 5.0, 2.0) == 2.0  # beside 1 + the calls alone 1
+    assert skew_absorbed(3.0, 1.0, 5.0, 4.0) == 1.0  # calls never above the in-situ figure
+
+    def comm(inside, qg, ffn):
+        path, model = _synthetic_profile(tmp_path, slowdown=1.0, ready=0.0004, inside=inside)
+        prof = DeviceProfile(json.loads(path.read_text()), str(path))
+        dev = types.SimpleNamespace(name="CPU", profile=ProfiledDevice(prof, 1.0), flops=1e11)
+        return MeasuredCosts(model, [dev, dev], prof.link).layer_times(1, qg, ffn, False)[1]
+
+    # even shards: the in-situ comm (3 ms) whatever the calls held
+    assert comm(0.001, [2, 2], [128, 128]) == pytest.approx(0.003)
+    # 3:1: 1 ms inside the calls -> 2 ms beside them + the two all-reduces alone (0.8 ms)
+    assert comm(0.001, [3, 1], [192, 64]) == pytest.approx(0.0028)
+    # the calls held it all: the all-reduces alone, as a profile without the split gives
+    assert comm(0.003, [3, 1], [192, 64]) == pytest.approx(0.0008) == comm(None, [3, 1], [192, 64])
+
+
+def test_a_collective_of_fewer_bytes_is_never_charged_more(tmp_path):
+    """A measured curve's slow small point (a call whose partner left the barrier late) is
+    capped by the larger sizes, wherever the planner asks for that size."""
+    from planner.profiles import DeviceProfile
+
+    path, _ = _synthetic_profile(tmp_path, slowdown=1.0)
+    data = json.loads(path.read_text())
+    slow = [{"bytes": 1024, "s": 2.6e-3}, {"bytes": 4096, "s": 0.34e-3}]
+    slow += [{"bytes": 65536, "s": 1.45e-3}, {"bytes": 262144, "s": 0.71e-3}]
+    data["comm"]["allreduce"] = slow
+    prof = DeviceProfile(data, str(path))
+    link = prof.link
+    assert prof.allreduce(1024, 2, link) == pytest.approx(0.34e-3)
+    assert prof.allreduce(65536, 2, link) == pytest.approx(0.71e-3)
+    assert prof.allreduce(262144, 2, link) == pytest.approx(0.71e-3)
+    assert prof.allreduce(4096, 2, link) == pytest.approx(0.34e-3)
 
 
 def _cpu_node(path, procs=2):
@@ -525,3 +586,38 @@ def test_profiled_stages_run_the_backend_given(backend, module, tmp_path):
     built = {type(m).__name__ for m in stage.net.modules() if m._get_name().endswith("Attention")}
     assert built - {"SelfAttention"} == {module}
     assert fwd > 0 and bwd > 0
+
+
+def test_all_reduce_clock_times_calls_and_asynchronous_waits(monkeypatch):
+    """The in-situ TP runs' clock counts the time inside each all-reduce call and inside the
+    wait on an asynchronous one's handle (megatron-core's backward overlaps its input-gradient
+    all-reduce with the weight-gradient GEMM), and puts torch.distributed back on exit."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_hexi.profile.comm import AllReduceClock
+
+    class Work:
+        def wait(self):
+            time.sleep(0.03)
+            return True
+
+    def fake_all_reduce(tensor, group=None, async_op=False):
+        time.sleep(0.01)
+        return Work() if async_op else None
+
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    clock = AllReduceClock()
+    t0 = time.perf_counter()
+    with clock:
+        assert dist.all_reduce is not fake_all_reduce
+        dist.all_reduce(None)  # as megatron-core's forward calls it
+        handle = dist.all_reduce(None, async_op=True)
+        time.sleep(0.02)  # the weight-gradient GEMM: not inside the all-reduce
+        assert handle.wait() is True
+    t1 = time.perf_counter()
+    assert dist.all_reduce is fake_all_reduce
+    assert len(clock.calls) == 3
+    assert 0.05 <= clock.within(t0, t1) < t1 - t0 - 0.02
+    assert clock.within(t1, t1 + 1.0) == 0.0
