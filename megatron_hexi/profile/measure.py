@@ -4,10 +4,16 @@ Every stage is built by megatron_hexi.model.stage_config / build_stage_model (a 
 TP shards are built at their local size and no collective runs): what is timed is what a rank of
 that shard computes in training.
 
-Statistic: the fastest of repeated runs after warm-up (and, in hexi-profile, the fastest of
-several rounds spread over the run). A shared machine has slow spells of seconds, in which every
-run is 30-50 % slower (measured on a 2-core VM); a median taken inside one spell keeps the whole
-slowdown, the minimum over spread-out runs does not. What is predicted is the undisturbed cost.
+Statistic: the mean of a burst of runs back to back after warm-up (and, in hexi-profile, the
+fastest of several rounds spread over the run). A shared machine has slow spells of seconds, in
+which every run is 30-50 % slower (measured on a 2-core VM); a median taken inside one spell
+keeps the whole slowdown, the fastest round over spread-out rounds does not. What is predicted
+is the undisturbed cost. Within a round the mean, not the fastest run: a training step is the
+sum of its passes, and on that VM the fastest forward plus the fastest backward of a 2-layer
+stage, over 8 rounds of 4, was 10 % below the fastest round's mean of the same passes (16.9
+against 18.6 ms). The one-rank Trainer steps (runtime_overhead.py) then read the gap as a
+per-micro-batch overhead, 2.5-5.9 ms on the fidelity bench's model, which the planner charged
+whole to every pipeline stage, however few of the layers it held.
 
 Attention: every stage runs the backend it is given (hexi-profile's --attention-backend; by
 default DEFAULT_ATTENTION_BACKEND, the one `hexi-plan` plans for by default: fused, torch's
@@ -224,9 +230,11 @@ class Stage:
         return t1 - t0, t2 - t1
 
     def time(self, reps: int, warmup: int = 2) -> tuple[float, float]:
-        """(fastest forward s, fastest backward s) of a micro-batch over `reps` runs."""
+        """(forward s, backward s) of a micro-batch: the mean of `reps` runs back to back after
+        `warmup`, as training runs its micro-batches (the module docstring says why not their
+        fastest)."""
         runs = [self.run() for _ in range(warmup + reps)][warmup:]
-        return min(r[0] for r in runs), min(r[1] for r in runs)
+        return statistics.fmean(r[0] for r in runs), statistics.fmean(r[1] for r in runs)
 
     def host_time(self, reps: int) -> tuple[float, float]:
         """(fastest forward, fastest backward) host seconds of the last `reps` runs."""
