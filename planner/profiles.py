@@ -119,6 +119,14 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return max(y, 0.0)
 
 
+def _column(rows: Sequence[Mapping[str, Any]], key: str) -> list[float] | None:
+    """Each row's `key`, or None where the rows are empty or one lacks it (a profile written
+    before the field was measured)."""
+    if not rows or any(r.get(key) is None for r in rows):
+        return None
+    return [float(r[key]) for r in rows]
+
+
 def _never_faster_when_larger(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     """A measured (bytes, seconds) collective curve, sorted, each point at most the time of
     every larger one. A collective of fewer bytes over the same group is never slower: a point
@@ -243,16 +251,13 @@ class DeviceProfile:
         }
         # one activation's all-reduce with the partners already in it (profiles before it was
         # measured: None, and the in-situ comm is charged whole)
-        ready = [r.get("allreduce_ready_s") for r in rows]
-        self.tp_ready: list[float] | None = (
-            [float(x) for x in ready] if rows and None not in ready else None
-        )
+        self.tp_ready = _column(rows, "allreduce_ready_s")
         # the time the real group's ranks spent inside those all-reduce calls, per layer pass
         # (profiles before it was measured: None, and the whole in-situ comm counts as calls)
-        inside = {k: [r.get("in_allreduce_" + k) for r in rows] for k in self.tp_comm_rows}
+        inside = {k: _column(rows, "in_allreduce_" + k) for k in self.tp_comm_rows}
         self.tp_inside: dict[str, list[float]] | None = (
-            {k: [float(x) for x in v] for k, v in inside.items()}
-            if rows and all(None not in v for v in inside.values())
+            {k: v for k, v in inside.items() if v is not None}
+            if None not in inside.values()
             else None
         )
 

@@ -361,14 +361,25 @@ def test_in_situ_tp_comm(tmp_path):
     assert tf4 == pytest.approx(2 * prof.allreduce(nbytes, 4, prof.link)) and tf4 > 0
 
 
+def _tp_layer_times(tmp_path, qg, ffn, ready, inside=None):
+    """MeasuredCosts.layer_times (micro-batch 1, no recompute) of a 2-way TP group of CPU ranks
+    with shards `qg` / `ffn`, from the synthetic profile with these in-situ figures."""
+    import types
+
+    from planner.measured_costs import MeasuredCosts
+    from planner.profiles import DeviceProfile, ProfiledDevice
+
+    path, model = _synthetic_profile(tmp_path, slowdown=1.0, ready=ready, inside=inside)
+    prof = DeviceProfile(json.loads(path.read_text()), str(path))
+    dev = types.SimpleNamespace(name="CPU", profile=ProfiledDevice(prof, 1.0), flops=1e11)
+    return MeasuredCosts(model, [dev, dev], prof.link).layer_times(1, qg, ffn, False)
+
+
 def test_uneven_shards_absorb_the_skew(tmp_path):
     """The in-situ comm of even shards holds the wait for a late partner; a rank with less to
     compute arrives early at every all-reduce, so an uneven group pays the all-reduces alone
     (`allreduce_ready_s`) once its imbalance exceeds that wait, and part of the wait below."""
-    import types
-
-    from planner.measured_costs import MeasuredCosts, skew_absorbed
-    from planner.profiles import DeviceProfile, ProfiledDevice
+    from planner.measured_costs import skew_absorbed
 
     assert skew_absorbed(3.0, 1.0, 0.0) == 3.0  # even: the in-situ figure
     assert skew_absorbed(3.0, 1.0, 0.5) == 2.5
@@ -376,10 +387,7 @@ def test_uneven_shards_absorb_the_skew(tmp_path):
     assert skew_absorbed(3.0, 4.0, 5.0) == 3.0  # never above the in-situ figure
 
     def comm(ready, qg, ffn):
-        path, model = _synthetic_profile(tmp_path, slowdown=1.0, ready=ready)
-        prof = DeviceProfile(json.loads(path.read_text()), str(path))
-        dev = types.SimpleNamespace(name="CPU", profile=ProfiledDevice(prof, 1.0), flops=1e11)
-        return MeasuredCosts(model, [dev, dev], prof.link).layer_times(1, qg, ffn, False)
+        return _tp_layer_times(tmp_path, qg, ffn, ready)
 
     # even shards: 8 ms measured, 5 ms computed -> 3 ms of comm, with or without the ready figure
     even = comm(0.0004, [2, 2], [128, 128])
@@ -395,10 +403,7 @@ def test_only_the_wait_inside_the_all_reduces_is_absorbed(tmp_path):
     """Of the in-situ comm, only the time the ranks spent inside the all-reduce calls holds a
     wait for a late partner; the rest is what the all-reduces cost the compute beside them,
     which the busy rank of an uneven group pays too."""
-    import types
-
-    from planner.measured_costs import MeasuredCosts, skew_absorbed
-    from planner.profiles import DeviceProfile, ProfiledDevice
+    from planner.measured_costs import skew_absorbed
 
     # 3 ms in situ, 2 ms of it inside the calls, 1 ms the all-reduces' own cost
     assert skew_absorbed(3.0, 1.0, 0.0, 2.0) == 3.0  # even: the in-situ figure
@@ -407,10 +412,7 @@ def test_only_the_wait_inside_the_all_reduces_is_absorbed(tmp_path):
     assert skew_absorbed(3.0, 1.0, 5.0, 4.0) == 1.0  # calls never above the in-situ figure
 
     def comm(inside, qg, ffn):
-        path, model = _synthetic_profile(tmp_path, slowdown=1.0, ready=0.0004, inside=inside)
-        prof = DeviceProfile(json.loads(path.read_text()), str(path))
-        dev = types.SimpleNamespace(name="CPU", profile=ProfiledDevice(prof, 1.0), flops=1e11)
-        return MeasuredCosts(model, [dev, dev], prof.link).layer_times(1, qg, ffn, False)[1]
+        return _tp_layer_times(tmp_path, qg, ffn, 0.0004, inside)[1]
 
     # even shards: the in-situ comm (3 ms) whatever the calls held
     assert comm(0.001, [2, 2], [128, 128]) == pytest.approx(0.003)
