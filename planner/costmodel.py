@@ -63,8 +63,10 @@ class CostSource(Protocol):
         """(fwd, bwd) of the LM head + vocab-parallel cross entropy on the last stage."""
         ...
 
-    def extra(self, mbs: int, vocab: Sequence[int], first: bool) -> tuple[float, float]:
-        """(fwd, bwd) a stage adds beyond its layers, embedding and head."""
+    def extra(
+        self, mbs: int, vocab: Sequence[int], first: bool, n_layers: int
+    ) -> tuple[float, float]:
+        """(fwd, bwd) a stage of `n_layers` layers adds beyond its layers, embedding and head."""
         ...
 
 
@@ -203,7 +205,9 @@ class AnalyticCosts:
         big = ring_allreduce_time(m.seq_length * mbs * m.hidden_size * BF16_BYTES, t, *link)
         return cf, CROSS_ENTROPY_ALLREDUCES * small, cb, big
 
-    def extra(self, mbs: int, vocab: Sequence[int], first: bool) -> tuple[float, float]:
+    def extra(
+        self, mbs: int, vocab: Sequence[int], first: bool, n_layers: int
+    ) -> tuple[float, float]:
         """(fwd, bwd) a stage adds beyond its layers, embedding and head: nothing here."""
         return 0.0, 0.0
 
@@ -265,6 +269,6 @@ def stage_cost(
             hcb, htf, htb = 2 * hcf, hf - hcf, hb - 2 * hcf
         fwd, bwd = fwd + hcf + htf, bwd + hcb + htb
         compute, tp = compute + hcf + hcb, tp + htf + htb
-    xf, xb = costs.extra(mbs, shards["vocab"], first)  # measured: embedding compute, overhead
+    xf, xb = costs.extra(mbs, shards["vocab"], first, n_layers)  # measured: embedding, overhead
     fwd, bwd, compute = fwd + xf, bwd + xb, compute + xf + xb
     return StageCost(cf, tf, fwd, bwd, compute, tp, wait)

@@ -322,6 +322,31 @@ def _synthetic_profile(tmp_path, slowdown=1.5, ready=None, cores=2, inside=None)
     return path, model
 
 
+def test_per_microbatch_overhead_by_the_layers_held(tmp_path):
+    """The profile's per-micro-batch overhead (one-rank steps of the whole model beyond the
+    prediction) is charged to a stage by its share of the layers: the stages of a pipeline add
+    up to the one-rank plan's charge, instead of each paying it whole."""
+    import types
+
+    from planner.costmodel import stage_cost
+    from planner.measured_costs import MeasuredCosts
+    from planner.profiles import DeviceProfile, ProfiledDevice
+
+    path, model = _synthetic_profile(tmp_path)
+    data = json.loads(path.read_text())
+    data["runtime"] = {"per_microbatch_s": 0.004, "per_step_s": 0.001}
+    prof = DeviceProfile(data, str(path))
+    dev = types.SimpleNamespace(name="CPU", profile=ProfiledDevice(prof, 1.5), flops=1e11)
+    costs = MeasuredCosts(model, [dev], prof.link)
+    assert model.num_layers == 4
+    for n, want in ((4, 0.006), (2, 0.003), (3, 0.0045), (1, 0.0015)):
+        assert costs.extra(1, [model.vocab_size], False, n) == pytest.approx((want, 0.0))
+    # through a stage's cost: the forward of a 2-layer middle stage is its layers + half of it
+    shards = {"query_groups": [4], "ffn": [256], "vocab": [model.vocab_size]}
+    mid = stage_cost(model, 1, [dev], shards, 2, False, False, prof.link, False)
+    assert mid.fwd == pytest.approx(2 * 0.010 * 1.5 + 0.003)
+
+
 def test_in_situ_tp_comm(tmp_path):
     """A TP group as wide as the profile's in-situ runs pays what the measured TP layer takes
     beyond the model's own compute estimate (grid x contention); other widths use the curve."""
