@@ -90,7 +90,8 @@ class MeasuredCosts:
         for q, x, dev, pd, host in zip(qg, ffn, self.devices, self.measured, self.host):
             if pd is not None:
                 s = pd.profile.share(q / g, x / f)
-                fw = pd.profile.layer("fwd_s", s, mbs) * pd.slowdown
+                fwd_field = pd.profile.fwd_recompute_field if recompute else "fwd_s"
+                fw = pd.profile.layer(fwd_field, s, mbs) * pd.slowdown
                 bw = (
                     pd.profile.layer("bwd_recompute_s" if recompute else "bwd_s", s, mbs)
                     * pd.slowdown

@@ -194,10 +194,15 @@ class DeviceProfile:
         self.act_bytes = 4 if data.get("dtype") == "float32" else 2
         self._att_frac = attention_fraction(_ProfiledModel.of(m))
         g, f, v = m["num_query_groups"], m["ffn_hidden_size"], m["vocab_size"]
+        # the forward under full recompute (no activations saved); profiles written before it
+        # was measured: the plain forward
+        self.fwd_recompute_field = (
+            "fwd_recompute_s" if _column(data["layer"], "fwd_recompute_s") else "fwd_s"
+        )
         self.layer = _Grid(
             data["layer"],
             lambda r: self.share(r["query_groups"] / g, r["ffn"] / f),
-            ("fwd_s", "bwd_s", "bwd_recompute_s"),
+            ("fwd_s", "bwd_s", "bwd_recompute_s", self.fwd_recompute_field),
         )
         self.embedding = (
             _Grid(data["embedding"], lambda r: r["vocab"] / v, ("fwd_s", "bwd_s"))

@@ -7,7 +7,9 @@ the planner (planner/profiles.py). Format "hexi-device-profile/1":
   `memory_gb`, `memory_bandwidth_gbs`, `source`, `threads`, `cpu_cores`, `dtype`, `model`;
 - `layer`: per-layer forward / backward / backward-with-full-recompute seconds of one transformer
   layer holding a 1/t shard (query groups and FFN columns), for each TP width t and micro-batch
-  size b measured; compute only (the TP all-reduces come from `comm`); `host_fwd_s` and
+  size b measured; compute only (the TP all-reduces come from `comm`); `fwd_recompute_s`, the
+  forward under full recompute, which saves no activations and so runs faster (profiles without
+  it stay valid: the planner takes the plain forward); `host_fwd_s` and
   `host_bwd_s`, the host's part of each (until the forward and the backward call return, before
   the device is waited for: the planner's host time per layer pass, planner/host.py; on a CPU
   the whole pass). Profiles without them stay valid;

@@ -17,6 +17,7 @@ class LayerRecord(TypedDict):
     fwd_s: float
     bwd_s: float
     bwd_recompute_s: float
+    fwd_recompute_s: float  # the forward under full recompute (no activations saved)
     host_fwd_s: float
     host_bwd_s: float
 

@@ -78,6 +78,7 @@ def test_profile_contents(tiny_profile):
     assert (1, 1) in widths
     for e in data["layer"]:
         assert e["fwd_s"] > 0 and e["bwd_s"] > 0 and e["bwd_recompute_s"] > 0
+        assert e["fwd_recompute_s"] > 0  # not ordered against fwd_s: two stages' own rounds
         # the host's part of each pass: on a CPU the host is the device, the part is the pass
         # (the call returns after the work; the fastest of the same runs on both sides)
         assert 0 < e["host_fwd_s"] <= e["fwd_s"] and 0 < e["host_bwd_s"] <= e["bwd_s"]
@@ -345,6 +346,33 @@ def test_per_microbatch_overhead_by_the_layers_held(tmp_path):
     shards = {"query_groups": [4], "ffn": [256], "vocab": [model.vocab_size]}
     mid = stage_cost(model, 1, [dev], shards, 2, False, False, prof.link, False)
     assert mid.fwd == pytest.approx(2 * 0.010 * 1.5 + 0.003)
+
+
+def test_a_recompute_stage_runs_the_forward_measured_under_recompute(tmp_path):
+    """Under full recompute the forward saves no activations and runs faster: a recompute
+    plan's layer forward is the profile's `fwd_recompute_s`, its backward `bwd_recompute_s`;
+    a profile written before the forward under recompute was measured charges the plain
+    forward."""
+    import types
+
+    from planner.measured_costs import MeasuredCosts
+    from planner.profiles import DeviceProfile, ProfiledDevice
+
+    path, model = _synthetic_profile(tmp_path)
+    data = json.loads(path.read_text())
+    old = DeviceProfile(json.loads(path.read_text()), str(path))
+    for r in data["layer"]:
+        r["fwd_recompute_s"] = 0.008 * r["mbs"] / r["tp"]  # the plain forward: 10 ms x b / t
+    new = DeviceProfile(data, str(path))
+
+    def times(prof, recompute):
+        dev = types.SimpleNamespace(name="CPU", profile=ProfiledDevice(prof, 1.5), flops=1e11)
+        return MeasuredCosts(model, [dev], prof.link).layer_times(2, [4], [256], recompute)
+
+    assert times(new, True) == pytest.approx((0.016 * 1.5, 0.0, 0.060 * 1.5, 0.0))
+    assert times(new, False) == pytest.approx((0.020 * 1.5, 0.0, 0.040 * 1.5, 0.0))
+    assert times(old, True) == pytest.approx((0.020 * 1.5, 0.0, 0.060 * 1.5, 0.0))
+    assert new.fwd_recompute_field == "fwd_recompute_s" and old.fwd_recompute_field == "fwd_s"
 
 
 def test_in_situ_tp_comm(tmp_path):
