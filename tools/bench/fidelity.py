@@ -18,8 +18,10 @@
    times are the fastest runs too: a shared machine has slow spells (30-50 % slower on a 2-core
    VM) that no cost model predicts; the fastest step is the undisturbed cost, the figure the
    planner predicts.
-3. Print predicted vs measured, per-plan error, mean and max |error| (targets 10 % / 20 %), save a
-   PNG (predicted vs measured), and compare per-rank memory: the model's parameters, gradients,
+3. Print predicted vs measured, per-plan error, mean and max |error| (targets 10 % / 20 %), how
+   far apart each plan's fastest step lay between the rounds (the machine's own noise at this
+   statistic, a floor under the errors), save a PNG (predicted vs measured), and compare
+   per-rank memory: the model's parameters, gradients,
    optimizer state and activations against what the runtime holds (parameter/grad/Adam-state
    tensor bytes; activations = peak bytes of tensors saved for backward, by saved-tensor hooks).
 
@@ -551,6 +553,9 @@ def main(argv=None):
             per_rank = launches[name][0]  # the first round also measured memory
             steps = [s for run in launches[name] for s in run[0]["step_s"][a.warmup :]]
             measured, median = fastest(name), statistics.median(steps)
+            # each round's fastest step: how far apart they lie is the machine's own noise at
+            # this statistic, a floor under the errors that no cost model goes below
+            per_round = [min(run[0]["step_s"][a.warmup :]) for run in launches[name]]
             err = (est.iteration_time_s - measured) / measured
             mem = []
             for r in sorted(per_rank, key=lambda x: x["rank"]):
@@ -567,13 +572,16 @@ def main(argv=None):
                     "median": median,
                     "median_error": (est.iteration_time_s - median) / median,
                     "spread": (max(steps) - min(steps)) / measured,
+                    "round_fastest": per_round,
+                    "round_spread": max(per_round) / min(per_round) - 1,
                     "memory": mem,
                 }
             )
             print(
                 f"  {name:<24} predicted {est.iteration_time_s * 1e3:7.1f} ms  measured "
                 f"{measured * 1e3:7.1f} ms (median {median * 1e3:7.1f})  error {err:+6.1%}  "
-                f"(catalog {catalog * 1e3:7.1f} ms)",
+                f"(catalog {catalog * 1e3:7.1f} ms; rounds' fastest "
+                f"{rows[-1]['round_spread']:.1%} apart)",
                 flush=True,
             )
     print(
@@ -599,6 +607,12 @@ def main(argv=None):
         f"against the median step instead: mean |error| {statistics.mean(med_errs):.1%}, max "
         f"{max(med_errs):.1%}"
     )
+    if a.rounds > 1:
+        apart = [r["round_spread"] for r in rows]
+        print(
+            f"noise floor: a plan's fastest steps in different rounds (the same plan and code) "
+            f"lay {statistics.mean(apart):.1%} apart on average, at most {max(apart):.1%}"
+        )
     # memory: the planner's bf16 model converted to the runtime's fp32 CPU byte sizes
     print("\nmemory per rank (MB): predicted (fp32 sizes) / measured")
     print("| plan | rank | params pred/meas | weights+grads+Adam | activations |")
