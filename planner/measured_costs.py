@@ -207,8 +207,8 @@ class MeasuredCosts:
         between the grid and the one-rank steps, both of which scale with the layers held.
         Measured on the fidelity bench's model (docs/benchmarks.md): a 2-layer pipeline
         stage's forward matched its layers, embedding and head without it, while the profiles
-        read 0.9-3.6 ms; charged whole to each stage it put the 2-stage pipelines 5-14 points
-        above the one-rank plan."""
+        read 0-3.6 ms; charged whole to each stage it put PP2 m8 recompute 5-18 points above
+        the one-rank plan."""
         ef = eb = over = 0.0
         share = n_layers / self.m.num_layers
         for v, pd in zip(vocab, self.measured):
