@@ -210,11 +210,11 @@ class MeasuredCosts:
         read 0-3.6 ms; charged whole to each stage it put PP2 m8 recompute 5-18 points above
         the one-rank plan."""
         ef = eb = over = 0.0
-        share = n_layers / self.m.num_layers
+        held = n_layers / self.m.num_layers
         for v, pd in zip(vocab, self.measured):
             if pd is None:
                 continue
-            over = max(over, pd.profile.per_microbatch_s * pd.slowdown * share)
+            over = max(over, pd.profile.per_microbatch_s * pd.slowdown * held)
             if first and pd.profile.embedding is not None:
                 share = v / self.m.vocab_size
                 ef = max(ef, pd.profile.embedding("fwd_s", share, mbs) * pd.slowdown)

@@ -342,6 +342,18 @@ def test_per_microbatch_overhead_by_the_layers_held(tmp_path):
     assert model.num_layers == 4
     for n, want in ((4, 0.006), (2, 0.003), (3, 0.0045), (1, 0.0015)):
         assert costs.extra(1, [model.vocab_size], False, n) == pytest.approx((want, 0.0))
+    # a first stage over a TP group: the layers' share, whatever each rank's vocabulary share
+    # (the embedding's measured compute, by vocabulary share, comes on top)
+    data["embedding"] = [
+        {"tp": t, "vocab": 128 // t, "mbs": 1, "fwd_s": 0.001 / t, "bwd_s": 0.002 / t}
+        for t in (1, 2)
+    ]
+    prof = DeviceProfile(data, str(path))
+    dev = types.SimpleNamespace(name="CPU", profile=ProfiledDevice(prof, 1.5), flops=1e11)
+    pair = MeasuredCosts(model, [dev, dev], prof.link)
+    with_half, without = pair.extra(1, [96, 32], True, 2), pair.extra(1, [96, 32], True, 0)
+    assert without == pytest.approx((0.00075 * 1.5, 0.0015 * 1.5))  # the embedding alone
+    assert with_half[0] - without[0] == pytest.approx(0.003) and with_half[1] == without[1]
     # through a stage's cost: the forward of a 2-layer middle stage is its layers + half of it
     shards = {"query_groups": [4], "ffn": [256], "vocab": [model.vocab_size]}
     mid = stage_cost(model, 1, [dev], shards, 2, False, False, prof.link, False)

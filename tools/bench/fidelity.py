@@ -19,9 +19,10 @@
    VM) that no cost model predicts; the fastest step is the undisturbed cost, the figure the
    planner predicts. Five rounds by default: the fastest of more launches comes nearer that cost
    (the profile's figures are each the fastest of 3-6 rounds or bursts). Recomputed from the same
-   launches of two 5-round runs, keeping the fastest of 1, 2, 3, 4 or 5 rounds, the mean / max
-   error fell with each round added, from 6.2 / 15.1 and 4.3 / 10.0 (one round, averaged over the
-   choices) through 3.8 / 11.0 and 2.3 / 6.5 (three) to 2.9 / 9.4 and 1.8 / 6.2 (five).
+   launches of three 5-round runs, keeping the fastest of 1, 2, 3, 4 or 5 rounds, the mean / max
+   error fell with each round added: 6.2 / 15.1, 4.3 / 10.0 and 6.3 / 12.5 with one round
+   (averaged over the choices), 3.8 / 11.0, 2.3 / 6.5 and 3.6 / 7.6 with three, 2.9 / 9.4,
+   1.8 / 6.2 and 2.5 / 6.3 with five (docs/benchmarks.md).
 3. Print predicted vs measured, per-plan error, mean and max |error| (targets 10 % / 20 %), how
    far apart each plan's fastest step lay between the rounds (the machine's own noise at this
    statistic, a floor under the errors), save a PNG (predicted vs measured), and compare
