@@ -260,11 +260,8 @@ class DeviceProfile:
         # the time the real group's ranks spent inside those all-reduce calls, per layer pass
         # (profiles before it was measured: None, and the whole in-situ comm counts as calls)
         inside = {k: _column(rows, "in_allreduce_" + k) for k in self.tp_comm_rows}
-        self.tp_inside: dict[str, list[float]] | None = (
-            {k: v for k, v in inside.items() if v is not None}
-            if None not in inside.values()
-            else None
-        )
+        got = {k: v for k, v in inside.items() if v is not None}
+        self.tp_inside: dict[str, list[float]] | None = got if len(got) == len(inside) else None
 
     def share(self, qf: float, ff: float) -> float:
         """FLOP-weighted share of a layer held by a rank with these query-group / FFN fractions."""

@@ -12,8 +12,8 @@ is the undisturbed cost. Within a round the mean, not the fastest run: a trainin
 sum of its passes, and on that VM the fastest forward plus the fastest backward of a 2-layer
 stage, over 8 rounds of 4, was 10 % below the fastest round's mean of the same passes (16.9
 against 18.6 ms). The one-rank Trainer steps (runtime_overhead.py) then read the gap as part
-of a per-micro-batch overhead (2.5-5.9 ms on the fidelity bench's model), which the planner
-charges whole to every pipeline stage, however few of the layers it holds.
+of a per-micro-batch overhead (2.5-5.9 ms on the fidelity bench's model, against 0-3.6 ms
+since).
 
 Attention: every stage runs the backend it is given (hexi-profile's --attention-backend; by
 default DEFAULT_ATTENTION_BACKEND, the one `hexi-plan` plans for by default: fused, torch's
