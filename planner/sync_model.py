@@ -20,10 +20,11 @@ backward of the iteration; all of their time is exposed (`sync_time`).
 
 Overlapped (`overlapped_sync_time`, the runtime's --overlap-grad-reduce and
 --overlap-param-gather):
-- as the runtime does, each rank set's elements are cut into buckets of at most BUCKET_ELEMENTS
-  (whole layers, taken last layer first: `buckets`); each bucket takes its share of the set's
-  collective time, and may start when the backward of its lowest layer has ended on every
-  holder (the embedding counts as layer 0, the output layer and final norm as the last layer).
+- as the runtime does, each rank set's elements are cut into buckets of BUCKET_ELEMENTS (or the
+  runtime's --ddp-bucket-size), taken last layer first and cut inside layers (`buckets`); each
+  bucket is a collective of its own, with its own latency, and may start when the backward of
+  its lowest layer has ended on every holder (the embedding counts as layer 0, the output layer
+  and final norm as the last layer).
   A stage's last backward (micro-batch m - 1) ends at the time the 1F1B schedule gives
   (planner.schedule.last_backward_ends: the last stage first, stage 0 last), and it produces its
   layers' gradients last layer first, at an even pace per layer (`StageTiming.ready`);
@@ -245,6 +246,21 @@ def fast_optimizer_elements(
     return owned
 
 
+def bucket_seconds(
+    elems: float, n: int, link: tuple[float, float], distributed_optimizer: bool
+) -> tuple[float, float]:
+    """(reduce, gather) seconds of one bucket's collectives over n ranks on `link` (bandwidth,
+    latency): an fp32 all-reduce, or with the distributed optimizer an fp32 reduce-scatter and,
+    after the step, a bf16 all-gather."""
+    bw, lat = link
+    if distributed_optimizer:
+        return (
+            ring_reduce_scatter_time(elems * GRAD_BYTES_PER_PARAM, n, bw, lat),
+            ring_allgather_time(elems * BF16_BYTES, n, bw, lat),
+        )
+    return ring_allreduce_time(elems * GRAD_BYTES_PER_PARAM, n, bw, lat), 0.0
+
+
 def allreduce_time(
     n_elems: float, ranks: Sequence[int], topo: Topology, distributed_optimizer: bool
 ) -> float:
@@ -256,12 +272,7 @@ def allreduce_time(
     n = len(ranks)
     if n <= 1:
         return 0.0
-    bw, lat = topo.slowest(ranks)
-    if distributed_optimizer:
-        return ring_reduce_scatter_time(
-            n_elems * GRAD_BYTES_PER_PARAM, n, bw, lat
-        ) + ring_allgather_time(n_elems * BF16_BYTES, n, bw, lat)
-    return ring_allreduce_time(n_elems * GRAD_BYTES_PER_PARAM, n, bw, lat)
+    return sum(bucket_seconds(n_elems, n, topo.slowest(ranks), distributed_optimizer))
 
 
 def sync_time(
@@ -303,21 +314,27 @@ def collectives(
     return sets
 
 
-def buckets(layers: Mapping[int, int], bound: int = BUCKET_ELEMENTS) -> list[tuple[int, int]]:
-    """A rank set's overlapped buckets as (lowest layer, elements), in backward production order
-    (last layer first): whole layers taken in that order while the bucket stays within `bound`
-    elements (a layer larger than it is a bucket of its own). The runtime also cuts inside a
-    layer; its last piece is ready when the layer is, so the bucket that limits is the same."""
-    out: list[tuple[int, int]] = []
-    low, acc = 0, 0
+def buckets(
+    layers: Mapping[int, int], bound: int = BUCKET_ELEMENTS
+) -> list[tuple[int, int, int, int]]:
+    """A rank set's overlapped buckets, cut as the runtime cuts them
+    (megatron_hexi.grad_sync._bounded_buckets): the set's elements in backward production order
+    (last layer first), in buckets of `bound` elements, a bucket closing wherever it is full,
+    inside a layer or not; the last one holds the rest. Grouped by the layer each bucket closes
+    in (the lowest layer it holds: it is ready when that layer's gradients are), in production
+    order: (layer, buckets, elements per bucket, elements of the last one). A bucket's
+    collective has its own latency, so many small buckets cost more than one large one."""
+    out: list[tuple[int, int, int, int]] = []
+    total = sum(layers.values())
+    done = 0  # elements taken so far
     for layer in sorted(layers, reverse=True):
-        e = layers[layer]
-        if acc and acc + e > bound:
-            out.append((low, acc))
-            acc = 0
-        low, acc = layer, acc + e
-    if acc:
-        out.append((low, acc))
+        after = done + layers[layer]
+        full = after // bound - done // bound  # buckets that fill up inside this layer
+        if after == total and after % bound:  # the rest closes with the set's last layer
+            out.append((layer, full + 1, bound, after % bound))
+        elif full:
+            out.append((layer, full, bound, bound))
+        done = after
     return out
 
 
@@ -391,7 +408,7 @@ def stage_timings(
 
 class SyncTimes(NamedTuple):
     exposed: float  # seconds the gradient sync adds to the iteration
-    serial: float  # seconds of all its collectives run one after another (`sync_time`)
+    serial: float  # seconds of all its collectives (overlapped: every bucket's) one after another
     worst: tuple[float, tuple[int, ...]]  # (seconds, rank set) of the collective that limits it
 
 
@@ -417,24 +434,27 @@ def overlapped_sync_time(
         n = len(ranks)
         if n <= 1:
             continue
-        elems = sum(layers.values())
-        bw, lat = topo.slowest(ranks)
-        if distributed_optimizer:
-            red = ring_reduce_scatter_time(elems * GRAD_BYTES_PER_PARAM, n, bw, lat)
-            gat = ring_allgather_time(elems * BF16_BYTES, n, bw, lat)
-        else:
-            red, gat = ring_allreduce_time(elems * GRAD_BYTES_PER_PARAM, n, bw, lat), 0.0
-        serial += red + gat
-        if red + gat > worst[0]:
-            worst = (red + gat, ranks)
+        link = topo.slowest(ranks)
         holders = [stages[k] for k in set(map(stage_of.__getitem__, ranks))]
         window = min(t.fwd for t in holders)
         res = topo.resources(ranks)
-        # each bucket takes its share of the set's time (so that, serial, they sum to it)
-        for layer, e in buckets(layers, bucket_elements):
+        spent = 0.0  # the set's collectives, one after another
+        # each bucket is a collective of its own, as the runtime issues them; without
+        # overlap_grad_reduce the runtime keeps one bucket per rank set
+        bound = bucket_elements if overlap_grad_reduce else max(sum(layers.values()), 1)
+        for layer, count, e, last in buckets(layers, bound):
+            r, g = bucket_seconds(e, n, link, distributed_optimizer)
+            if last != e:
+                r_last, g_last = bucket_seconds(last, n, link, distributed_optimizer)
+                r, g = (count - 1) * r + r_last, (count - 1) * g + g_last
+            else:
+                r, g = count * r, count * g
+            spent += r + g
             ready = max(t.ready(layer) for t in holders)
-            share = e / elems
-            rows.append((ready, -layer, ranks, res, red * share, gat * share, window, layer))
+            rows.append((ready, -layer, ranks, res, r, g, window, layer))
+        serial += spent
+        if spent > worst[0]:
+            worst = (spent, ranks)
 
     if overlap_grad_reduce:
         free = [0.0] * (2 * len(topo.nodes))  # per resource: when it is free

@@ -18,6 +18,7 @@ from planner.schedule import last_backward_ends, pipeline_time
 from planner.search import overlap_by_default, search_plan
 from planner.simulator import layouts_of, simulate, simulate_layout
 from planner.sync_model import (
+    BUCKET_ELEMENTS,
     StageLayout,
     StageTiming,
     Timings,
@@ -48,6 +49,9 @@ def _cluster(nodes, gpus_per_node=1, nic="10 Gbit/s", intra="nvlink"):
 
 def _ring_allreduce(nbytes, n, bw, lat):
     return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
+
+
+ONE_BUCKET = 10**12  # a bucket bound no set here reaches: one collective per rank set
 
 
 # -------------------------------------------------------------------- the 1F1B end times
@@ -105,22 +109,24 @@ def test_one_collective_ready_at_a_known_time():
     t = _ring_allreduce(4 * elems, 2, bw, lat)
     assert t == pytest.approx(0.32 + 2 * lat)
     got = overlapped_sync_time(
-        {(0, 1): {0: elems}}, topo, False, _timing((0, 1), 1.0), 1.2, True, False
+        {(0, 1): {0: elems}}, topo, False, _timing((0, 1), 1.0), 1.2, True, False, ONE_BUCKET
     )
     assert got.exposed == pytest.approx(1.0 + t - 1.2)
     assert got.serial == pytest.approx(t)
     # fully hidden when it finishes before the pipelines do
     got = overlapped_sync_time(
-        {(0, 1): {0: elems}}, topo, False, _timing((0, 1), 1.0), 1.5, True, False
+        {(0, 1): {0: elems}}, topo, False, _timing((0, 1), 1.0), 1.5, True, False, ONE_BUCKET
     )
     assert got.exposed == 0.0
     # the slowest holder decides when it may start
     timing = Timings.of({0: StageTiming(0.5, 0.2, 0.1, 0, 4), 1: StageTiming(1.1, 0.2, 0.1, 0, 4)})
-    got = overlapped_sync_time({(0, 1): {0: elems}}, topo, False, timing, 1.2, True, False)
+    got = overlapped_sync_time(
+        {(0, 1): {0: elems}}, topo, False, timing, 1.2, True, False, ONE_BUCKET
+    )
     assert got.exposed == pytest.approx(1.1 + t - 1.2)
     # serial (no overlap flag): all of it
     got = overlapped_sync_time(
-        {(0, 1): {0: elems}}, topo, False, _timing((0, 1), 1.0), 1.2, False, False
+        {(0, 1): {0: elems}}, topo, False, _timing((0, 1), 1.0), 1.2, False, False, ONE_BUCKET
     )
     assert got.exposed == pytest.approx(t)
 
@@ -134,17 +140,17 @@ def test_collectives_on_one_nic_queue():
     t = _ring_allreduce(4 * elems, 2, bw, lat)
     timing = _timing(range(4), 1.0)
     shared = {(0, 1): {0: elems}, (0, 2): {0: elems}}
-    got = overlapped_sync_time(shared, topo, False, timing, 1.0, True, False)
+    got = overlapped_sync_time(shared, topo, False, timing, 1.0, True, False, ONE_BUCKET)
     assert got.exposed == pytest.approx(2 * t)
     disjoint = {(0, 1): {0: elems}, (2, 3): {0: elems}}
-    got = overlapped_sync_time(disjoint, topo, False, timing, 1.0, True, False)
+    got = overlapped_sync_time(disjoint, topo, False, timing, 1.0, True, False, ONE_BUCKET)
     assert got.exposed == pytest.approx(t)
     assert got.serial == pytest.approx(2 * t)
     # the one ready first goes first: (0, 2), ready at 0.5 s, runs during the backward and
     # (0, 1), ready at 1.0 s, starts when machine 0's NIC is free
     timing = Timings.of({0: StageTiming(0.5, 0.2, 0.1, 0, 4), 1: StageTiming(1.0, 0.2, 0.1, 0, 4),
                          2: StageTiming(0.5, 0.2, 0.1, 0, 4)})  # fmt: skip
-    got = overlapped_sync_time(shared, topo, False, timing, 1.0, True, False)
+    got = overlapped_sync_time(shared, topo, False, timing, 1.0, True, False, ONE_BUCKET)
     assert 0.5 + t > 1.0
     assert got.exposed == pytest.approx(0.5 + t + t - 1.0)
 
@@ -179,7 +185,7 @@ def test_param_gather_hidden_up_to_the_forward():
 
     def run(fwd, grad, gather):
         timing = _timing((0, 1), 1.0, fwd=fwd)
-        return overlapped_sync_time(sets, topo, True, timing, 1.0, grad, gather).exposed
+        return overlapped_sync_time(sets, topo, True, timing, 1.0, grad, gather, ONE_BUCKET).exposed
 
     assert run(1.0, True, True) == pytest.approx(rs)  # a forward longer than the gather
     assert run(0.01, True, True) == pytest.approx(rs + ag - 0.01)
@@ -188,7 +194,7 @@ def test_param_gather_hidden_up_to_the_forward():
     assert run(1.0, False, False) == pytest.approx(rs + ag)
     # the forward is the shortest holder's
     timing = Timings.of({0: StageTiming(1.0, 0.2, 1.0, 0, 4), 1: StageTiming(1.0, 0.2, 0.02, 0, 4)})
-    got = overlapped_sync_time(sets, topo, True, timing, 1.0, True, True)
+    got = overlapped_sync_time(sets, topo, True, timing, 1.0, True, True, ONE_BUCKET)
     assert got.exposed == pytest.approx(rs + ag - 0.02)
 
 
@@ -210,31 +216,67 @@ def test_collectives_mirror_rank_sets():
     assert got[1, 3] == {2: layer, 3: layer, 4: 128 * 64 + 64}  # output layer, final norm
 
 
-def test_buckets_take_whole_layers_last_first():
-    """At most 40M elements, whole layers, in production order: (lowest layer, elements)."""
+def test_buckets_are_cut_as_the_runtime_cuts_them():
+    """Buckets of 40M elements, last layer first, cut inside layers, the rest in the last one:
+    (layer each closes in, buckets, elements each, elements of the last)."""
     M = 1_000_000
     assert buckets({0: 30 * M, 1: 30 * M, 2: 10 * M, 3: 5 * M}) == [
-        (2, 15 * M),
-        (1, 30 * M),
-        (0, 30 * M),
+        (1, 1, 40 * M, 40 * M),  # layers 3, 2 and 25M of layer 1
+        (0, 1, 40 * M, 35 * M),  # 5M of layer 1 and layer 0
     ]
-    assert buckets({0: 100 * M, 1: 1}) == [(1, 1), (0, 100 * M)]  # too big: a bucket of its own
-    assert buckets({0: 5, 4: 7}) == [(0, 12)]
+    assert buckets({0: 100 * M, 1: 1}) == [(0, 3, 40 * M, 20 * M + 1)]
+    assert buckets({0: 5, 4: 7}) == [(0, 1, 40 * M, 12)]
+    assert buckets({0: 80 * M, 1: 40 * M}) == [(1, 1, 40 * M, 40 * M), (0, 2, 40 * M, 40 * M)]
+    assert buckets({0: 10, 1: 10, 2: 10}, 10) == [(2, 1, 10, 10), (1, 1, 10, 10), (0, 1, 10, 10)]
+    # every element in exactly one bucket
+    for layers in ({0: 7, 3: 123, 5: 64}, {i: 1000 + 37 * i for i in range(9)}):
+        for bound in (1, 10, 64, 500, 10**6):
+            got = buckets(layers, bound)
+            assert sum((k - 1) * e + last for _, k, e, last in got) == sum(layers.values())
+            assert all(0 < last <= e == bound for _, _, e, last in got)
+            assert sum(k for _, k, _, _ in got) == -(-sum(layers.values()) // bound)
+
+
+def test_each_bucket_pays_its_own_latency():
+    """200M elements in buckets of 40M: five collectives. Serial, they take the bandwidth term
+    of the whole set plus five latencies; with the set in one bucket, one latency."""
+    topo = Topology(_cluster(2))
+    bw, lat = topo.slowest((0, 1))
+    elems = 200_000_000
+    timing = _timing((0, 1), 1.0)
+    one = overlapped_sync_time(
+        {(0, 1): {0: elems}}, topo, False, timing, 1.0, True, False, ONE_BUCKET
+    )
+    five = overlapped_sync_time({(0, 1): {0: elems}}, topo, False, timing, 1.0, True, False)
+    assert one.serial == pytest.approx(_ring_allreduce(4 * elems, 2, bw, lat))
+    assert five.serial == pytest.approx(5 * _ring_allreduce(4 * 40_000_000, 2, bw, lat))
+    assert five.serial - one.serial == pytest.approx(4 * 2 * lat)
+    # all ready at once: all of it exposed
+    assert five.exposed == pytest.approx(five.serial)
+    # the distributed optimizer: a reduce-scatter and an all-gather per bucket
+    five = overlapped_sync_time({(0, 1): {0: elems}}, topo, True, timing, 1.0, True, False)
+    one = overlapped_sync_time(
+        {(0, 1): {0: elems}}, topo, True, timing, 1.0, True, False, ONE_BUCKET
+    )
+    assert five.serial - one.serial == pytest.approx(4 * 2 * lat)
+    # without overlap_grad_reduce the runtime keeps one bucket per set, whatever the bound
+    got = overlapped_sync_time({(0, 1): {0: elems}}, topo, True, timing, 1.0, False, True)
+    assert got.serial == pytest.approx(one.serial)
 
 
 def test_large_layers_start_before_the_stage_ends():
-    """Two layers of 100M elements on one stage (so two buckets): the last layer's bucket
+    """Two layers of 40M elements on one stage (so two buckets): the last layer's bucket
     starts half-way through the stage's last backward, the first layer's when it ends."""
     topo = Topology(_cluster(2))
     bw, lat = topo.slowest((0, 1))
-    per = 100_000_000
-    t = _ring_allreduce(4 * 2 * per, 2, bw, lat)  # the set's time, shared by its buckets
+    per = 40_000_000
+    t = _ring_allreduce(4 * per, 2, bw, lat)  # one bucket's time
     timing = _timing((0, 1), 10.0, bwd=0.2, first=0, last=2)
     got = overlapped_sync_time({(0, 1): {0: per, 1: per}}, topo, False, timing, 10.0, True, False)
-    first_done = 10.0 - 0.1 + t / 2
+    first_done = 10.0 - 0.1 + t
     assert first_done > 10.0
-    assert got.exposed == pytest.approx(first_done + t / 2 - 10.0)
-    assert got.serial == pytest.approx(t)
+    assert got.exposed == pytest.approx(first_done + t - 10.0)
+    assert got.serial == pytest.approx(2 * t)
 
 
 # ------------------------------------------------------------------- the simulator
@@ -273,15 +315,34 @@ def test_overlap_off_is_the_serial_estimate(name, dist_opt, monkeypatch):
     assert "grad_sync_serial_s" not in est.to_dict()
 
 
+def _extra_bucket_latency(plan, dist_opt, bucketed):
+    """Seconds the latency of the overlapped sync's extra buckets adds (2 (n - 1) hops each,
+    all-reduce or reduce-scatter + all-gather alike) over one collective per rank set."""
+    if not bucketed:
+        return 0.0
+    topo = Topology(plan.cluster)
+    extra = 0.0
+    for ranks, layers in collectives(plan.model, layouts_of(plan), dist_opt).items():
+        if len(ranks) > 1:
+            count = -(-sum(layers.values()) // BUCKET_ELEMENTS)
+            extra += (count - 1) * 2 * (len(ranks) - 1) * topo.slowest(ranks)[1]
+    return extra
+
+
 @pytest.mark.parametrize("name,dist_opt", sorted(BEFORE))
 def test_overlap_never_predicts_a_longer_iteration(name, dist_opt):
     serial = simulate(_example(name, dist_opt))
     flags = [(True, False)] + ([(True, True), (False, True)] if dist_opt else [])
     for grad, gather in flags:
-        est = simulate(_example(name, dist_opt, grad, gather))
+        plan = _example(name, dist_opt, grad, gather)
+        est = simulate(plan)
         assert est.iteration_time_s <= serial.iteration_time_s * (1 + 1e-12), (grad, gather)
         assert est.grad_sync_time_s <= serial.grad_sync_time_s * (1 + 1e-12)
-        assert est.grad_sync_serial_s == pytest.approx(serial.grad_sync_time_s, rel=1e-12)
+        # the same collectives cut into buckets: one more latency term per extra bucket
+        assert est.grad_sync_serial_s == pytest.approx(
+            serial.grad_sync_time_s + _extra_bucket_latency(plan, dist_opt, grad),
+            rel=1e-12,
+        )
         assert est.pipeline_time_s == serial.pipeline_time_s
         d = est.to_dict()
         assert d["grad_sync_exposed_s"] == d["grad_sync_time_s"] == est.grad_sync_time_s

@@ -234,3 +234,42 @@ def test_iteration_line_shows_the_exposed_sync(overlapped, tmp_path):
         )
     line = log.line()
     assert ("| grad sync exposed (ms): 12.5 |" in line) == overlapped, line
+
+
+@pytest.mark.parametrize("bucket_size", [512, 4096])
+def test_planner_costs_the_runtime_buckets(bucket_size, tmp_path):
+    """The overlap model's buckets (planner.sync_model.buckets over `collectives`) are the
+    runtime's: per rank set, the same number of collectives of the same sizes (bounds that
+    whole rows of every tensor fill exactly, as the planner cuts at any element)."""
+    import math
+
+    from planner.layout import canonical_shards
+    from planner.plan import load_plan
+    from planner.simulator import layouts_of
+    from planner.sync_model import buckets, collectives
+
+    compared = 0
+    for name, (model, world, pipelines) in {**PLANS, "crossing": ("tiny", 6, CROSSING)}.items():
+        plan = load_plan(write_plan(tmp_path, name, model, world, pipelines))
+        row = {s.name: math.prod(s.shape) // s.shape[s.dim] for s in canonical_shards(plan.model)}
+        runtime = {}
+        for bucket_ranks, slices in (
+            b for held in bucket_orders(plan, bucket_size).values() for b in held
+        ):
+            if len(bucket_ranks) > 1:  # each holder lists it: keyed by its slices, once
+                runtime.setdefault(bucket_ranks, {})[slices] = sum(
+                    n * row[s] for s, _, _, n in slices
+                )
+        for ranks, layers in collectives(plan.model, layouts_of(plan)).items():
+            if len(ranks) < 2:
+                continue
+            want = sorted(runtime[ranks].values())
+            got = sorted(
+                size
+                for _, k, e, last in buckets(layers, bucket_size)
+                for size in [e] * (k - 1) + [last]
+            )
+            assert got == want, (name, ranks)
+            compared += len(want)
+        assert set(runtime) == {k for k in collectives(plan.model, layouts_of(plan)) if len(k) > 1}
+    assert compared > 100
