@@ -30,11 +30,11 @@ the planner (planner/profiles.py). Format "hexi-device-profile/1":
 - `tp_layer`: per-layer times of an even `tp`-way middle stage run over a real group of the
   `procs` comm processes, per micro-batch size, with its all-reduces (`fwd_s`, `bwd_s`,
   `bwd_recompute_s`) and the same shard computed on every process at once (`compute_*`); one
-  activation's all-reduce with the partners already waiting in it (`allreduce_ready_s`); on a
-  CPU, the time the ranks spent inside the layer's all-reduce calls (`in_allreduce_fwd_s`,
-  `in_allreduce_bwd_s`, `in_allreduce_bwd_recompute_s`). The planner charges a TP group of that
-  width what the layer takes beyond its compute estimate, less on uneven shards the wait for a
-  late partner that the imbalance absorbs.
+  activation's all-reduce with the partners already waiting in it (`allreduce_ready_s`, the
+  median call); on a CPU, the time the ranks spent inside the layer's all-reduce calls
+  (`in_allreduce_fwd_s`, `in_allreduce_bwd_s`, `in_allreduce_bwd_recompute_s`). The planner
+  charges a TP group of that width what the layer takes beyond its compute estimate, less on
+  uneven shards the wait for a late partner that the imbalance absorbs.
 
 Times are the fastest of runs spread over the profile (measure.py says why).
 """

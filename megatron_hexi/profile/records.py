@@ -73,7 +73,7 @@ class _TPLayerRow(TypedDict):
     compute_fwd_s: float
     compute_bwd_s: float
     compute_bwd_recompute_s: float
-    allreduce_ready_s: float  # one activation's all-reduce, the others already waiting in it
+    allreduce_ready_s: float  # one activation's all-reduce, the others waiting in it (median call)
 
 
 class TPLayerRow(_TPLayerRow, total=False):
