@@ -110,16 +110,15 @@ class MeasuredCosts:
             least_f, least_b = min(least_f, fw), min(least_b, bw)
         t, prof = len(self.devices), self.comm
         if t > 1 and prof.in_situ_tp(m, t, self.tp_link):
-            # the in-situ runs are even: their comm holds the wait for a partner's jitter, which
-            # a rank with less to compute than the slowest absorbs (it waits anyway)
+            # the in-situ runs are even: on a GPU their comm holds the wait for a partner's
+            # jitter, which a rank with less to compute than the slowest absorbs (it waits
+            # anyway); on a CPU node it absorbs nothing (`skew_absorbed` says why)
             field = "bwd_recompute_s" if recompute else "bwd_s"
             tf, tb = prof.tp_comm("fwd_s", mbs), prof.tp_comm(field, mbs)
             ready = prof.tp_ready_allreduce(mbs)
-            if ready is not None:
-                inside_f = prof.tp_in_allreduce("fwd_s", mbs)
-                inside_b = prof.tp_in_allreduce(field, mbs)
-                tf = skew_absorbed(tf, 2 * ready, cf - least_f, inside_f)
-                tb = skew_absorbed(tb, (4 if recompute else 2) * ready, cb - least_b, inside_b)
+            if ready is not None and not prof.is_cpu:
+                tf = skew_absorbed(tf, 2 * ready, cf - least_f)
+                tb = skew_absorbed(tb, (4 if recompute else 2) * ready, cb - least_b)
             return cf, tf, cb, tb
         ar = tp_allreduce(prof, m, mbs, t, self.tp_link)
         return cf, 2 * ar, cb, (4 if recompute else 2) * ar
@@ -222,30 +221,27 @@ class MeasuredCosts:
         return ef + over, eb
 
 
-def skew_absorbed(
-    in_situ: float, ready: float, imbalance: float, in_calls: float | None = None
-) -> float:
+def skew_absorbed(in_situ: float, ready: float, imbalance: float) -> float:
     """A layer pass's TP comm seconds on a group whose slowest rank computes `imbalance` seconds
     longer than its least loaded one, from the comm measured in situ on even shards.
 
-    Stated model: the even runs' comm (the layer's time beyond its shard's compute) is
-    - what the all-reduces cost the compute beside them: the part outside the all-reduce calls
-      (`in_situ` - `in_calls`; gloo's threads and copies share the cores). Every rank pays it,
-      whatever its share;
-    - the all-reduces' own cost (`ready`: what they take with the partners already waiting, at
-      most the time inside the calls);
-    - the wait for whichever partner ran late (the skew: the rest of the time inside the calls).
-      A rank with less to compute arrives early at every all-reduce, so the slowest rank never
-      waits for it: the skew shrinks by the imbalance, down to none.
-    Without `in_calls` (a profile that did not time the calls) the whole in-situ comm counts as
-    calls. Measured on a 2-core VM (docs/benchmarks.md): in training, the fidelity bench's 3:1
-    split's busy rank spent 0.55-0.66 ms inside each all-reduce, where the even runs' in-situ
-    comm came to about 1.3 ms per all-reduce; with the whole comm counted as calls, that split
-    was predicted 9-16 % fast."""
-    calls = in_situ if in_calls is None else min(in_calls, in_situ)
-    beside = in_situ - calls
-    base = min(ready, calls)
-    return beside + base + max(calls - base - imbalance, 0.0)
+    Stated model (GPU profiles): the even runs' comm is the all-reduces' own cost (`ready`: what
+    they take with the partners already waiting, at most the in-situ figure) plus the wait for
+    whichever partner ran late (the skew: the rest). A rank with less to compute arrives early
+    at every all-reduce, so the slowest rank never waits for it: the skew shrinks by the
+    imbalance, down to none.
+
+    On a CPU node it is not applied: an uneven group pays the in-situ comm whole. Timed in
+    training on a 2-core VM (five launches of each fidelity-bench plan, 2026-12-05), the busy
+    rank of the 3:1 split spent 94-102 ms of its step inside its 87 all-reduce calls,
+    asynchronous waits included, as long as the even split's ranks (74-102 ms): about 1.1 ms a
+    call, where the same all-reduce with the partner already waiting typically takes 0.5 ms
+    (hexi-profile's `allreduce_ready_s`). Re-simulated over ten bench runs, charging the in-situ
+    comm whole moved that plan's mean error from -5.1 to +0.3 % and lowered the worst plan's
+    error in four runs. Why a busy CPU rank's calls cost as much as a waiting one's is not
+    established."""
+    base = min(ready, in_situ)
+    return base + max(in_situ - base - imbalance, 0.0)
 
 
 def tp_allreduce(

@@ -14,9 +14,9 @@ A node group's `profile: path.json` (planner/devices.device_for) may be
   curves). A TP group as wide as the profile's in-situ runs (`tp_layer`, inside the profiled
   node) takes its all-reduce cost from those runs instead: the layer over a real group minus the
   compute predicted for its shard, which includes what the all-reduces cost the compute beside
-  them; on uneven shards less the wait for a late partner that the imbalance absorbs, a wait
-  only the time inside the all-reduce calls can hold, down to the measured all-reduce with the
-  partner already waiting (planner.measured_costs.skew_absorbed).
+  them; on uneven shards of a GPU profile less the wait for a late partner that the imbalance
+  absorbs, down to the measured all-reduce with the partner already waiting (on a CPU node,
+  nothing: planner.measured_costs.skew_absorbed says why).
   For another model it falls back to `matmul_tflops`.
 
 CPU contention (stated model): a node of a CPU profile runs `gpus_per_node` processes of `threads`
@@ -257,11 +257,6 @@ class DeviceProfile:
         # one activation's all-reduce with the partners already in it (profiles before it was
         # measured: None, and the in-situ comm is charged whole)
         self.tp_ready = _column(rows, "allreduce_ready_s")
-        # the time the real group's ranks spent inside those all-reduce calls, per layer pass
-        # (profiles before it was measured: None, and the whole in-situ comm counts as calls)
-        inside = {k: _column(rows, "in_allreduce_" + k) for k in self.tp_comm_rows}
-        got = {k: v for k, v in inside.items() if v is not None}
-        self.tp_inside: dict[str, list[float]] | None = got if len(got) == len(inside) else None
 
     def share(self, qf: float, ff: float) -> float:
         """FLOP-weighted share of a layer held by a rank with these query-group / FFN fractions."""
@@ -308,11 +303,6 @@ class DeviceProfile:
         """Seconds of one in-situ TP all-reduce of an activation whose partners already wait in
         it, at this micro-batch size; None where the profile did not measure it."""
         return None if self.tp_ready is None else _interp(self.tp_mbs, self.tp_ready, mbs)
-
-    def tp_in_allreduce(self, field: str, mbs: float) -> float | None:
-        """Per-layer seconds the in-situ TP ranks spent inside their all-reduce calls in a layer
-        pass ("fwd_s", "bwd_s", "bwd_recompute_s"); None where the profile did not measure it."""
-        return None if self.tp_inside is None else _interp(self.tp_mbs, self.tp_inside[field], mbs)
 
     def allreduce(self, nbytes: float, n: int, link: tuple[float, ...]) -> float:
         """Seconds of an all-reduce of nbytes over n ranks: measured curve inside the node."""

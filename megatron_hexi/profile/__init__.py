@@ -32,9 +32,10 @@ the planner (planner/profiles.py). Format "hexi-device-profile/1":
   `bwd_recompute_s`) and the same shard computed on every process at once (`compute_*`); one
   activation's all-reduce with the partners already waiting in it (`allreduce_ready_s`, the
   median call); on a CPU, the time the ranks spent inside the layer's all-reduce calls
-  (`in_allreduce_fwd_s`, `in_allreduce_bwd_s`, `in_allreduce_bwd_recompute_s`). The planner
-  charges a TP group of that width what the layer takes beyond its compute estimate, less on
-  uneven shards the wait for a late partner that the imbalance absorbs.
+  (`in_allreduce_fwd_s`, `in_allreduce_bwd_s`, `in_allreduce_bwd_recompute_s`; recorded to
+  compare with training, not used by the planner). The planner charges a TP group of that width
+  what the layer takes beyond its compute estimate, less, on uneven shards of a GPU, the wait
+  for a late partner that the imbalance absorbs.
 
 Times are the fastest of runs spread over the profile (measure.py says why).
 """

@@ -260,11 +260,11 @@ def _ready_allreduce(
 ) -> float:
     """Seconds of a TP all-reduce of one activation [s, b, h] when the other ranks already wait
     in it: rank 0 joins READY_DELAY_S after them and times its call (the other ranks return 0).
-    What a rank with the most to compute pays at each of a layer's all-reduces when its
-    partners have less (planner.measured_costs.skew_absorbed). The median of READY_CALLS calls
-    (or `reps`, if more): a step pays dozens of them, so their typical time, not the fastest
-    call. On a 2-core VM the fastest of 40 took 0.38 ms at micro-batch 2, their median 0.49 ms,
-    and the fidelity bench's 3:1 TP split's busy rank 0.58-0.79 ms per call in training."""
+    What a GPU rank with the most to compute pays at each of a layer's all-reduces when its
+    partners have less (planner.measured_costs.skew_absorbed, which also says why a CPU node's
+    uneven groups are charged otherwise). The median of READY_CALLS calls (or `reps`, if more):
+    a step pays dozens of them, so their typical time, not the fastest call (on a 2-core VM the
+    fastest of 40 took 0.38 ms at micro-batch 2, their median 0.49 ms)."""
     from megatron_hexi.profile.measure import sync
 
     x = torch.zeros(model.seq_length * mbs * model.hidden_size, dtype=dtype, device=device)
@@ -332,8 +332,8 @@ def _layer_runs(
       micro-batches back to back as training runs them.
       The planner takes the TP layer's time beyond its own compute estimate as the TP comm:
       gloo on shared cores, or NCCL beside the kernels, costs more than an idle all-reduce curve.
-      The TP passes also record the time inside their all-reduce calls (`AllReduceClock`): only
-      that part can be a wait for a late partner, which an uneven split absorbs.
+      The TP passes also record the time inside their all-reduce calls (`AllReduceClock`), to
+      compare with what training spends in them.
     Times are per layer, the fastest round (measure.py says why); a group waits for its slowest
     rank, so each is the max over ranks.
     """

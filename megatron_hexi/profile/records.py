@@ -81,10 +81,9 @@ class TPLayerRow(_TPLayerRow, total=False):
     with its all-reduces, and of the same shard computed on every process at once.
 
     On a CPU also the seconds per layer pass a rank of the real group spent inside its
-    all-reduce calls (mean over ranks): the rest of the layer's time beyond its shard's compute
-    is what the all-reduces cost the compute beside them (planner.measured_costs.skew_absorbed).
-    Not on a GPU, where a call only queues the collective and a late partner is waited for on
-    the device."""
+    all-reduce calls (mean over ranks), to compare with what training spends in them (the
+    planner does not use it: planner.measured_costs.skew_absorbed says why). Not on a GPU, where
+    a call only queues the collective and a late partner is waited for on the device."""
 
     in_allreduce_fwd_s: float
     in_allreduce_bwd_s: float
