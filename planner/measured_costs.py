@@ -115,8 +115,8 @@ class MeasuredCosts:
             # anyway); on a CPU node it absorbs nothing (`skew_absorbed` says why)
             field = "bwd_recompute_s" if recompute else "bwd_s"
             tf, tb = prof.tp_comm("fwd_s", mbs), prof.tp_comm(field, mbs)
-            ready = prof.tp_ready_allreduce(mbs)
-            if ready is not None and not prof.is_cpu:
+            ready = None if prof.is_cpu else prof.tp_ready_allreduce(mbs)
+            if ready is not None:
                 tf = skew_absorbed(tf, 2 * ready, cf - least_f)
                 tb = skew_absorbed(tb, (4 if recompute else 2) * ready, cb - least_b)
             return cf, tf, cb, tb
