@@ -424,7 +424,12 @@ def plot(rows, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default=None, help="use this profile instead of measuring one")
-    ap.add_argument("--save-profile", default=None, help="keep the measured profile here")
+    ap.add_argument(
+        "--save-profile",
+        default=None,
+        help="keep the measured profile here (and, with several passes, each pass beside it as "
+        "NAME.passI.json)",
+    )
     ap.add_argument("--max-profile-seconds", type=float, default=120)
     ap.add_argument(
         "--profile-passes",
@@ -521,6 +526,9 @@ def main(argv=None):
             prof = this.least_disturbed(passes)
             if a.save_profile:
                 Path(a.save_profile).write_text(prof.read_text())
+                for i, p in enumerate(passes if len(passes) > 1 else []):
+                    stem = Path(a.save_profile).with_suffix("")
+                    Path(f"{stem}.pass{i + 1}.json").write_text(p.read_text())
         else:
             passes = [prof]
 
