@@ -443,12 +443,9 @@ def overlapped_sync_time(
         # overlap_grad_reduce the runtime keeps one bucket per rank set
         bound = bucket_elements if overlap_grad_reduce else max(sum(layers.values()), 1)
         for layer, count, e, last in buckets(layers, bound):
-            r, g = bucket_seconds(e, n, link, distributed_optimizer)
-            if last != e:
-                r_last, g_last = bucket_seconds(last, n, link, distributed_optimizer)
-                r, g = (count - 1) * r + r_last, (count - 1) * g + g_last
-            else:
-                r, g = count * r, count * g
+            full = bucket_seconds(e, n, link, distributed_optimizer)
+            tail = bucket_seconds(last, n, link, distributed_optimizer)
+            r, g = ((count - 1) * f + t for f, t in zip(full, tail))
             spent += r + g
             ready = max(t.ready(layer) for t in holders)
             rows.append((ready, -layer, ranks, res, r, g, window, layer))
