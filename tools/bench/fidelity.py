@@ -18,7 +18,7 @@
    times are the fastest runs too: a shared machine has slow spells (30-50 % slower on a 2-core
    VM) that no cost model predicts; the fastest step is the undisturbed cost, the figure the
    planner predicts. Five rounds by default: the fastest of more launches comes nearer that cost
-   (the profile's figures are each the fastest of 3-6 rounds or bursts). Recomputed from the same
+   (the profile's figures are each the fastest of 3-15 rounds or bursts). Recomputed from the same
    launches of three 5-round runs, keeping the fastest of 1, 2, 3, 4 or 5 rounds, the mean / max
    error fell with each round added: 6.2 / 15.1, 4.3 / 10.0 and 6.3 / 12.5 with one round
    (averaged over the choices), 3.8 / 11.0, 2.3 / 6.5 and 3.6 / 7.6 with three, 2.9 / 9.4,
