@@ -444,7 +444,7 @@ def overlapped_sync_time(
         bound = bucket_elements if overlap_grad_reduce else max(sum(layers.values()), 1)
         for layer, count, e, last in buckets(layers, bound):
             full = bucket_seconds(e, n, link, distributed_optimizer)
-            tail = bucket_seconds(last, n, link, distributed_optimizer)
+            tail = full if last == e else bucket_seconds(last, n, link, distributed_optimizer)
             r, g = ((count - 1) * f + t for f, t in zip(full, tail))
             spent += r + g
             ready = max(t.ready(layer) for t in holders)

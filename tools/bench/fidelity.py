@@ -526,8 +526,8 @@ def main(argv=None):
             prof = this.least_disturbed(passes)
             if a.save_profile:
                 Path(a.save_profile).write_text(prof.read_text())
+                stem = Path(a.save_profile).with_suffix("")
                 for i, p in enumerate(passes if len(passes) > 1 else []):
-                    stem = Path(a.save_profile).with_suffix("")
                     Path(f"{stem}.pass{i + 1}.json").write_text(p.read_text())
         else:
             passes = [prof]
