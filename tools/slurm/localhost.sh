@@ -26,6 +26,9 @@
 # Layout of ROOT: etc/{slurm.conf,gres.conf,hosts,munge.key} run/ (sockets, pid files; pids/ holds
 # the PIDs this script saved) log/ state/ spool/ dev/ (fake GPU device files), cluster.json.
 set -euo pipefail
+# the daemons and mungekey install to sbin, which a non-login shell's PATH (env -i, cron, some
+# sudo setups) leaves out: without it the script reinstalls the packages and then cannot find them
+PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 
 CTLD_PORT="${HEXI_SLURM_CTLD_PORT:-17817}"
 NODE_PORT="${HEXI_SLURM_NODE_PORT:-17001}"
